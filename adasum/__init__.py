@@ -1,0 +1,26 @@
+"""Adasum allreduce over MPI (Maleki et al., MLSys 2021) for numpy, torch and cupy buffers.
+
+``adasum_allreduce(tensors)`` combines every rank's tensors with the Adasum rule, layer by layer, over a
+binary tree of ranks, by recursive vector halving, so each rank sends about as many bytes as a
+bandwidth-optimal allreduce. ``adasum.torch.DistributedOptimizer`` applies it to weight deltas in training.
+"""
+
+from .allreduce import Op, adasum_allreduce, adasum_allreduce_inplace
+from .transport import Traffic, count_traffic, cuda_aware_mpi, get_gpu_transport, set_gpu_transport
+from .validate import AdasumMismatchError
+from .vhdd import release_buffers
+
+__all__ = [
+    "Op",
+    "adasum_allreduce",
+    "adasum_allreduce_inplace",
+    "AdasumMismatchError",
+    "Traffic",
+    "count_traffic",
+    "cuda_aware_mpi",
+    "get_gpu_transport",
+    "set_gpu_transport",
+    "release_buffers",
+]
+
+__version__ = "0.1.0"

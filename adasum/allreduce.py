@@ -1,0 +1,153 @@
+"""The public call: ``adasum_allreduce`` and its in-place variant (SPEC §4–6)."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Sequence
+
+from mpi4py import MPI
+
+from . import transport as _transport
+from .arrays import adapter_for
+from .fusion import Group, make_groups
+from .transport import Transport, library_comm
+from .validate import agree, describe
+from .vhdd import adasum_reduce
+
+__all__ = ["Op", "adasum_allreduce", "adasum_allreduce_inplace"]
+
+
+class Op(str, enum.Enum):
+    """The reductions: ``ADASUM`` (SPEC §3), ``SUM`` and ``MEAN`` (MPI's own allreduce)."""
+
+    ADASUM = "adasum"
+    SUM = "sum"
+    MEAN = "mean"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def adasum_allreduce(tensors, *, op: str | Op = "adasum", comm: MPI.Intracomm | None = None,
+                     hierarchical: bool = False):
+    """Reduce ``tensors`` over the ranks of ``comm``; every rank gets the identical result.
+
+    Collective: every rank of ``comm`` must call it, with tensors of the same shapes and dtypes in the same
+    order, and the same ``op``.
+
+    Args:
+        tensors: one array, or a sequence of arrays: numpy arrays, torch tensors (CPU or CUDA) or cupy
+            arrays, of dtype float16, bfloat16 (torch), float32 or float64, and integers for ``op="sum"``.
+            Each array is one layer: Adasum computes its coefficients per array.
+        op: ``"adasum"``, ``"sum"`` or ``"mean"`` (or an :class:`Op`).
+        comm: an mpi4py intracommunicator; default ``MPI.COMM_WORLD``.
+        hierarchical: ``op="adasum"`` only: the mean over the ranks of each node, then Adasum across nodes.
+
+    Returns:
+        New arrays of the same kind, shape, dtype and device, in the input's order (one array in, one out).
+        The inputs are not modified. The outputs of one call may share one underlying buffer.
+
+    Raises:
+        TypeError: on every rank, if some rank passes an unsupported array type or dtype.
+        AdasumMismatchError: on every rank, if the ranks disagree on the op, the number of tensors, a shape
+            or a dtype. The message names the first differing tensor and the ranks.
+    """
+    return _allreduce(tensors, op, comm, hierarchical, inplace=False)
+
+
+def adasum_allreduce_inplace(tensors, *, op: str | Op = "adasum", comm: MPI.Intracomm | None = None,
+                             hierarchical: bool = False):
+    """Like :func:`adasum_allreduce`, but writes the result into ``tensors`` and returns them.
+
+    On an error nothing is written: all checks happen before any data moves.
+    """
+    return _allreduce(tensors, op, comm, hierarchical, inplace=True)
+
+
+def _as_list(tensors) -> tuple[bool, list]:
+    if adapter_for(tensors) is not None:
+        return True, [tensors]
+    if isinstance(tensors, (list, tuple)):
+        return False, list(tensors)
+    if isinstance(tensors, (str, bytes, dict)) or not isinstance(tensors, Sequence):
+        raise TypeError(f"tensors must be an array or a sequence of arrays, got {type(tensors).__name__}")
+    return False, list(tensors)
+
+
+def _parse_op(op) -> str:
+    try:
+        return Op(op).value
+    except ValueError:
+        raise ValueError(f"op must be one of 'adasum', 'sum', 'mean', got {op!r}") from None
+
+
+def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if not isinstance(comm, MPI.Intracomm):
+        raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
+    lcomm = library_comm(comm)
+    rank = comm.Get_rank()
+    opname, single, items, adapters, descs, error = str(op), False, [], [], None, None
+    try:
+        single, items = _as_list(tensors)
+        opname = _parse_op(op)
+        if hierarchical and opname != "adasum":
+            raise ValueError(f"hierarchical=True needs op 'adasum', got '{opname}'")
+        adapters, descs = describe(items, opname, rank)
+    except (TypeError, ValueError) as exc:
+        if not str(exc).startswith("rank "):
+            exc = type(exc)(f"rank {rank}: {exc}")
+        error, descs = exc, None
+    agree(lcomm, opname, descs, error, extra=(("hierarchical", bool(hierarchical)),))
+
+    groups = make_groups(items, adapters, descs)
+    for g in groups:
+        members = [items[i] for i in g.indices]
+        if inplace and len(members) == 1 and g.adapter.is_contiguous(members[0]):
+            g.buffer, g.aliased = g.adapter.flat_view(members[0]), True
+        else:
+            g.buffer = g.adapter.empty(g.size, g.dtype, g.device)
+            g.adapter.pack(members, g.buffer, g.bounds)
+    active = [g for g in groups if g.size > 0]
+
+    if active and comm.Get_size() > 1:
+        if opname == "adasum" and hierarchical:
+            from .hierarchical import hierarchical_reduce
+
+            hierarchical_reduce(lcomm, active)
+        elif opname == "adasum":
+            adasum_reduce(lcomm, active, [_transport_for(lcomm, g) for g in active])
+        else:
+            _plain_reduce(lcomm, active, mean=opname == "mean")
+
+    if inplace:
+        for g in active:
+            if not g.aliased:
+                g.adapter.write_back([items[i] for i in g.indices], g.buffer, g.bounds)
+        return tensors
+    out: list[Any] = [None] * len(items)
+    for g in groups:
+        for i, view in zip(g.indices, g.adapter.views(g.buffer, g.bounds, g.shapes)):
+            out[i] = view
+    return out[0] if single else out
+
+
+def _transport_for(comm: MPI.Intracomm, g: Group) -> Transport:
+    return Transport(comm, g.adapter, g.device, staged=_transport.use_staging(g.adapter, g.buffer))
+
+
+def _plain_reduce(comm: MPI.Intracomm, groups: Sequence[Group], mean: bool) -> None:
+    """``sum`` and ``mean``: MPI's allreduce on each fused buffer; 16-bit floats travel as float32."""
+    size = comm.Get_size()
+    for g in groups:
+        t = _transport_for(comm, g)
+        if g.dtype in ("float16", "bfloat16"):
+            wide = g.adapter.astype(g.buffer, "float32")
+            t.allreduce_sum(wide)
+            if mean:
+                g.adapter.divide(wide, size)
+            g.adapter.copy_(g.buffer, wide)
+        else:
+            t.allreduce_sum(g.buffer)
+            if mean:
+                g.adapter.divide(g.buffer, size)

@@ -1,0 +1,442 @@
+"""Array adapters: everything the algorithm needs from numpy arrays, torch tensors and cupy arrays.
+
+The schedule in :mod:`adasum.vhdd` never looks at an array's kind. It asks an adapter for a flat fused
+buffer, for per-layer partial dot products over a piece of it, for the in-place combine ``a ← ca·a + cb·b``,
+and for an object MPI can read. Compute stays on the array's device; only the (layers × 3) float64 partial
+sums cross to the host.
+
+Two adapters cover the four kinds: :class:`ArrayModuleAdapter` is written against the numpy API and serves
+numpy (``xp = numpy``) and cupy (``xp = cupy``); :class:`TorchAdapter` serves torch tensors on any device.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = ["Adapter", "ArrayModuleAdapter", "TorchAdapter", "adapter_for", "FLOAT_DTYPES"]
+
+# Elements converted to float64 at a time: two such blocks (a and b) stay in a core's L2 cache, and no
+# float64 copy of a whole buffer is ever made.
+BLOCK = 1 << 15
+
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+INT_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
+
+
+class Adapter:
+    """What the algorithm needs from one kind of array. Subclasses implement it for numpy/cupy and torch."""
+
+    kind: str
+
+    # --- describing user arrays -------------------------------------------------------------------------
+    def dtype_name(self, t) -> str:
+        raise NotImplementedError
+
+    def device(self, t) -> str:
+        raise NotImplementedError
+
+    def shape(self, t) -> tuple[int, ...]:
+        return tuple(int(n) for n in t.shape)
+
+    # --- fused buffers ------------------------------------------------------------------------------------
+    def empty(self, n: int, dtype: str, device: str):
+        raise NotImplementedError
+
+    def pack(self, tensors: Sequence[Any], buf, bounds: np.ndarray) -> None:
+        """Copy each tensor (any strides) into its slice ``buf[bounds[i]:bounds[i+1]]``."""
+        raise NotImplementedError
+
+    def views(self, buf, bounds: np.ndarray, shapes: Sequence[tuple[int, ...]]) -> list:
+        """One view of ``buf`` per layer, in that layer's shape."""
+        raise NotImplementedError
+
+    def write_back(self, tensors: Sequence[Any], buf, bounds: np.ndarray) -> None:
+        """Copy each layer of ``buf`` back into the user's tensor (which may be non-contiguous)."""
+        raise NotImplementedError
+
+    def is_contiguous(self, t) -> bool:
+        raise NotImplementedError
+
+    def flat_view(self, t):
+        """A flat view of a contiguous tensor (shares its memory)."""
+        raise NotImplementedError
+
+    # --- arithmetic on flat buffers -------------------------------------------------------------------------
+    def partial_dots(self, a, b, pieces: Sequence[tuple[int, int]]) -> np.ndarray:
+        """``[a·b, a·a, b·b]`` over ``a[s:e]``, ``b[s:e]`` for each piece, as a host float64 (n, 3) array."""
+        raise NotImplementedError
+
+    def scaled_add(self, a, b, pieces: Sequence[tuple[int, int]], ca: np.ndarray, cb: np.ndarray) -> None:
+        """``a[s:e] ← ca[i]·a[s:e] + cb[i]·b[s:e]`` per piece, in float64, rounded once to a's dtype.
+
+        ``b`` is scratch: its contents may be destroyed."""
+        raise NotImplementedError
+
+    def divide(self, buf, divisor: int) -> None:
+        """``buf ← buf / divisor`` in place (floating point buffers only)."""
+        raise NotImplementedError
+
+    def host_typed(self, buf) -> np.ndarray:
+        """A numpy view of a host buffer with its own element type (for MPI reductions)."""
+        raise NotImplementedError
+
+    def numpy_dtype(self, buf) -> np.dtype:
+        """The numpy dtype of a buffer's elements (never a 16-bit float: those are reduced as float32)."""
+        raise NotImplementedError
+
+    def astype(self, buf, dtype: str):
+        """A new flat buffer with ``buf``'s values in ``dtype``."""
+        raise NotImplementedError
+
+    def copy_(self, dst, src) -> None:
+        """``dst[...] = src`` elementwise, casting to dst's dtype."""
+        raise NotImplementedError
+
+    def all_finite(self, buf) -> bool:
+        raise NotImplementedError
+
+    # --- transport ----------------------------------------------------------------------------------------
+    def is_host(self, buf) -> bool:
+        return True
+
+    def mpi_bytes(self, buf):
+        """An object mpi4py reads as the raw bytes of the flat buffer ``buf`` (host, or device memory for
+        CUDA-aware MPI)."""
+        raise NotImplementedError
+
+    def host_bytes_empty(self, nbytes: int, device: str) -> np.ndarray:
+        """A host staging area of ``nbytes`` bytes (page-locked where the device allows)."""
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def to_host(self, buf, host: np.ndarray) -> None:
+        """Copy the bytes of flat ``buf`` into the host array ``host`` (uint8) and wait for the copy."""
+        raise NotImplementedError
+
+    def from_host(self, host: np.ndarray, buf) -> None:
+        """Copy host bytes into the flat buffer ``buf``."""
+        raise NotImplementedError
+
+    def synchronize(self, device: str) -> None:
+        """Wait for queued device work, so that MPI reads finished data."""
+
+
+def _blocks(s: int, e: int):
+    for bs in range(s, e, BLOCK):
+        yield bs, min(bs + BLOCK, e)
+
+
+class ArrayModuleAdapter(Adapter):
+    """numpy arrays, and any module with numpy's API whose arrays live on one device (cupy).
+
+    With ``xp = numpy`` it is the numpy adapter; the tests also run it as a stand-in for cupy, with
+    staging forced, so the device code paths are exercised on machines without a GPU.
+    """
+
+    def __init__(self, xp=np, kind: str | None = None):
+        self.xp = xp
+        self.kind = kind or xp.__name__
+        self._scratch: dict = {}
+
+    def owns(self, t) -> bool:
+        return isinstance(t, self.xp.ndarray)
+
+    def dtype_name(self, t) -> str:
+        return np.dtype(t.dtype).name
+
+    def device(self, t) -> str:
+        dev = getattr(t, "device", "cpu")
+        if self.xp is np:
+            return "cpu"
+        return f"cuda:{getattr(dev, 'id', 0)}"
+
+    def is_host(self, buf) -> bool:
+        return self.xp is np
+
+    def empty(self, n, dtype, device):
+        if self.xp is np:
+            return np.empty(n, dtype=dtype)
+        with self.xp.cuda.Device(int(device.split(":")[1])):
+            return self.xp.empty(n, dtype=dtype)
+
+    def pack(self, tensors, buf, bounds):
+        for t, s, e in zip(tensors, bounds[:-1], bounds[1:]):
+            buf[s:e].reshape(t.shape)[...] = t
+
+    def views(self, buf, bounds, shapes):
+        return [buf[s:e].reshape(shape) for s, e, shape in zip(bounds[:-1], bounds[1:], shapes)]
+
+    def write_back(self, tensors, buf, bounds):
+        for t, s, e in zip(tensors, bounds[:-1], bounds[1:]):
+            t[...] = buf[s:e].reshape(t.shape)
+
+    def is_contiguous(self, t):
+        return bool(t.flags.c_contiguous)
+
+    def flat_view(self, t):
+        return t.reshape(-1)
+
+    def _f64(self, like, which):
+        key = (which, self.device(like))
+        buf = self._scratch.get(key)
+        if buf is None:
+            buf = self._scratch[key] = self.empty(BLOCK, "float64", self.device(like))
+        return buf
+
+    def partial_dots(self, a, b, pieces):
+        xp = self.xp
+        out = xp.zeros((len(pieces), 3), dtype=xp.float64)
+        if a.dtype == xp.float64:
+            for i, (s, e) in enumerate(pieces):
+                x, y = a[s:e], b[s:e]
+                out[i, 0], out[i, 1], out[i, 2] = xp.dot(x, y), xp.dot(x, x), xp.dot(y, y)
+        else:
+            x64, y64 = self._f64(a, 0), self._f64(a, 1)
+            for i, (s, e) in enumerate(pieces):
+                acc = [0.0, 0.0, 0.0]
+                for bs, be in _blocks(s, e):
+                    n = be - bs
+                    x, y = x64[:n], y64[:n]
+                    x[...] = a[bs:be]
+                    y[...] = b[bs:be]
+                    acc[0] += xp.dot(x, y)
+                    acc[1] += xp.dot(x, x)
+                    acc[2] += xp.dot(y, y)
+                out[i, 0], out[i, 1], out[i, 2] = acc
+        return out if xp is np else xp.asnumpy(out)
+
+    def scaled_add(self, a, b, pieces, ca, cb):
+        xp = self.xp
+        if a.dtype == xp.float64:
+            for (s, e), p, q in zip(pieces, ca.tolist(), cb.tolist()):
+                x, y = a[s:e], b[s:e]
+                xp.multiply(x, p, out=x)
+                xp.multiply(y, q, out=y)
+                xp.add(x, y, out=x)
+            return
+        x64, y64 = self._f64(a, 0), self._f64(a, 1)
+        for (s, e), p, q in zip(pieces, ca.tolist(), cb.tolist()):
+            for bs, be in _blocks(s, e):
+                n = be - bs
+                x, y = x64[:n], y64[:n]
+                x[...] = a[bs:be]
+                y[...] = b[bs:be]
+                xp.multiply(x, p, out=x)
+                xp.multiply(y, q, out=y)
+                xp.add(x, y, out=x)
+                a[bs:be] = x
+
+    def divide(self, buf, divisor):
+        self.xp.divide(buf, divisor, out=buf)
+
+    def host_typed(self, buf):
+        return buf
+
+    def numpy_dtype(self, buf):
+        return np.dtype(buf.dtype)
+
+    def astype(self, buf, dtype):
+        return buf.astype(dtype)
+
+    def copy_(self, dst, src):
+        dst[...] = src
+
+    def all_finite(self, buf):
+        return bool(self.xp.isfinite(buf).all())
+
+    def mpi_bytes(self, buf):
+        return buf.view(self.xp.uint8)
+
+    def host_bytes_empty(self, nbytes, device):
+        if self.xp is np:
+            return np.empty(nbytes, dtype=np.uint8)
+        import cupyx  # cupy's page-locked host arrays
+
+        return cupyx.empty_pinned((nbytes,), dtype=np.uint8)
+
+    def to_host(self, buf, host):
+        if self.xp is np:
+            host[...] = buf.view(np.uint8)
+        else:
+            buf.view(self.xp.uint8).get(out=host)
+
+    def from_host(self, host, buf):
+        if self.xp is np:
+            buf.view(np.uint8)[...] = host
+        else:
+            buf.view(self.xp.uint8).set(host)
+
+    def synchronize(self, device):
+        if self.xp is not np:
+            self.xp.cuda.get_current_stream().synchronize()
+
+
+_TORCH_NAMES = {
+    "float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64",
+    "int8": "int8", "int16": "int16", "int32": "int32", "int64": "int64", "uint8": "uint8",
+    "uint16": "uint16", "uint32": "uint32", "uint64": "uint64", "bool": "bool",
+    "complex64": "complex64", "complex128": "complex128", "float8_e4m3fn": "float8_e4m3fn",
+    "float8_e5m2": "float8_e5m2",
+}
+
+
+class TorchAdapter(Adapter):
+    """torch tensors on the CPU or a CUDA device; the arithmetic runs in torch on the tensor's device."""
+
+    kind = "torch"
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+        self._scratch: dict = {}
+
+    def owns(self, t) -> bool:
+        return isinstance(t, self.torch.Tensor)
+
+    def dtype_name(self, t) -> str:
+        return str(t.dtype).replace("torch.", "")
+
+    def device(self, t) -> str:
+        return str(t.device)
+
+    def is_host(self, buf) -> bool:
+        return buf.device.type == "cpu"
+
+    def _dtype(self, name):
+        return getattr(self.torch, name)
+
+    def empty(self, n, dtype, device):
+        return self.torch.empty(n, dtype=self._dtype(dtype), device=device)
+
+    def pack(self, tensors, buf, bounds):
+        with self.torch.no_grad():
+            for t, s, e in zip(tensors, bounds[:-1], bounds[1:]):
+                buf[s:e].view(t.shape).copy_(t)
+
+    def views(self, buf, bounds, shapes):
+        return [buf[s:e].view(shape) for s, e, shape in zip(bounds[:-1], bounds[1:], shapes)]
+
+    def write_back(self, tensors, buf, bounds):
+        with self.torch.no_grad():
+            for t, s, e in zip(tensors, bounds[:-1], bounds[1:]):
+                t.copy_(buf[s:e].view(t.shape))
+
+    def is_contiguous(self, t):
+        return bool(t.is_contiguous())
+
+    def flat_view(self, t):
+        return t.detach().view(-1)
+
+    def _f64(self, like, which):
+        key = (which, like.device)
+        buf = self._scratch.get(key)
+        if buf is None:
+            buf = self._scratch[key] = self.torch.empty(BLOCK, dtype=self.torch.float64, device=like.device)
+        return buf
+
+    def partial_dots(self, a, b, pieces):
+        torch = self.torch
+        out = torch.zeros((len(pieces), 3), dtype=torch.float64, device=a.device)
+        if a.dtype == torch.float64:
+            for i, (s, e) in enumerate(pieces):
+                x, y = a[s:e], b[s:e]
+                out[i, 0] = torch.dot(x, y)
+                out[i, 1] = torch.dot(x, x)
+                out[i, 2] = torch.dot(y, y)
+        else:
+            x64, y64 = self._f64(a, 0), self._f64(a, 1)
+            for i, (s, e) in enumerate(pieces):
+                row = out[i]
+                for bs, be in _blocks(s, e):
+                    n = be - bs
+                    x, y = x64[:n], y64[:n]
+                    x.copy_(a[bs:be])
+                    y.copy_(b[bs:be])
+                    row[0] += torch.dot(x, y)
+                    row[1] += torch.dot(x, x)
+                    row[2] += torch.dot(y, y)
+        return out.cpu().numpy()
+
+    def scaled_add(self, a, b, pieces, ca, cb):
+        torch = self.torch
+        if a.dtype == torch.float64:
+            for (s, e), p, q in zip(pieces, ca.tolist(), cb.tolist()):
+                x = a[s:e]
+                x.mul_(p).add_(b[s:e], alpha=q)
+            return
+        x64, y64 = self._f64(a, 0), self._f64(a, 1)
+        for (s, e), p, q in zip(pieces, ca.tolist(), cb.tolist()):
+            for bs, be in _blocks(s, e):
+                n = be - bs
+                x, y = x64[:n], y64[:n]
+                x.copy_(a[bs:be])
+                y.copy_(b[bs:be])
+                x.mul_(p).add_(y, alpha=q)
+                a[bs:be].copy_(x)
+
+    def divide(self, buf, divisor):
+        buf.div_(divisor)
+
+    def host_typed(self, buf):
+        return buf.numpy()
+
+    def numpy_dtype(self, buf):
+        return np.dtype(self.dtype_name(buf))
+
+    def astype(self, buf, dtype):
+        return buf.to(self._dtype(dtype))
+
+    def copy_(self, dst, src):
+        dst.copy_(src)
+
+    def all_finite(self, buf):
+        return bool(self.torch.isfinite(buf).all())
+
+    def mpi_bytes(self, buf):
+        u8 = buf.view(self.torch.uint8)
+        return u8.numpy() if buf.device.type == "cpu" else u8
+
+    def host_bytes_empty(self, nbytes, device):
+        torch = self.torch
+        pin = device.startswith("cuda")
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).numpy()
+
+    def to_host(self, buf, host):
+        torch = self.torch
+        torch.from_numpy(host).copy_(buf.view(torch.uint8))
+
+    def from_host(self, host, buf):
+        torch = self.torch
+        buf.view(torch.uint8).copy_(torch.from_numpy(host), non_blocking=False)
+
+    def synchronize(self, device):
+        if device.startswith("cuda"):
+            self.torch.cuda.synchronize(device)
+
+
+_NUMPY = ArrayModuleAdapter(np)
+_ADAPTERS: dict[str, Adapter] = {"numpy": _NUMPY}
+
+
+def adapter_for(t) -> Adapter | None:
+    """The adapter for array ``t``, or None if ``t`` is of no supported kind.
+
+    torch and cupy are looked up only if the user's program has imported them: an object cannot be a
+    torch tensor unless torch is loaded.
+    """
+    if isinstance(t, np.ndarray):
+        return _NUMPY
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(t, torch.Tensor):
+        if "torch" not in _ADAPTERS:
+            _ADAPTERS["torch"] = TorchAdapter()
+        return _ADAPTERS["torch"]
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(t, cupy.ndarray):
+        if "cupy" not in _ADAPTERS:
+            _ADAPTERS["cupy"] = ArrayModuleAdapter(cupy)
+        return _ADAPTERS["cupy"]
+    return None

@@ -1,0 +1,42 @@
+"""The pairwise Adasum rule (SPEC §1) and its size-weighted form (SPEC §3), in plain numpy.
+
+Everything here is float64 and free of MPI: the distributed schedule and the serial reference both get
+their coefficients from :func:`coefficients`, so the two can only differ by where sums are split.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["coefficients", "combine"]
+
+
+def coefficients(dot, norm_a, norm_b, count_a=1, count_b=1):
+    """Coefficients ``(ca, cb)`` with ``Adasum(a, b) = ca·a + cb·b``.
+
+    ``dot = a·b``, ``norm_a = ‖a‖²`` and ``norm_b = ‖b‖²`` may be scalars or arrays (one entry per layer).
+    ``count_a`` and ``count_b`` are the numbers of ranks that ``a`` and ``b`` stand for; the rule weights
+    each side's projection by its share ``count / (count_a + count_b)``, which is ½ for equal subtrees.
+    A side whose squared norm is zero gets coefficient exactly 1, so ``Adasum(0, b) = b``.
+    """
+    dot = np.asarray(dot, dtype=np.float64)
+    norm_a = np.asarray(norm_a, dtype=np.float64)
+    norm_b = np.asarray(norm_b, dtype=np.float64)
+    total = float(count_a + count_b)
+    w_a, w_b = count_a / total, count_b / total
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ca = np.where(norm_a == 0.0, 1.0, 1.0 - w_a * (dot / norm_a))
+        cb = np.where(norm_b == 0.0, 1.0, 1.0 - w_b * (dot / norm_b))
+    # A zero side contributes nothing, but a NaN/Inf on the other side must still poison the result:
+    # 1·0 + nan·b is nan, so the non-finite input stays visible.
+    return ca, cb
+
+
+def combine(a, b, count_a=1, count_b=1):
+    """``Adasum(a, b)`` of two arrays of one layer, computed and returned in float64."""
+    a = np.asarray(a, dtype=np.float64).ravel()
+    b = np.asarray(b, dtype=np.float64).ravel()
+    if a.shape != b.shape:
+        raise ValueError(f"combine needs vectors of one size, got {a.size} and {b.size} elements")
+    ca, cb = coefficients(np.dot(a, b), np.dot(a, a), np.dot(b, b), count_a, count_b)
+    return float(ca) * a + float(cb) * b

@@ -1,0 +1,74 @@
+"""Tensors ⇄ fused flat buffers, one per (array kind, device, dtype), each with its table of layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from .arrays import Adapter
+
+__all__ = ["Group", "make_groups", "pieces"]
+
+
+@dataclass
+class Group:
+    """The tensors of one call that share an adapter, a device and a dtype, fused into one flat buffer.
+
+    Layer ``i`` of the group is the call's tensor ``indices[i]`` and occupies
+    ``buffer[bounds[i]:bounds[i + 1]]``.
+    """
+
+    adapter: Adapter
+    device: str
+    dtype: str
+    indices: list[int] = field(default_factory=list)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    bounds: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+    buffer: Any = None
+    # True when `buffer` is the caller's own memory (an in-place call on one contiguous tensor).
+    aliased: bool = False
+
+    @property
+    def size(self) -> int:
+        return int(self.bounds[-1])
+
+    @property
+    def itemsize(self) -> int:
+        return int(self.adapter.mpi_bytes(self.buffer[:1]).nbytes) if self.size else 0
+
+
+def make_groups(tensors: Sequence[Any], adapters: Sequence[Adapter], descs) -> list[Group]:
+    """Group tensors by (adapter kind, device, dtype) in order of first appearance; no memory is touched."""
+    groups: dict[tuple, Group] = {}
+    for i, (t, adapter, desc) in enumerate(zip(tensors, adapters, descs)):
+        key = (adapter.kind, desc.device, desc.dtype)
+        g = groups.get(key)
+        if g is None:
+            g = groups[key] = Group(adapter, desc.device, desc.dtype)
+        g.indices.append(i)
+        g.shapes.append(desc.shape)
+    for g in groups.values():
+        sizes = [int(np.prod(s, dtype=np.int64)) for s in g.shapes]
+        g.bounds = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+    return list(groups.values())
+
+
+def pieces(bounds: np.ndarray, lo: int, hi: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """The layers that overlap ``[lo, hi)`` and their overlaps, as offsets relative to ``lo``.
+
+    Layers may straddle ``lo`` or ``hi``; empty layers never appear.
+    """
+    layers, spans = [], []
+    if hi <= lo:
+        return layers, spans
+    i = int(np.searchsorted(bounds, lo, side="right")) - 1
+    last = len(bounds) - 1
+    while i < last and bounds[i] < hi:
+        s, e = max(int(bounds[i]), lo), min(int(bounds[i + 1]), hi)
+        if e > s:
+            layers.append(i)
+            spans.append((s - lo, e - lo))
+        i += 1
+    return layers, spans

@@ -1,0 +1,240 @@
+"""Point-to-point exchanges of fused buffers, direct or staged through host memory, and traffic counting.
+
+Every byte the library hands to MPI for point-to-point exchanges passes through :class:`Transport`, so
+:func:`count_traffic` sees all of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+from mpi4py import MPI
+
+from .arrays import Adapter
+
+__all__ = ["Transport", "Traffic", "count_traffic", "library_comm"]
+
+_TAG = 0xADA
+
+
+@dataclass
+class Traffic:
+    """Bytes and messages this rank handed to MPI while :func:`count_traffic` was active.
+
+    ``sent_bytes`` counts the vector exchanges; ``scalar_bytes`` the per-level dot-product sums and the
+    agreement check; ``allreduce_bytes`` the buffers given to ``MPI_Allreduce`` (sum, mean).
+    """
+
+    sent_bytes: int = 0
+    messages: int = 0
+    scalar_bytes: int = 0
+    allreduce_bytes: int = 0
+
+
+_counters: list[Traffic] = []
+
+
+@contextlib.contextmanager
+def count_traffic() -> Iterator[Traffic]:
+    """Count what this rank sends inside the ``with`` block::
+
+        with adasum.count_traffic() as t:
+            adasum.adasum_allreduce(grads)
+        print(t.sent_bytes)
+    """
+    t = Traffic()
+    _counters.append(t)
+    try:
+        yield t
+    finally:
+        _counters.remove(t)
+
+
+def _record(field: str, nbytes: int, messages: int = 0) -> None:
+    for t in _counters:
+        setattr(t, field, getattr(t, field) + nbytes)
+        t.messages += messages
+
+
+_keyval: int | None = None
+
+
+def library_comm(comm: MPI.Intracomm) -> MPI.Intracomm:
+    """A duplicate of ``comm`` reserved for this library, made once (collectively) and cached on ``comm``.
+
+    Our messages then never match a receive the application has posted on its own communicator.
+    """
+    global _keyval
+    if comm == MPI.COMM_SELF:
+        return comm
+    if _keyval is None:
+        _keyval = MPI.Comm.Create_keyval()
+    dup = comm.Get_attr(_keyval)
+    if dup is None:
+        dup = comm.Dup()
+        comm.Set_attr(_keyval, dup)
+    return dup
+
+
+class Transport:
+    """Moves slices of flat buffers between ranks.
+
+    ``staged=False`` hands MPI the buffer itself (host memory, or device memory where MPI is CUDA-aware).
+    ``staged=True`` copies through host buffers that are allocated once per process and reused; the device
+    is synchronised before MPI reads.
+    """
+
+    _host: dict[str, list[np.ndarray]] = {}
+
+    def __init__(self, comm: MPI.Intracomm, adapter: Adapter, device: str, staged: bool):
+        self.comm = comm
+        self.adapter = adapter
+        self.device = device
+        self.staged = staged
+
+    def _stage(self, which: int, nbytes: int) -> np.ndarray:
+        pool = self._host.setdefault(f"{self.adapter.kind}:{self.device}", [None, None])
+        buf = pool[which]
+        if buf is None or buf.nbytes < nbytes:
+            buf = pool[which] = self.adapter.host_bytes_empty(max(nbytes, 1 << 16), self.device)
+        return buf[:nbytes]
+
+    def _nbytes(self, buf) -> int:
+        return int(buf.numel() * buf.element_size()) if hasattr(buf, "element_size") else int(buf.nbytes)
+
+    def sendrecv(self, send, dest: int, recv, source: int) -> None:
+        sbytes, rbytes = self._nbytes(send), self._nbytes(recv)
+        _record("sent_bytes", sbytes, 1)
+        if not self.staged:
+            if not self.adapter.is_host(send):
+                self.adapter.synchronize(self.device)
+            self.comm.Sendrecv([self.adapter.mpi_bytes(send), MPI.BYTE], dest, _TAG,
+                               [self.adapter.mpi_bytes(recv), MPI.BYTE], source, _TAG)
+            return
+        hs, hr = self._stage(0, sbytes), self._stage(1, rbytes)
+        self.adapter.to_host(send, hs)
+        self.comm.Sendrecv([hs, MPI.BYTE], dest, _TAG, [hr, MPI.BYTE], source, _TAG)
+        self.adapter.from_host(hr, recv)
+
+    def allreduce_sum(self, buf) -> None:
+        """``MPI_Allreduce(SUM)`` of a flat buffer, in place (MPI's own algorithm and datatypes)."""
+        _record("allreduce_bytes", self._nbytes(buf))
+        if not self.staged:
+            if self.adapter.is_host(buf):
+                self.comm.Allreduce(MPI.IN_PLACE, self.adapter.host_typed(buf), op=MPI.SUM)
+            else:
+                self.adapter.synchronize(self.device)
+                self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            return
+        nbytes = self._nbytes(buf)
+        host = self._stage(0, nbytes)
+        self.adapter.to_host(buf, host)
+        typed = host.view(self.adapter.numpy_dtype(buf))
+        self.comm.Allreduce(MPI.IN_PLACE, typed, op=MPI.SUM)
+        self.adapter.from_host(host, buf)
+
+    def send(self, buf, dest: int) -> None:
+        nbytes = self._nbytes(buf)
+        _record("sent_bytes", nbytes, 1)
+        if not self.staged:
+            if not self.adapter.is_host(buf):
+                self.adapter.synchronize(self.device)
+            self.comm.Send([self.adapter.mpi_bytes(buf), MPI.BYTE], dest, _TAG)
+            return
+        hs = self._stage(0, nbytes)
+        self.adapter.to_host(buf, hs)
+        self.comm.Send([hs, MPI.BYTE], dest, _TAG)
+
+    def recv(self, buf, source: int) -> None:
+        if not self.staged:
+            self.comm.Recv([self.adapter.mpi_bytes(buf), MPI.BYTE], source, _TAG)
+            return
+        hr = self._stage(1, self._nbytes(buf))
+        self.comm.Recv([hr, MPI.BYTE], source, _TAG)
+        self.adapter.from_host(hr, buf)
+
+
+def scalar_sendrecv(comm: MPI.Intracomm, vec: np.ndarray, partner: int) -> np.ndarray:
+    """Swap a small host float64 vector with ``partner``."""
+    out = np.empty_like(vec)
+    _record("scalar_bytes", vec.nbytes, 1)
+    comm.Sendrecv([vec, MPI.DOUBLE], partner, _TAG + 1, [out, MPI.DOUBLE], partner, _TAG + 1)
+    return out
+
+
+# --- device buffers: CUDA-aware MPI or host staging ------------------------------------------------------
+
+_MODES = ("auto", "direct", "staged")
+_mode = os.environ.get("ADASUM_GPU_TRANSPORT", "auto").strip().lower() or "auto"
+_cuda_aware: bool | None = None
+_log = logging.getLogger("adasum")
+
+
+def set_gpu_transport(mode: str) -> None:
+    """How device buffers reach MPI: ``"auto"`` (direct where MPI is CUDA-aware, staged otherwise),
+    ``"direct"`` (always hand MPI the device memory) or ``"staged"`` (always copy through host buffers).
+
+    ``"staged"`` applies to host buffers too, where it only adds a copy. The environment variable
+    ``ADASUM_GPU_TRANSPORT`` sets the same at start-up. Every rank must use the same mode.
+    """
+    global _mode
+    if mode not in _MODES:
+        raise ValueError(f"gpu transport must be one of {_MODES}, got {mode!r}")
+    _mode = mode
+
+
+def get_gpu_transport() -> str:
+    return _mode
+
+
+def cuda_aware_mpi() -> bool:
+    """Whether the MPI library takes CUDA device memory, as it reports it (``MPIX_Query_cuda_support``).
+
+    ``ADASUM_CUDA_AWARE=1`` or ``=0`` overrides the query. The answer is found once and logged.
+    """
+    global _cuda_aware
+    if _cuda_aware is None:
+        env = os.environ.get("ADASUM_CUDA_AWARE")
+        if env is not None and env.strip() != "":
+            _cuda_aware, how = env.strip().lower() in ("1", "true", "yes", "on"), "ADASUM_CUDA_AWARE"
+        else:
+            _cuda_aware, how = _query_cuda_support(), "MPIX_Query_cuda_support"
+        _log.info("adasum: MPI is %sCUDA-aware (%s); device buffers go %s",
+                  "" if _cuda_aware else "not ", how, "to MPI directly" if _cuda_aware else
+                  "through page-locked host buffers")
+    return _cuda_aware
+
+
+def _query_cuda_support() -> bool:
+    """Ask the loaded MPI library through its MPIX extension; False where it has none."""
+    import ctypes
+
+    libs = []
+    try:
+        with open("/proc/self/maps") as maps:
+            libs = sorted({line.split()[-1] for line in maps if "libmpi" in line and ".so" in line})
+    except OSError:
+        pass
+    for path in [None, *libs]:
+        try:
+            lib = ctypes.CDLL(path)
+            fn = getattr(lib, "MPIX_Query_cuda_support")
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        return bool(fn())
+    return False
+
+
+def use_staging(adapter: Adapter, buf) -> bool:
+    """Whether exchanges of ``buf`` go through host staging buffers under the current mode."""
+    if _mode == "staged":
+        return True
+    if adapter.is_host(buf) or _mode == "direct":
+        return False
+    return not cuda_aware_mpi()

@@ -1,0 +1,128 @@
+"""Checking a call's inputs, locally and across ranks, before any data moves (SPEC §6).
+
+Local problems (an unsupported array type or dtype, an op the dtype does not allow) and disagreements
+between ranks (op, number of tensors, a shape, a dtype) both end in an exception on *every* rank: the
+ranks always meet in one small collective first, so a rank that would raise alone cannot leave the others
+waiting in the allreduce.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from .arrays import FLOAT_DTYPES, INT_DTYPES, Adapter, adapter_for
+from .transport import _record
+
+__all__ = ["AdasumMismatchError", "TensorDesc", "describe", "agree"]
+
+
+class AdasumMismatchError(ValueError):
+    """The ranks called a collective with inputs that do not match (op, tensor count, shape or dtype)."""
+
+
+@dataclass(frozen=True)
+class TensorDesc:
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+
+    def __str__(self) -> str:
+        return f"shape {self.shape} {self.dtype}"
+
+
+def describe(tensors: Sequence[Any], op: str, rank: int):
+    """Adapters and descriptions of ``tensors``; a TypeError (naming ``rank``) for anything unsupported."""
+    adapters: list[Adapter] = []
+    descs: list[TensorDesc] = []
+    devices: dict[str, int] = {}
+    for i, t in enumerate(tensors):
+        adapter = adapter_for(t)
+        if adapter is None:
+            raise TypeError(f"rank {rank}: tensor {i} is a {type(t).__module__}.{type(t).__qualname__}; "
+                            "adasum takes numpy arrays, torch tensors and cupy arrays")
+        dtype = adapter.dtype_name(t)
+        if dtype in FLOAT_DTYPES:
+            pass
+        elif dtype in INT_DTYPES:
+            if op != "sum":
+                raise TypeError(f"rank {rank}: tensor {i} has integer dtype {dtype}, which op '{op}' does not "
+                                "take; integers are allowed for op 'sum' only")
+        else:
+            raise TypeError(f"rank {rank}: tensor {i} has unsupported dtype {dtype}; supported are float16, "
+                            "bfloat16 (torch), float32, float64, and integers for op 'sum'")
+        desc = TensorDesc(adapter.shape(t), dtype, adapter.device(t))
+        devices.setdefault(desc.device, i)
+        if len(devices) > 1:
+            (d0, i0), (d1, i1) = list(devices.items())[:2]
+            raise ValueError(f"rank {rank}: tensor {i1} is on {d1} but tensor {i0} is on {d0}; all tensors "
+                             "of one call must be on one device")
+        adapters.append(adapter)
+        descs.append(desc)
+    return adapters, descs
+
+
+def _signature(op: str, descs: Sequence[TensorDesc], extra: tuple) -> int:
+    text = repr((op, extra, [(d.shape, d.dtype) for d in descs])).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
+
+
+def agree(comm: MPI.Intracomm, op: str, descs: Sequence[TensorDesc] | None, error: Exception | None,
+          extra: tuple = ()) -> None:
+    """Meet the other ranks once; raise the same exception on every rank if any rank failed or differs.
+
+    ``descs`` is this rank's description of its tensors (None if ``error`` is set). ``extra`` holds further
+    settings that must agree (for example the hierarchical flag).
+    """
+    if comm.Get_size() == 1:
+        if error is not None:
+            raise error
+        return
+    sig = _signature(op, descs, extra) if error is None else 0
+    mine = np.array([sig, -sig, 1 if error is not None else 0], dtype=np.int64)
+    seen = np.empty_like(mine)
+    _record("scalar_bytes", mine.nbytes)
+    comm.Allreduce(mine, seen, op=MPI.MAX)
+    if seen[2] == 0 and seen[0] == -seen[1]:
+        return
+    # The slow path, taken only when something is wrong: gather everyone's view to say exactly what.
+    rank = comm.Get_rank()
+    report = (op, extra, descs, None if error is None else (type(error), str(error)))
+    everyone = comm.allgather(report)
+    raise _explain(everyone, rank)
+
+
+def _explain(everyone, rank: int) -> Exception:
+    for r, (_, _, _, err) in enumerate(everyone):
+        if err is not None:
+            kind, msg = err
+            if r == rank:
+                return kind(msg)
+            return kind(msg if msg.startswith(f"rank {r}:") else f"rank {r}: {msg}")
+    op0, extra0, descs0, _ = everyone[0]
+    here = f"(raised on rank {rank}) "
+    ops = {r: e[0] for r, e in enumerate(everyone)}
+    if len(set(ops.values())) > 1:
+        odd = [r for r, o in ops.items() if o != op0]
+        return AdasumMismatchError(here + "ranks disagree on the op: " + ", ".join(
+            f"rank {r} has '{ops[r]}'" for r in odd) + f", rank 0 has '{op0}'")
+    extras = {r: e[1] for r, e in enumerate(everyone)}
+    if len(set(extras.values())) > 1:
+        odd = [r for r, x in extras.items() if x != extra0]
+        return AdasumMismatchError(here + "ranks disagree on the settings: " + ", ".join(
+            f"rank {r} has {dict(extras[r])}" for r in odd) + f", rank 0 has {dict(extra0)}")
+    counts = [len(e[2]) for e in everyone]
+    for i in range(min(counts)):
+        odd = [r for r, e in enumerate(everyone) if (e[2][i].shape, e[2][i].dtype) !=
+               (descs0[i].shape, descs0[i].dtype)]
+        if odd:
+            return AdasumMismatchError(here + f"tensor {i} differs: " + ", ".join(
+                f"rank {r} has {everyone[r][2][i]}" for r in odd) + f", rank 0 has {descs0[i]}")
+    odd = [r for r, n in enumerate(counts) if n != counts[0]]
+    return AdasumMismatchError(here + f"ranks disagree on the number of tensors (first differing tensor "
+                               f"index {min(counts)}): " + ", ".join(f"rank {r} passes {counts[r]}" for r in odd)
+                               + f", rank 0 passes {counts[0]}")
