@@ -1,0 +1,103 @@
+"""Runs the test suite: once serially, then under mpiexec at each world size in --sizes.
+
+Rank 0 of each MPI run prints to the terminal; the other ranks write to logs that are printed only when
+their run fails. The last line is the total over all runs, in the form "N passed, N failed".
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = ROOT / ".venv" / "bin"
+
+
+def _counts(text: str) -> dict[str, int]:
+    """The counts on pytest's closing line ("3 failed, 40 passed, 2 skipped in 1.2s")."""
+    lines = [ln for ln in text.splitlines() if re.search(r"\b(passed|failed|error|errors|skipped|deselected)\b", ln)
+             and " in " in ln]
+    found: dict[str, int] = {}
+    if lines:
+        for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)", lines[-1]):
+            found["error" if word.startswith("error") else word] = int(n)
+    return found
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: int) -> tuple[int, str]:
+    print("$ " + " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    out = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            out.append(line)
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = 124
+    sys.stdout.flush()
+    return rc, "".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--sizes", default="1,2,3,4,5,6,8", help="MPI world sizes (comma-separated)")
+    ap.add_argument("--no-serial", action="store_true", help="skip the serial (non-MPI) run")
+    ap.add_argument("--timeout", type=int, default=1200, help="seconds allowed for each mpiexec run")
+    args, extra = ap.parse_known_args()
+
+    env = dict(os.environ)
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONHASHSEED", "0")
+    py = str(VENV_BIN / "python")
+    totals = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+    failures = []
+    started = time.time()
+
+    runs: list[tuple[str, list[str], str | None]] = []
+    if not args.no_serial:
+        runs.append(("serial", [py, "-m", "pytest", "-q", "-m", "not mpi", *extra], None))
+    for n in [int(s) for s in args.sizes.split(",") if s]:
+        logdir = tempfile.mkdtemp(prefix=f"adasum-np{n}-")
+        cmd = [str(VENV_BIN / "mpiexec"), "-n", str(n), py, "-m", "mpi4py", "-m", "pytest", "-q", "--with-mpi",
+               "-m", "mpi", *extra]
+        runs.append((f"np={n}", cmd, logdir))
+
+    for name, cmd, logdir in runs:
+        run_env = dict(env)
+        if logdir:
+            run_env["ADASUM_TEST_LOGDIR"] = logdir
+            run_env["MPIEXEC_TIMEOUT"] = str(args.timeout)
+        print(f"\n===== {name} =====", flush=True)
+        rc, text = _run(cmd, run_env, args.timeout + 60)
+        counts = _counts(text)
+        for key in totals:
+            totals[key] += counts.get(key, 0)
+        if rc not in (0, 5):
+            failures.append(name)
+            if not counts.get("failed") and not counts.get("error"):
+                totals["failed"] += 1  # a rank other than 0 failed, or the run died
+            if logdir:
+                for log in sorted(Path(logdir).glob("rank*.log")):
+                    print(f"----- {name} {log.stem} -----")
+                    print(log.read_text()[-20000:])
+        if logdir:
+            shutil.rmtree(logdir, ignore_errors=True)
+
+    print(f"\nruns failed: {', '.join(failures) or 'none'}; {time.time() - started:.0f} s")
+    print(f"{totals['passed']} passed, {totals['failed'] + totals['error']} failed, {totals['skipped']} skipped")
+    return 1 if failures or totals["passed"] == 0 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
