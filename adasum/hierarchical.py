@@ -1,0 +1,223 @@
+"""Hierarchical Adasum: the mean over the ranks of each node, then the Adasum tree (SPEC §3) over the nodes.
+
+What it computes, per layer: every node's mean of its ranks' vectors, then the tree of SPEC §3 over the
+nodes in node order, each node standing for as many ranks as it has (so unequal nodes are weighted by their
+size, and parallel inputs still give the mean over all ranks). Nodes are the groups of
+``comm.Split_type(MPI.COMM_TYPE_SHARED)``; node order is the order of each node's lowest rank, and a node's
+ranks need not be contiguous. One node gives the plain mean; one rank per node gives plain Adasum.
+The serial definition is :func:`adasum.reference.reference_hierarchical`.
+
+How: with ``m`` the smallest number of ranks on any node, every fused buffer is cut into ``m`` slices.
+
+1. Inside each node, a reduce-scatter (sum) leaves slice ``j`` of the node's sum on local rank ``j``
+   (``j < m``; local ranks ``m`` and above contribute their data but hold no slice), scaled to the mean.
+   16-bit floats are summed in float32, as MPI has no 16-bit sum, and rounded once to their dtype.
+2. Across nodes, the ranks with local rank ``j`` (one per node, ordered by node) run the recursive-halving
+   schedule of :mod:`adasum.vhdd` on slice ``j``. A layer may now be spread over the local ranks as well as
+   over the nodes, so each layer's partial dot products are first summed over the node's ``m`` slice
+   holders (gathered, then added in local-rank order, so all of them get bitwise the same sums) and then,
+   by the schedule itself, over the nodes of the subtree.
+3. Inside each node, an allgather hands every local rank the whole result.
+
+Every element of the result is computed on exactly one rank per node, identically on every node, and only
+copied after that, so all ranks end with bitwise identical results. Across nodes each slice holder sends
+``(N-1)/N`` of its slice in each phase, so the bytes between nodes are those of a flat Adasum over ``N``
+ranks, spread over ``m`` ranks per node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from .fusion import Group
+from .transport import Transport, _record, use_staging
+from .vhdd import adasum_reduce
+
+__all__ = ["NodeLayout", "node_layout", "hierarchical_reduce"]
+
+_SMALL_FLOATS = ("float16", "bfloat16")
+
+
+@dataclass
+class NodeLayout:
+    """How the ranks of one communicator sit on nodes, and the communicators the hierarchical mode uses.
+
+    ``nodes[i]`` lists the ranks of node ``i`` in rank order; nodes are ordered by their lowest rank.
+    ``node_comm`` holds this rank's node (local rank = position in ``nodes[node]``). ``cross_comm`` joins
+    the ranks with this rank's local rank, one per node in node order; it is ``MPI.COMM_NULL`` on local
+    ranks ``slices`` and above, which hold no slice. ``slice_comm`` joins the slice holders of this node.
+    """
+
+    nodes: list[list[int]]
+    node: int
+    local_rank: int
+    slices: int
+    node_comm: MPI.Intracomm
+    cross_comm: MPI.Intracomm
+    slice_comm: MPI.Intracomm
+
+    @property
+    def counts(self) -> list[int]:
+        """Ranks per node, in node order: the size weights of the tree over nodes."""
+        return [len(ranks) for ranks in self.nodes]
+
+
+_keyval: int | None = None
+
+
+def node_layout(comm: MPI.Intracomm) -> NodeLayout:
+    """The node layout of ``comm``, built once (collectively: every rank must call it) and cached on it."""
+    global _keyval
+    if _keyval is None:
+        _keyval = MPI.Comm.Create_keyval()
+    layout = comm.Get_attr(_keyval)
+    if layout is None:
+        layout = _build_layout(comm)
+        comm.Set_attr(_keyval, layout)
+    return layout
+
+
+def _build_layout(comm: MPI.Intracomm) -> NodeLayout:
+    rank = comm.Get_rank()
+    node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank = node_comm.Get_rank()
+    # Local rank 0 is the node's lowest rank (key = rank), which names the node.
+    lowest = node_comm.bcast(rank, root=0)
+    firsts = comm.allgather(lowest)
+    leaders = sorted(set(firsts))
+    nodes = [[r for r, f in enumerate(firsts) if f == leader] for leader in leaders]
+    node = leaders.index(lowest)
+    if nodes[node][local_rank] != rank or len(nodes[node]) != node_comm.Get_size():
+        raise RuntimeError(f"rank {rank}: the shared-memory split put it at local rank {local_rank} of a node "
+                           f"of {node_comm.Get_size()} ranks, but the ranks naming that node are "
+                           f"{nodes[node]}")
+    slices = min(len(ranks) for ranks in nodes)
+    holder = local_rank < slices
+    cross_comm = comm.Split(local_rank if holder else MPI.UNDEFINED, key=node)
+    if slices == node_comm.Get_size():
+        slice_comm = node_comm
+    else:
+        slice_comm = node_comm.Split(0 if holder else MPI.UNDEFINED, key=local_rank)
+    return NodeLayout(nodes, node, local_rank, slices, node_comm, cross_comm, slice_comm)
+
+
+def _slice_bounds(n: int, slices: int) -> list[int]:
+    """Start offsets of ``slices`` near-equal slices of ``n`` elements, and ``n`` at the end."""
+    return [j * n // slices for j in range(slices + 1)]
+
+
+def _slice_group(g: Group, lo: int, hi: int) -> Group:
+    """``g`` restricted to ``buffer[lo:hi]``: every layer kept, its bounds clipped to the slice (an empty
+    layer where it lies outside), so layer ``i`` is the same tensor on every local rank."""
+    bounds = np.clip(g.bounds - lo, 0, hi - lo)
+    return Group(g.adapter, g.device, g.dtype, list(g.indices), list(g.shapes), bounds, g.buffer[lo:hi])
+
+
+class _NodeCollectives:
+    """The reduce-scatter and the allgather inside a node for one group, on the device buffer directly or
+    through host staging buffers, as the transport mode says."""
+
+    def __init__(self, layout: NodeLayout, g: Group):
+        self.comm = layout.node_comm
+        self.local_size = self.comm.Get_size()
+        self.g = g
+        self.staged = use_staging(g.adapter, g.buffer)
+        # Host staging buffers come from the transport's pool, so release_buffers() frees them too.
+        self.transport = Transport(self.comm, g.adapter, g.device, staged=True)
+        edges = _slice_bounds(g.size, layout.slices)
+        self.counts = [edges[j + 1] - edges[j] if j < layout.slices else 0 for j in range(self.local_size)]
+        self.displs = [edges[min(j, layout.slices)] for j in range(self.local_size)]
+
+    def _nbytes(self, buf) -> int:
+        return self.transport._nbytes(buf)
+
+    def reduce_scatter_mean(self) -> None:
+        """Leave this local rank's slice of the node's mean in ``g.buffer`` (nothing on non-holders)."""
+        g, a = self.g, self.g.adapter
+        lo, n = self.displs[self.comm.Get_rank()], self.counts[self.comm.Get_rank()]
+        wide_dtype = "float32" if g.dtype in _SMALL_FLOATS else g.dtype
+        send = a.astype(g.buffer, wide_dtype) if wide_dtype != g.dtype else g.buffer
+        recv = a.empty(n, wide_dtype, g.device)
+        if self.staged:
+            hs = self.transport._stage(0, self._nbytes(send))
+            hr = self.transport._stage(1, self._nbytes(recv))
+            a.to_host(send, hs)
+            np_dtype = np.dtype(wide_dtype)
+            self.comm.Reduce_scatter(hs.view(np_dtype), hr.view(np_dtype), self.counts, op=MPI.SUM)
+            a.from_host(hr, recv)
+        elif a.is_host(send):
+            self.comm.Reduce_scatter(a.host_typed(send), a.host_typed(recv), self.counts, op=MPI.SUM)
+        else:
+            a.synchronize(g.device)
+            self.comm.Reduce_scatter(send, recv, self.counts, op=MPI.SUM)
+        if n:
+            a.divide(recv, self.local_size)
+            a.copy_(g.buffer[lo:lo + n], recv)
+
+    def allgather(self) -> None:
+        """Every local rank's ``g.buffer`` becomes the concatenation of the slice holders' slices."""
+        g, a = self.g, self.g.adapter
+        item = self._nbytes(g.buffer[:1])
+        counts = [c * item for c in self.counts]
+        displs = [d * item for d in self.displs]
+        if self.staged:
+            host = self.transport._stage(0, self._nbytes(g.buffer))
+            a.to_host(g.buffer, host)
+            self.comm.Allgatherv(MPI.IN_PLACE, [host, counts, displs, MPI.BYTE])
+            a.from_host(host, g.buffer)
+            return
+        if not a.is_host(g.buffer):
+            a.synchronize(g.device)
+        self.comm.Allgatherv(MPI.IN_PLACE, [a.mpi_bytes(g.buffer), counts, displs, MPI.BYTE])
+
+
+def _slice_sum(comm: MPI.Intracomm) -> Callable[[np.ndarray], np.ndarray] | None:
+    """Sums a partial-dot-product vector over the node's slice holders, bitwise alike on each of them."""
+    if comm.Get_size() == 1:
+        return None
+
+    def local_sum(vec: np.ndarray) -> np.ndarray:
+        vec = np.ascontiguousarray(vec, dtype=np.float64)
+        rows = np.empty((comm.Get_size(), vec.size), dtype=np.float64)
+        _record("scalar_bytes", vec.nbytes, 1)
+        comm.Allgather([vec, MPI.DOUBLE], [rows, MPI.DOUBLE])
+        # Added in local-rank order, the same order on every holder.
+        total = rows[0].copy()
+        for row in rows[1:]:
+            total += row
+        return total
+
+    return local_sum
+
+
+def hierarchical_reduce(comm: MPI.Intracomm, groups: Sequence[Group]) -> None:
+    """Replace every group's buffer, in place and on every rank of ``comm``, by the hierarchical Adasum of
+    all ranks' buffers: the mean inside each node, then the Adasum tree over the nodes, weighted by their
+    numbers of ranks.
+
+    Collective over ``comm``; every rank passes groups of the same sizes, dtypes and layer tables. With one
+    node the result is the node's mean; with one rank per node it is the plain Adasum of SPEC §3.
+    """
+    groups = [g for g in groups if g.size > 0]
+    if comm.Get_size() == 1 or not groups:
+        return
+    layout = node_layout(comm)
+    local = [_NodeCollectives(layout, g) for g in groups] if layout.node_comm.Get_size() > 1 else []
+    for c in local:
+        c.reduce_scatter_mean()
+
+    if layout.cross_comm != MPI.COMM_NULL and len(layout.nodes) > 1:
+        edges = [_slice_bounds(g.size, layout.slices) for g in groups]
+        j = layout.local_rank
+        slices = [_slice_group(g, e[j], e[j + 1]) for g, e in zip(groups, edges)]
+        transports = [Transport(layout.cross_comm, s.adapter, s.device, staged=use_staging(s.adapter, g.buffer))
+                      for s, g in zip(slices, groups)]
+        adasum_reduce(layout.cross_comm, slices, transports, counts=layout.counts,
+                      local_sum=_slice_sum(layout.slice_comm))
+
+    for c in local:
+        c.allgather()

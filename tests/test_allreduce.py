@@ -1,0 +1,226 @@
+"""adasum_allreduce at any world size against the serial reference and the rule's properties."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import adasum
+from adasum.reference import reference_allreduce
+from helpers import (EPS, KIND_DTYPES, KINDS, all_ranks_data, as_f64, assert_identical_across_ranks, kind_context,
+                     make, rel_l2)
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+def _tolerance(dtype: str, size: int) -> float:
+    """The accepted relative L2 error against the float64 reference of the dtype-rounded inputs.
+
+    32/64-bit: 100·eps. 16-bit types round the combined vector to the dtype after every level of the
+    tree, so the bound grows with the depth: 4·eps·(levels + 1).
+    """
+    if dtype in ("float32", "float64"):
+        return 100 * EPS[dtype]
+    levels = max(1, (size - 1).bit_length())
+    return 4 * EPS[dtype] * (levels + 1)
+
+
+def _layer_sizes(rng) -> list[int]:
+    sizes = [0, 1, int(rng.integers(2, 40)) * 2 + 1, int(rng.integers(100, 300)), 0, 7, int(rng.integers(1, 5))]
+    sizes.append(sum(sizes) + int(rng.integers(1, 500)))  # one layer larger than all others together
+    order = rng.permutation(len(sizes))
+    return [sizes[i] for i in order]
+
+
+def _random_layers(seed: int, rank: int, sizes, dtype: str, kind: str):
+    """Rank ``rank``'s layers as float64 values already rounded to ``dtype`` (what the library sees)."""
+    rng = np.random.default_rng([seed, rank])
+    shapes = [(s,) if i % 3 else ((1, s) if s % 2 else (2, s // 2)) for i, s in enumerate(sizes)]
+    # Each layer has a shared part, so layers are neither orthogonal nor parallel across ranks.
+    shared = [np.random.default_rng([seed, 99, i]).standard_normal(shape) for i, shape in enumerate(shapes)]
+    vals = [0.7 * sh + rng.standard_normal(sh.shape) * rng.uniform(0.2, 3.0) for sh in shared]
+    return [as_f64(make(v, kind, dtype)) for v in vals]
+
+
+@pytest.mark.parametrize("kind,dtype", KIND_DTYPES)
+@pytest.mark.parametrize("op", ["adasum", "sum", "mean"])
+def test_matches_reference(comm, kind, dtype, op):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    for seed in range(3):
+        sizes = _layer_sizes(np.random.default_rng(seed))
+        data = all_ranks_data(comm, lambda r: _random_layers(seed, r, sizes, dtype, kind))
+        inputs = [make(v, kind, dtype) for v in data[rank]]
+        before = [as_f64(t).copy() for t in inputs]
+        with kind_context(kind):
+            out = adasum.adasum_allreduce(inputs, op=op)
+        want = reference_allreduce(data, op)
+        assert len(out) == len(inputs)
+        for i, (o, t, w) in enumerate(zip(out, inputs, want)):
+            assert type(o) is type(t) and tuple(o.shape) == tuple(t.shape) and o.dtype == t.dtype
+            err = rel_l2(as_f64(o), w)
+            assert err <= _tolerance(dtype, size), f"{op} {kind} {dtype} tensor {i}: relative error {err:.3g}"
+        for b, t in zip(before, inputs):  # out-of-place leaves the inputs alone
+            np.testing.assert_array_equal(as_f64(t), b)
+        assert_identical_across_ranks(comm, out)
+
+
+@pytest.mark.parametrize("kind,dtype", KIND_DTYPES)
+def test_orthogonal_inputs_give_exact_sum(comm, kind, dtype):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    # Rank r owns disjoint blocks of every layer, so all ranks' vectors are exactly orthogonal.
+    layers = []
+    for n in (size, 3 * size + 1, 64 * size):
+        v = np.zeros(n)
+        v[rank::size] = (rank + 1) * np.linspace(0.5, 1.5, len(v[rank::size]))
+        layers.append(v)
+    with kind_context(kind):
+        out = adasum.adasum_allreduce([make(v, kind, dtype) for v in layers])
+    for o, n in zip(out, (size, 3 * size + 1, 64 * size)):
+        want = np.zeros(n)
+        for r in range(size):
+            want[r::size] = (r + 1) * np.linspace(0.5, 1.5, len(want[r::size]))
+        np.testing.assert_array_equal(as_f64(o), as_f64(make(want, kind, dtype)))
+
+
+@pytest.mark.parametrize("kind,dtype", KIND_DTYPES)
+def test_parallel_inputs_give_mean(comm, kind, dtype):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    u = np.random.default_rng(7).uniform(0.5, 1.0, size=301)
+    with kind_context(kind):
+        same = adasum.adasum_allreduce(make(u, kind, dtype))
+        # Identical inputs come back unchanged (up to the last bit of the coefficients).
+        np.testing.assert_allclose(as_f64(same), as_f64(make(u, kind, dtype)), rtol=2 * EPS[dtype])
+        # Parallel inputs of different lengths give their mean; anti-parallel ones too.
+        # Rank 1's vector points the other way; no subtree's mean comes near zero, where the rule's
+        # coefficients would be ill-conditioned.
+        scales = np.array([-0.25 if r == 1 else 1.0 + r for r in range(size)], dtype=np.float64)
+        out = adasum.adasum_allreduce(make(scales[rank] * u, kind, dtype))
+    want = scales.mean() * as_f64(make(u, kind, dtype))
+    assert rel_l2(as_f64(out), want) <= 8 * EPS[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_parallel_extreme_magnitudes_stay_finite(comm, dtype):
+    """Squared norms of such vectors overflow or underflow in the dtype itself; in float64 they do not."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    info = torch.finfo(getattr(torch, dtype))
+    tiny, top = float(info.tiny), float(np.sqrt(info.max)) / 2.5
+    scales = np.geomspace(tiny, top, 12)
+    u = np.random.default_rng(3).uniform(1.0, 2.0, size=257)
+    c = 1.0 + rank / size  # every rank a different length, all >= 1 so no input is subnormal
+    layers = [make(s * c * u, "torch", dtype) for s in scales]
+    out = adasum.adasum_allreduce(layers)
+    mean_c = np.mean([1.0 + r / size for r in range(size)])
+    for s, o in zip(scales, out):
+        got = as_f64(o)
+        assert np.isfinite(got).all(), f"non-finite result at scale {s:.3g}"
+        assert rel_l2(got, s * mean_c * u) <= 8 * EPS[dtype], f"scale {s:.3g}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_inplace_single_and_noncontiguous(comm, kind):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    data = [np.random.default_rng([11, r]).standard_normal((6, 10)) for r in range(size)]
+    want = reference_allreduce([[d[:, ::2]] for d in data], "adasum")[0]
+    with kind_context(kind):
+        # one array in, one array out; a non-contiguous view
+        base = make(data[rank], kind, "float64")
+        out = adasum.adasum_allreduce(base[:, ::2])
+        assert tuple(out.shape) == (6, 5)
+        np.testing.assert_allclose(as_f64(out), want, rtol=1e-12, atol=1e-12)
+        # in place, into the non-contiguous view; the other columns stay untouched
+        res = adasum.adasum_allreduce_inplace(base[:, ::2])
+        np.testing.assert_allclose(as_f64(base[:, ::2]), want, rtol=1e-12, atol=1e-12)
+        np.testing.assert_array_equal(as_f64(base[:, 1::2]), data[rank][:, 1::2])
+        assert res is not None
+        # in place on a contiguous list, with the Op enum
+        pair = [make(data[rank][0], kind, "float32"), make(data[rank][1], kind, "float32")]
+        adasum.adasum_allreduce_inplace(pair, op=adasum.Op.SUM)
+    np.testing.assert_allclose(as_f64(pair[0]), sum(d[0] for d in data), rtol=1e-5, atol=1e-5)
+    assert_identical_across_ranks(comm, pair)
+
+
+def test_mixed_dtypes_and_kinds_in_one_call(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    data = [[np.random.default_rng([5, r, i]).standard_normal(n) for i, n in enumerate((33, 8, 100))]
+            for r in range(size)]
+    mine = data[rank]
+    inputs = [mine[0].astype(np.float32), torch.from_numpy(mine[1]), mine[2].astype(np.float64)]
+    out = adasum.adasum_allreduce(inputs)
+    want = reference_allreduce([[d[0].astype(np.float32), d[1], d[2]] for d in data])
+    assert isinstance(out[1], torch.Tensor) and out[1].dtype == torch.float64
+    assert out[0].dtype == np.float32
+    for o, w, tol in zip(out, want, (100 * EPS["float32"], 1e-13, 1e-13)):
+        assert rel_l2(as_f64(o), w) <= tol
+
+
+def test_zero_size_and_empty_inputs(comm):
+    out = adasum.adasum_allreduce([np.zeros(0, np.float32), np.zeros((3, 0))])
+    assert [o.shape for o in out] == [(0,), (3, 0)]
+    assert adasum.adasum_allreduce([]) == []
+
+
+def test_integer_sum(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    out = adasum.adasum_allreduce([np.arange(5, dtype=np.int64) * (rank + 1), torch.full((3,), rank, dtype=torch.int32)],
+                                  op="sum")
+    np.testing.assert_array_equal(out[0], np.arange(5) * size * (size + 1) // 2)
+    assert out[1].tolist() == [size * (size - 1) // 2] * 3
+
+
+def test_non_finite_input_poisons_that_layer_everywhere(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    a = np.ones(50, dtype=np.float32) * (rank + 1)
+    b = np.linspace(0, 1, 20).astype(np.float32)
+    if rank == size - 1:
+        a[17] = np.nan if size % 2 else np.inf
+    out = adasum.adasum_allreduce([a, b])
+    assert not np.isfinite(out[0]).all()
+    assert np.isfinite(out[1]).all()
+    flags = comm.allgather(bool(np.isfinite(out[0]).any()))
+    assert len(set(flags)) == 1
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_sub_communicators(comm, kind):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    color = rank % 2
+    # Within each half the rank order is reversed, so the tree's pairing follows the sub-communicator.
+    sub = comm.Split(color, key=size - rank)
+    try:
+        members = [r for r in sorted(range(size), key=lambda r: size - r) if r % 2 == color]
+        data = {r: [np.random.default_rng([17, r, i]).standard_normal(n) for i, n in enumerate((5, 40, 3))]
+                for r in range(size)}
+        out = adasum.adasum_allreduce([make(v, kind, "float64") for v in data[rank]], comm=sub)
+        want = reference_allreduce([data[r] for r in members])
+        assert members[sub.Get_rank()] == rank
+        for o, w in zip(out, want):
+            assert rel_l2(as_f64(o), w) <= 1e-13
+        assert_identical_across_ranks(sub, out)
+    finally:
+        sub.Free()
+
+
+def test_comm_self_returns_input(comm):
+    x = np.arange(4.0)
+    np.testing.assert_array_equal(adasum.adasum_allreduce(x, comm=MPI.COMM_SELF), x)
+
+
+def test_no_float64_copy_of_whole_buffer(comm):
+    """Dot products are accumulated in float64 block by block: peak extra memory stays far below the
+    float64 copy of the buffer (numpy reports its allocations to tracemalloc)."""
+    import tracemalloc
+
+    n = 1 << 20  # 4 MiB of float32; a float64 copy would be 8 MiB
+    x = np.random.default_rng(comm.Get_rank()).standard_normal(n).astype(np.float32)
+    adasum.adasum_allreduce(x)  # warm the kept receive buffers
+    tracemalloc.start()
+    try:
+        adasum.adasum_allreduce(x)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # the output buffer (4 MiB) plus small change; no 8 MiB float64 temporary
+    assert peak < x.nbytes + (2 << 20), f"peak traced memory {peak / 2**20:.1f} MiB"
