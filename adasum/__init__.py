@@ -8,7 +8,7 @@ bandwidth-optimal allreduce. ``adasum.torch.DistributedOptimizer`` applies it to
 from .allreduce import Op, adasum_allreduce, adasum_allreduce_inplace
 from .transport import Traffic, count_traffic, cuda_aware_mpi, get_gpu_transport, set_gpu_transport
 from .validate import AdasumMismatchError
-from .vhdd import release_buffers
+from .fusion import release_buffers
 
 __all__ = [
     "Op",

@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from . import transport as _transport
 from .arrays import adapter_for
-from .fusion import Group, make_groups
+from .fusion import Group, make_groups, pooled
 from .transport import Transport, library_comm
 from .validate import agree, describe
 from .vhdd import adasum_reduce
@@ -103,10 +103,11 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
     groups = make_groups(items, adapters, descs)
     for g in groups:
         members = [items[i] for i in g.indices]
-        if inplace and len(members) == 1 and g.adapter.is_contiguous(members[0]):
-            g.buffer, g.aliased = g.adapter.flat_view(members[0]), True
+        view = g.adapter.fused_view(members) if inplace else None
+        if view is not None and len(view) == g.size:
+            g.buffer, g.aliased = view, True
         else:
-            g.buffer = g.adapter.empty(g.size, g.dtype, g.device)
+            g.buffer = pooled(g, g.size, "fused") if inplace else g.adapter.empty(g.size, g.dtype, g.device)
             g.adapter.pack(members, g.buffer, g.bounds)
     active = [g for g in groups if g.size > 0]
 

@@ -57,11 +57,12 @@ class Adapter:
         """Copy each layer of ``buf`` back into the user's tensor (which may be non-contiguous)."""
         raise NotImplementedError
 
-    def is_contiguous(self, t) -> bool:
-        raise NotImplementedError
+    def fused_view(self, tensors: Sequence[Any]):
+        """A flat view over ``tensors`` if they lie back to back, in order, in one contiguous block of one
+        allocation (views of one flat buffer, a single contiguous tensor); otherwise None.
 
-    def flat_view(self, t):
-        """A flat view of a contiguous tensor (shares its memory)."""
+        An in-place call on such tensors works on their memory directly, with no copy in or out.
+        """
         raise NotImplementedError
 
     # --- arithmetic on flat buffers -------------------------------------------------------------------------
@@ -144,7 +145,7 @@ class ArrayModuleAdapter(Adapter):
         return isinstance(t, self.xp.ndarray)
 
     def dtype_name(self, t) -> str:
-        return np.dtype(t.dtype).name
+        return t.dtype.name
 
     def device(self, t) -> str:
         dev = getattr(t, "device", "cpu")
@@ -172,11 +173,29 @@ class ArrayModuleAdapter(Adapter):
         for t, s, e in zip(tensors, bounds[:-1], bounds[1:]):
             t[...] = buf[s:e].reshape(t.shape)
 
-    def is_contiguous(self, t):
-        return bool(t.flags.c_contiguous)
+    def fused_view(self, tensors):
+        if self.xp is not np:
+            if len(tensors) == 1 and tensors[0].flags.c_contiguous:
+                return tensors[0].reshape(-1)
+            return None
+        live = [t for t in tensors if t.size]
+        if not live or not all(t.flags.c_contiguous and t.flags.writeable for t in live):
+            return None
+        root = _numpy_root(live[0])
+        end = live[0].__array_interface__["data"][0]
+        for t in live:
+            if t.__array_interface__["data"][0] != end or _numpy_root(t) is not root:
+                return None
+            end += t.nbytes
+        total = sum(t.size for t in live)
+        first = live[0].reshape(-1)
+        return np.lib.stride_tricks.as_strided(first, shape=(total,), strides=(first.itemsize,))
 
-    def flat_view(self, t):
-        return t.reshape(-1)
+    def _numpy_scratch(self, name, dtype):
+        buf = self._scratch.get(name)
+        if buf is None:
+            buf = self._scratch[name] = np.empty((2, BLOCK), dtype=dtype)
+        return buf
 
     def _f64(self, like, which):
         key = (which, self.device(like))
@@ -186,6 +205,8 @@ class ArrayModuleAdapter(Adapter):
         return buf
 
     def partial_dots(self, a, b, pieces):
+        if self.xp is np:
+            return _numpy_partial_dots(a, b, pieces, self._numpy_scratch("gram", np.float64))
         xp = self.xp
         out = xp.zeros((len(pieces), 3), dtype=xp.float64)
         if a.dtype == xp.float64:
@@ -195,38 +216,36 @@ class ArrayModuleAdapter(Adapter):
         else:
             x64, y64 = self._f64(a, 0), self._f64(a, 1)
             for i, (s, e) in enumerate(pieces):
-                acc = [0.0, 0.0, 0.0]
                 for bs, be in _blocks(s, e):
                     n = be - bs
                     x, y = x64[:n], y64[:n]
                     x[...] = a[bs:be]
                     y[...] = b[bs:be]
-                    acc[0] += xp.dot(x, y)
-                    acc[1] += xp.dot(x, x)
-                    acc[2] += xp.dot(y, y)
-                out[i, 0], out[i, 1], out[i, 2] = acc
-        return out if xp is np else xp.asnumpy(out)
+                    out[i, 0] += xp.dot(x, y)
+                    out[i, 1] += xp.dot(x, x)
+                    out[i, 2] += xp.dot(y, y)
+        return xp.asnumpy(out)
 
     def scaled_add(self, a, b, pieces, ca, cb):
-        xp = self.xp
-        if a.dtype == xp.float64:
-            for (s, e), p, q in zip(pieces, ca.tolist(), cb.tolist()):
-                x, y = a[s:e], b[s:e]
-                xp.multiply(x, p, out=x)
-                xp.multiply(y, q, out=y)
-                xp.add(x, y, out=x)
+        if self.xp is np:
+            _numpy_scaled_add(a, b, pieces, ca, cb, self._numpy_scratch("wide", np.float32))
             return
+        xp = self.xp
         x64, y64 = self._f64(a, 0), self._f64(a, 1)
         for (s, e), p, q in zip(pieces, ca.tolist(), cb.tolist()):
             for bs, be in _blocks(s, e):
                 n = be - bs
-                x, y = x64[:n], y64[:n]
-                x[...] = a[bs:be]
-                y[...] = b[bs:be]
+                if a.dtype == xp.float64:
+                    x, y = a[bs:be], b[bs:be]
+                else:
+                    x, y = x64[:n], y64[:n]
+                    x[...] = a[bs:be]
+                    y[...] = b[bs:be]
                 xp.multiply(x, p, out=x)
                 xp.multiply(y, q, out=y)
                 xp.add(x, y, out=x)
-                a[bs:be] = x
+                if a.dtype != xp.float64:
+                    a[bs:be] = x
 
     def divide(self, buf, divisor):
         self.xp.divide(buf, divisor, out=buf)
@@ -324,11 +343,18 @@ class TorchAdapter(Adapter):
             for t, s, e in zip(tensors, bounds[:-1], bounds[1:]):
                 t.copy_(buf[s:e].view(t.shape))
 
-    def is_contiguous(self, t):
-        return bool(t.is_contiguous())
-
-    def flat_view(self, t):
-        return t.detach().view(-1)
+    def fused_view(self, tensors):
+        live = [t for t in tensors if t.numel()]
+        if not live or not all(t.is_contiguous() for t in live):
+            return None
+        storage = live[0].untyped_storage().data_ptr()
+        offset = live[0].storage_offset()
+        for t in live:
+            if t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset:
+                return None
+            offset += t.numel()
+        total = sum(t.numel() for t in live)
+        return self.torch.as_strided(live[0].detach(), (total,), (1,), live[0].storage_offset())
 
     def _f64(self, like, which):
         key = (which, like.device)
@@ -339,6 +365,9 @@ class TorchAdapter(Adapter):
 
     def partial_dots(self, a, b, pieces):
         torch = self.torch
+        if a.device.type == "cpu" and a.dtype != torch.bfloat16:
+            # numpy's kernels, on the same memory: they vectorise over many small layers
+            return _NUMPY.partial_dots(a.numpy(), b.numpy(), pieces)
         out = torch.zeros((len(pieces), 3), dtype=torch.float64, device=a.device)
         if a.dtype == torch.float64:
             for i, (s, e) in enumerate(pieces):
@@ -362,6 +391,9 @@ class TorchAdapter(Adapter):
 
     def scaled_add(self, a, b, pieces, ca, cb):
         torch = self.torch
+        if a.device.type == "cpu" and a.dtype != torch.bfloat16:
+            _NUMPY.scaled_add(a.numpy(), b.numpy(), pieces, ca, cb)
+            return
         if a.dtype == torch.float64:
             for (s, e), p, q in zip(pieces, ca.tolist(), cb.tolist()):
                 x = a[s:e]
@@ -415,6 +447,74 @@ class TorchAdapter(Adapter):
     def synchronize(self, device):
         if device.startswith("cuda"):
             self.torch.cuda.synchronize(device)
+
+
+def _numpy_root(t):
+    while isinstance(t.base, np.ndarray):
+        t = t.base
+    return t.base if t.base is not None else t
+
+
+def _numpy_blocks(n: int, pieces):
+    """Blocks of at most ``BLOCK`` elements over ``[0, n)``, with the pieces that fall into each.
+
+    ``pieces`` must partition ``[0, n)`` in order. Yields ``(bs, be, i0, cuts)``: the block's range, the
+    index of the first piece in it and the offsets where pieces start inside the block (``None`` when the
+    block lies inside one piece). Many small layers are thus handled by a few vectorised calls per block.
+    """
+    starts = np.fromiter((s for s, _ in pieces), dtype=np.int64, count=len(pieces))
+    for bs in range(0, n, BLOCK):
+        be = min(bs + BLOCK, n)
+        i0 = int(np.searchsorted(starts, bs, side="right")) - 1
+        i1 = int(np.searchsorted(starts, be, side="left"))
+        yield bs, be, i0, (None if i1 - i0 == 1 else np.maximum(starts[i0:i1], bs) - bs)
+
+
+def _numpy_partial_dots(a, b, pieces, gram_scratch) -> np.ndarray:
+    """Per piece [a·b, a·a, b·b], accumulated in float64 (narrower inputs are widened block by block)."""
+    out = np.zeros((len(pieces), 3))
+    native = a.dtype == np.float64
+    for bs, be, i0, cuts in _numpy_blocks(len(a), pieces):
+        if native:
+            x, y = a[bs:be], b[bs:be]
+        else:
+            m = gram_scratch[:, :be - bs]
+            m[0] = a[bs:be]
+            m[1] = b[bs:be]
+            x, y = m[0], m[1]
+        if cuts is not None:
+            i1 = i0 + len(cuts)
+            out[i0:i1, 0] += np.add.reduceat(x * y, cuts)
+            out[i0:i1, 1] += np.add.reduceat(x * x, cuts)
+            out[i0:i1, 2] += np.add.reduceat(y * y, cuts)
+        else:
+            out[i0] += (np.dot(x, y), np.dot(x, x), np.dot(y, y))
+    return out
+
+
+def _numpy_scaled_add(a, b, pieces, ca, cb, f32_scratch) -> None:
+    """``a ← ca·a + cb·b`` per piece. float32/float64 compute in their own precision (the result is
+    within an ulp or two of the exact value); float16 is widened to float32 block by block."""
+    wide = a.dtype == np.float16
+    for bs, be, i0, cuts in _numpy_blocks(len(a), pieces):
+        if wide:
+            x, y = f32_scratch[0, :be - bs], f32_scratch[1, :be - bs]
+            x[...] = a[bs:be]
+            y[...] = b[bs:be]
+        else:
+            x, y = a[bs:be], b[bs:be]
+        if cuts is None:
+            p, q = ca[i0], cb[i0]
+        else:
+            lengths = np.diff(np.append(cuts, be - bs))
+            i1 = i0 + len(cuts)
+            p = np.repeat(ca[i0:i1].astype(x.dtype), lengths)
+            q = np.repeat(cb[i0:i1].astype(x.dtype), lengths)
+        np.multiply(x, p, out=x, casting="unsafe")
+        np.multiply(y, q, out=y, casting="unsafe")
+        np.add(x, y, out=x)
+        if wide:
+            a[bs:be] = x
 
 
 _NUMPY = ArrayModuleAdapter(np)

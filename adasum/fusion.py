@@ -9,7 +9,7 @@ import numpy as np
 
 from .arrays import Adapter
 
-__all__ = ["Group", "make_groups", "pieces"]
+__all__ = ["Group", "make_groups", "pieces", "pooled", "release_buffers"]
 
 
 @dataclass
@@ -72,3 +72,29 @@ def pieces(bounds: np.ndarray, lo: int, hi: int) -> tuple[list[int], list[tuple[
             spans.append((s - lo, e - lo))
         i += 1
     return layers, spans
+
+
+_pool: dict[tuple, Any] = {}
+
+
+def pooled(g: Group, n: int, slot: str):
+    """A flat buffer of ``n`` elements of ``g``'s kind, device and dtype, kept for later calls.
+
+    Slots: ``"fused"`` (the in-place call's fused buffer) and ``"recv"`` (the halves received at each
+    level). Keeping them avoids allocating, and faulting in, fresh memory on every call.
+    """
+    key = (slot, g.adapter.kind, g.device, g.dtype)
+    buf = _pool.get(key)
+    if buf is None or len(buf) < n:
+        _pool.pop(key, None)
+        buf = _pool[key] = g.adapter.empty(max(n, 1), g.dtype, g.device)
+    return buf[:n]
+
+
+def release_buffers() -> None:
+    """Free the buffers kept between calls: the fused buffer of in-place calls and the receive buffer
+    (half the largest fused buffer, per dtype), and the host staging buffers of device transfers."""
+    from .transport import Transport
+
+    _pool.clear()
+    Transport._host.clear()

@@ -21,28 +21,10 @@ import numpy as np
 from mpi4py import MPI
 
 from .combine import coefficients
-from .fusion import Group, pieces
+from .fusion import Group, pieces, pooled
 from .transport import Transport, scalar_sendrecv
 
 __all__ = ["adasum_reduce"]
-
-_scratch: dict[tuple, object] = {}
-
-
-def _scratch_for(g: Group, n: int):
-    """A flat receive buffer of at least ``n`` elements of ``g``'s kind, kept for the next call."""
-    key = (g.adapter.kind, g.device, g.dtype)
-    buf = _scratch.get(key)
-    if buf is None or len(buf) < n:
-        buf = _scratch[key] = g.adapter.empty(max(n, 1), g.dtype, g.device)
-    return buf[:n]
-
-
-def release_buffers() -> None:
-    """Drop the receive buffers kept between calls (half the largest fused buffer per dtype)."""
-    _scratch.clear()
-    Transport._host.clear()
-
 
 def _layer_partials(groups, scratches, los, his, swap: bool):
     """Per-layer [left·right, ‖left‖², ‖right‖²] over this rank's segments, for all groups, flattened."""
@@ -101,7 +83,7 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Group], transports: Sequ
             t.recv(g.buffer, rank - 1)
         return
     if rank < 2 * extra:
-        scratches = [_scratch_for(g, g.size) for g in groups]
+        scratches = [pooled(g, g.size, "recv") for g in groups]
         for g, t, scr in zip(groups, transports, scratches):
             t.recv(scr, rank + 1)
         los, his = [0] * len(groups), [g.size for g in groups]
@@ -125,7 +107,7 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Group], transports: Sequ
         for g, t, lo, hi in zip(groups, transports, los, his):
             mid = lo + (hi - lo) // 2
             (klo, khi), (slo, shi) = ((mid, hi), (lo, mid)) if upper else ((lo, mid), (mid, hi))
-            scr = _scratch_for(g, khi - klo)
+            scr = pooled(g, khi - klo, "recv")
             t.sendrecv(g.buffer[slo:shi], partner, scr, partner)
             new_los.append(klo)
             new_his.append(khi)

@@ -1,0 +1,159 @@
+"""Times adasum_allreduce against MPI's own allreduce on the same data, interleaved in one run.
+
+Run under MPI, for example::
+
+    mpiexec -n 4 python benchmarks/allreduce.py --json benchmarks/out/np4.json
+
+Each size is a float32 model of ten layers of uneven sizes (in proportion 1, 2, 3, 5, …, 89). Each
+repeat runs every method once, in a rotating order, between barriers; a method's time for a repeat is
+that of its slowest rank, and the table shows the median over repeats. ``raw`` is ``comm.Allreduce(SUM)``
+in place on one contiguous buffer of the same bytes: the strongest baseline, with no per-layer work at all.
+Ratios are to ``raw`` of the same repeat. Bytes sent per rank are counted by ``adasum.count_traffic``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import adasum
+
+WEIGHTS = np.array([1, 2, 3, 5, 8, 13, 21, 34, 55, 89], dtype=np.float64)
+
+
+def parse_size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    text = text.strip().lower().removesuffix("ib").removesuffix("b")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def layer_sizes(nbytes: int, itemsize: int = 4) -> list[int]:
+    n = max(len(WEIGHTS), nbytes // itemsize)
+    sizes = np.floor(WEIGHTS / WEIGHTS.sum() * n).astype(int)
+    sizes[-1] += n - sizes.sum()
+    return sizes.tolist()
+
+
+def _methods(comm, ops, hierarchical):
+    names = ["raw"] + [f"{op}" for op in ops]
+    if hierarchical:
+        names.append("adasum-hier")
+    return names
+
+
+def run(comm, nbytes: int, ops, repeats: int, warmup: int, hierarchical: bool) -> dict:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    rng = np.random.default_rng(rank)
+    sizes = layer_sizes(nbytes)
+    layers = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    flat = np.concatenate(layers)
+    work = [x.copy() for x in layers]
+    names = _methods(comm, ops, hierarchical)
+
+    def call(name):
+        if name == "raw":
+            comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+        elif name == "adasum-hier":
+            adasum.adasum_allreduce_inplace(work, op="adasum", comm=comm, hierarchical=True)
+        else:
+            adasum.adasum_allreduce_inplace(work, op=name, comm=comm)
+
+    sent = {}
+    for name in names:
+        with adasum.count_traffic() as t:
+            call(name)
+        sent[name] = (t.sent_bytes + t.allreduce_bytes) if name != "raw" else None
+    for _ in range(warmup):
+        for name in names:
+            call(name)
+    times = {name: [] for name in names}
+    for rep in range(repeats):
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        for name in order:
+            # Refill so that values stay in range whatever the ops did to them.
+            for w, x in zip(work, layers):
+                w[...] = x
+            flat[...] = 0.5
+            comm.Barrier()
+            t0 = time.perf_counter()
+            call(name)
+            dt = time.perf_counter() - t0
+            times[name].append(comm.allreduce(dt, op=MPI.MAX))
+    total = int(sum(sizes)) * 4
+    raw = np.array(times["raw"])
+    out = {"bytes": total, "world_size": size, "layers": len(sizes), "results": {}}
+    for name in names:
+        t = np.array(times[name])
+        med = float(np.median(t))
+        algbw = total / med
+        out["results"][name] = {
+            "median_s": med,
+            "ratio_to_raw": float(np.median(t / raw)),
+            "algbw_GBps": algbw / 1e9,
+            "busbw_GBps": algbw * 2 * (size - 1) / size / 1e9,
+            "sent_bytes_rank0": sent[name],
+        }
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB",
+                    help="total bytes per call, comma-separated (KiB, MiB, GiB)")
+    ap.add_argument("--ops", default="adasum,sum,mean", help="adasum ops to time next to the raw allreduce")
+    ap.add_argument("--hierarchical", action="store_true", help="also time hierarchical Adasum")
+    ap.add_argument("--repeats", type=int, default=0, help="repeats per size (default: by size)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--json", help="write the results to this JSON file (rank 0)")
+    args = ap.parse_args(argv)
+
+    comm = MPI.COMM_WORLD
+    ops = [o for o in args.ops.split(",") if o]
+    results = []
+    for s in args.sizes.split(","):
+        nbytes = parse_size(s)
+        repeats = args.repeats or int(np.clip(2e8 / max(nbytes, 1), 7, 51))
+        res = run(comm, nbytes, ops, repeats, args.warmup, args.hierarchical)
+        res["repeats"] = repeats
+        results.append(res)
+        if comm.Get_rank() == 0:
+            _print_row(res, first=len(results) == 1)
+    if comm.Get_rank() == 0 and args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        meta = {"world_size": comm.Get_size(), "mpi": MPI.Get_library_version().splitlines()[0],
+                "host": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
+                "argv": sys.argv}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+    return 0
+
+
+def _print_row(res, first: bool) -> None:
+    names = list(res["results"])
+    if first:
+        head = f"{'P':>3} {'bytes':>10} " + " ".join(f"{n + ' ms':>12}" for n in names) + " " + \
+               " ".join(f"{n + '/raw':>12}" for n in names if n != "raw")
+        print(head)
+    r = res["results"]
+    line = f"{res['world_size']:>3} {_human(res['bytes']):>10} " + " ".join(
+        f"{r[n]['median_s'] * 1e3:>12.3f}" for n in names) + " " + " ".join(
+        f"{r[n]['ratio_to_raw']:>12.2f}" for n in names if n != "raw")
+    print(line, flush=True)
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g}{unit}"
+    return f"{n}B"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

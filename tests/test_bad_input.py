@@ -1,0 +1,126 @@
+"""SPEC §6: bad input raises on every rank, names the rank, the tensor and the numbers, and loses nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import adasum
+from adasum import AdasumMismatchError
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+def _last(comm) -> int:
+    return comm.Get_size() - 1
+
+
+def _still_works(comm):
+    """The communicator is usable afterwards: a correct call gives the right answer on every rank."""
+    size = comm.Get_size()
+    out = adasum.adasum_allreduce(np.full(3, comm.Get_rank() + 1.0), op="sum")
+    np.testing.assert_array_equal(out, np.full(3, size * (size + 1) / 2))
+
+
+def _inputs(comm):
+    return [np.ones((4, 3), np.float32) * (comm.Get_rank() + 1), np.arange(5.0), np.zeros(2, np.float32)]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shape_mismatch_names_tensor_and_ranks(comm):
+    tensors = _inputs(comm)
+    if comm.Get_rank() == _last(comm):
+        tensors[1] = np.arange(6.0)
+    keep = [t.copy() for t in tensors]
+    with pytest.raises(AdasumMismatchError) as info:
+        adasum.adasum_allreduce_inplace(tensors)
+    msg = str(info.value)
+    assert f"tensor 1 differs: rank {_last(comm)} has shape (6,) float64, rank 0 has shape (5,) float64" in msg
+    for t, k in zip(tensors, keep):  # nothing was written
+        np.testing.assert_array_equal(t, k)
+    _still_works(comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_dtype_mismatch(comm):
+    tensors = _inputs(comm)
+    if comm.Get_rank() == 1:
+        tensors[2] = tensors[2].astype(np.float64)
+    with pytest.raises(AdasumMismatchError, match=r"tensor 2 differs: rank 1 has shape \(2,\) float64, rank 0 "
+                                                  r"has shape \(2,\) float32"):
+        adasum.adasum_allreduce(tensors)
+    _still_works(comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_count_mismatch(comm):
+    tensors = _inputs(comm)
+    if comm.Get_rank() == _last(comm):
+        tensors = tensors[:2]
+    with pytest.raises(AdasumMismatchError, match=rf"number of tensors \(first differing tensor index 2\): "
+                                                  rf"rank {_last(comm)} passes 2, rank 0 passes 3"):
+        adasum.adasum_allreduce(tensors)
+    _still_works(comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_op_mismatch(comm):
+    op = "mean" if comm.Get_rank() == 1 else adasum.Op.ADASUM
+    with pytest.raises(AdasumMismatchError, match="ranks disagree on the op: rank 1 has 'mean', rank 0 has 'adasum'"):
+        adasum.adasum_allreduce(_inputs(comm), op=op)
+    _still_works(comm)
+
+
+def test_unsupported_dtype_on_one_rank_raises_type_error_everywhere(comm):
+    tensors = _inputs(comm)
+    if comm.Get_rank() == _last(comm):
+        tensors[0] = np.ones((4, 3), np.complex64)
+    with pytest.raises(TypeError, match=rf"rank {_last(comm)}: tensor 0 has unsupported dtype complex64"):
+        adasum.adasum_allreduce(tensors)
+    _still_works(comm)
+
+
+def test_unsupported_type_raises_type_error_everywhere(comm):
+    tensors = _inputs(comm)
+    if comm.Get_rank() == 0:
+        tensors[2] = [0.0, 0.0]
+    with pytest.raises(TypeError, match=r"rank 0: tensor 2 is a builtins.list; adasum takes numpy arrays"):
+        adasum.adasum_allreduce(tensors)
+    _still_works(comm)
+
+
+@pytest.mark.parametrize("op", ["adasum", "mean"])
+def test_integers_only_for_sum(comm, op):
+    with pytest.raises(TypeError, match=rf"tensor 0 has integer dtype int32, which op '{op}' does not take"):
+        adasum.adasum_allreduce([torch.ones(3, dtype=torch.int32)], op=op)
+    _still_works(comm)
+
+
+def test_unknown_op(comm):
+    with pytest.raises(ValueError, match=r"op must be one of 'adasum', 'sum', 'mean', got 'max'"):
+        adasum.adasum_allreduce([np.ones(2)], op="max")
+    _still_works(comm)
+
+
+def test_mixed_devices_rejected(comm):
+    # A CPU tensor among "device" tensors is the same check as two devices; on CPU-only machines a meta
+    # tensor stands in for the second device.
+    with pytest.raises(ValueError, match=r"tensor 1 is on meta but tensor 0 is on cpu"):
+        adasum.adasum_allreduce([torch.ones(2), torch.empty(2, device="meta")])
+    _still_works(comm)
+
+
+def test_not_a_communicator(comm):
+    with pytest.raises(TypeError, match="comm must be an mpi4py intracommunicator, got str"):
+        adasum.adasum_allreduce(np.ones(2), comm="world")
+
+
+def test_nan_on_one_rank_is_seen_by_all(comm):
+    x = np.ones(10) * (comm.Get_rank() + 1)
+    if comm.Get_rank() == _last(comm):
+        x[3] = np.nan
+    for op in ("adasum", "sum", "mean"):
+        out = adasum.adasum_allreduce(x, op=op)
+        assert comm.allgather(bool(np.isnan(out).any())) == [True] * comm.Get_size()
+    _still_works(comm)
