@@ -504,7 +504,8 @@ def _numpy_scaled_add(a, b, pieces, ca, cb, f32_scratch) -> None:
         else:
             x, y = a[bs:be], b[bs:be]
         if cuts is None:
-            p, q = ca[i0], cb[i0]
+            # scalars of the array's own type, so that the ufuncs run a float32 loop for float32 data
+            p, q = x.dtype.type(ca[i0]), x.dtype.type(cb[i0])
         else:
             lengths = np.diff(np.append(cuts, be - bs))
             i1 = i0 + len(cuts)

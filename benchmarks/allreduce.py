@@ -48,13 +48,16 @@ def _methods(comm, ops, hierarchical):
     return names
 
 
-def run(comm, nbytes: int, ops, repeats: int, warmup: int, hierarchical: bool) -> dict:
+def run(comm, nbytes: int, ops, repeats: int, warmup: int, hierarchical: bool, layout: str) -> dict:
     rank, size = comm.Get_rank(), comm.Get_size()
     rng = np.random.default_rng(rank)
     sizes = layer_sizes(nbytes)
     layers = [rng.standard_normal(n).astype(np.float32) for n in sizes]
     flat = np.concatenate(layers)
-    work = [x.copy() for x in layers]
+    if layout == "views":
+        work = np.split(flat.copy(), np.cumsum(sizes)[:-1])
+    else:
+        work = [x.copy() for x in layers]
     names = _methods(comm, ops, hierarchical)
 
     def call(name):
@@ -109,6 +112,9 @@ def main(argv=None) -> int:
                     help="total bytes per call, comma-separated (KiB, MiB, GiB)")
     ap.add_argument("--ops", default="adasum,sum,mean", help="adasum ops to time next to the raw allreduce")
     ap.add_argument("--hierarchical", action="store_true", help="also time hierarchical Adasum")
+    ap.add_argument("--layout", choices=["separate", "views"], default="separate",
+                    help="the layers as separate arrays (reduced through a fused copy) or as consecutive views "
+                         "of one flat buffer (reduced in place, no copy)")
     ap.add_argument("--repeats", type=int, default=0, help="repeats per size (default: by size)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", help="write the results to this JSON file (rank 0)")
@@ -120,7 +126,8 @@ def main(argv=None) -> int:
     for s in args.sizes.split(","):
         nbytes = parse_size(s)
         repeats = args.repeats or int(np.clip(2e8 / max(nbytes, 1), 7, 51))
-        res = run(comm, nbytes, ops, repeats, args.warmup, args.hierarchical)
+        res = run(comm, nbytes, ops, repeats, args.warmup, args.hierarchical, args.layout)
+        res["layout"] = args.layout
         res["repeats"] = repeats
         results.append(res)
         if comm.Get_rank() == 0:
