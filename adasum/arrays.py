@@ -5,8 +5,8 @@ buffer, for per-layer partial dot products over a piece of it, for the in-place 
 and for an object MPI can read. Compute stays on the array's device; only the (layers × 3) float64 partial
 sums cross to the host.
 
-Two adapters cover the four kinds: :class:`ArrayModuleAdapter` is written against the numpy API and serves
-numpy (``xp = numpy``) and cupy (``xp = cupy``); :class:`TorchAdapter` serves torch tensors on any device.
+:class:`NumpyAdapter` serves numpy arrays, :class:`CupyAdapter` cupy arrays and :class:`TorchAdapter` torch
+tensors on the CPU or a CUDA device.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["Adapter", "ArrayModuleAdapter", "TorchAdapter", "adapter_for", "FLOAT_DTYPES"]
+__all__ = ["Adapter", "NumpyAdapter", "CupyAdapter", "TorchAdapter", "adapter_for", "FLOAT_DTYPES"]
 
 # Elements converted to float64 at a time: two such blocks (a and b) stay in a core's L2 cache, and no
 # float64 copy of a whole buffer is ever made.
@@ -96,9 +96,6 @@ class Adapter:
         """``dst[...] = src`` elementwise, casting to dst's dtype."""
         raise NotImplementedError
 
-    def all_finite(self, buf) -> bool:
-        raise NotImplementedError
-
     # --- transport ----------------------------------------------------------------------------------------
     def is_host(self, buf) -> bool:
         return True
@@ -124,42 +121,123 @@ class Adapter:
         """Wait for queued device work, so that MPI reads finished data."""
 
 
-def _blocks(s: int, e: int):
-    for bs in range(s, e, BLOCK):
-        yield bs, min(bs + BLOCK, e)
+# On a device, blocks are larger: each block costs a few kernel launches.
+DEVICE_BLOCK = 1 << 22
 
 
-class ArrayModuleAdapter(Adapter):
-    """numpy arrays, and any module with numpy's API whose arrays live on one device (cupy).
+def _blocks(s: int, e: int, block: int = BLOCK):
+    for bs in range(s, e, block):
+        yield bs, min(bs + block, e)
 
-    With ``xp = numpy`` it is the numpy adapter; the tests also run it as a stand-in for cupy, with
-    staging forced, so the device code paths are exercised on machines without a GPU.
-    """
 
-    def __init__(self, xp=np, kind: str | None = None):
-        self.xp = xp
-        self.kind = kind or xp.__name__
+class NumpyAdapter(Adapter):
+    """numpy arrays (host memory)."""
+
+    kind = "numpy"
+
+    def __init__(self):
         self._scratch: dict = {}
-
-    def owns(self, t) -> bool:
-        return isinstance(t, self.xp.ndarray)
 
     def dtype_name(self, t) -> str:
         return t.dtype.name
 
     def device(self, t) -> str:
-        dev = getattr(t, "device", "cpu")
-        if self.xp is np:
-            return "cpu"
-        return f"cuda:{getattr(dev, 'id', 0)}"
-
-    def is_host(self, buf) -> bool:
-        return self.xp is np
+        return "cpu"
 
     def empty(self, n, dtype, device):
-        if self.xp is np:
-            return np.empty(n, dtype=dtype)
-        with self.xp.cuda.Device(int(device.split(":")[1])):
+        return np.empty(n, dtype=dtype)
+
+    def pack(self, tensors, buf, bounds):
+        for t, s, e in zip(tensors, bounds[:-1], bounds[1:]):
+            buf[s:e].reshape(t.shape)[...] = t
+
+    def views(self, buf, bounds, shapes):
+        return [buf[s:e].reshape(shape) for s, e, shape in zip(bounds[:-1], bounds[1:], shapes)]
+
+    def write_back(self, tensors, buf, bounds):
+        for t, s, e in zip(tensors, bounds[:-1], bounds[1:]):
+            t[...] = buf[s:e].reshape(t.shape)
+
+    def fused_view(self, tensors):
+        live = [t for t in tensors if t.size]
+        if not live or not all(t.flags.c_contiguous and t.flags.writeable for t in live):
+            return None
+        root = _numpy_root(live[0])
+        end = live[0].__array_interface__["data"][0]
+        for t in live:
+            if t.__array_interface__["data"][0] != end or _numpy_root(t) is not root:
+                return None
+            end += t.nbytes
+        total = sum(t.size for t in live)
+        first = live[0].reshape(-1)
+        return np.lib.stride_tricks.as_strided(first, shape=(total,), strides=(first.itemsize,))
+
+    def _block_scratch(self, name, dtype):
+        buf = self._scratch.get(name)
+        if buf is None:
+            buf = self._scratch[name] = np.empty((2, BLOCK), dtype=dtype)
+        return buf
+
+    def partial_dots(self, a, b, pieces):
+        return _numpy_partial_dots(a, b, pieces, self._block_scratch("wide64", np.float64))
+
+    def scaled_add(self, a, b, pieces, ca, cb):
+        _numpy_scaled_add(a, b, pieces, ca, cb, self._block_scratch("wide32", np.float32))
+
+    def divide(self, buf, divisor):
+        np.divide(buf, divisor, out=buf)
+
+    def host_typed(self, buf):
+        return buf
+
+    def numpy_dtype(self, buf):
+        return np.dtype(buf.dtype)
+
+    def astype(self, buf, dtype):
+        return buf.astype(dtype)
+
+    def copy_(self, dst, src):
+        dst[...] = src
+
+    def mpi_bytes(self, buf):
+        return buf.view(np.uint8)
+
+    def to_host(self, buf, host):
+        host[...] = buf.view(np.uint8)
+
+    def from_host(self, host, buf):
+        buf.view(np.uint8)[...] = host
+
+
+class CupyAdapter(Adapter):
+    """cupy arrays on a CUDA device; the arithmetic runs in cupy kernels on that device.
+
+    Written against the numpy-compatible subset of cupy's API plus ``xp.cuda`` (devices and streams),
+    ``ndarray.get``/``ndarray.set`` and a page-locked host allocator, so that the tests can run it on a
+    numpy-backed stand-in module where no GPU exists.
+    """
+
+    kind = "cupy"
+
+    def __init__(self, xp, pinned_empty=None):
+        self.xp = xp
+        self._pinned_empty = pinned_empty
+        self._scratch: dict = {}
+
+    def dtype_name(self, t) -> str:
+        return t.dtype.name
+
+    def device(self, t) -> str:
+        return f"cuda:{t.device.id}"
+
+    def is_host(self, buf) -> bool:
+        return False
+
+    def _on(self, device: str):
+        return self.xp.cuda.Device(int(device.split(":")[1]))
+
+    def empty(self, n, dtype, device):
+        with self._on(device):
             return self.xp.empty(n, dtype=dtype)
 
     def pack(self, tensors, buf, bounds):
@@ -174,84 +252,54 @@ class ArrayModuleAdapter(Adapter):
             t[...] = buf[s:e].reshape(t.shape)
 
     def fused_view(self, tensors):
-        if self.xp is not np:
-            if len(tensors) == 1 and tensors[0].flags.c_contiguous:
-                return tensors[0].reshape(-1)
-            return None
-        live = [t for t in tensors if t.size]
-        if not live or not all(t.flags.c_contiguous and t.flags.writeable for t in live):
-            return None
-        root = _numpy_root(live[0])
-        end = live[0].__array_interface__["data"][0]
-        for t in live:
-            if t.__array_interface__["data"][0] != end or _numpy_root(t) is not root:
-                return None
-            end += t.nbytes
-        total = sum(t.size for t in live)
-        first = live[0].reshape(-1)
-        return np.lib.stride_tricks.as_strided(first, shape=(total,), strides=(first.itemsize,))
+        if len(tensors) == 1 and tensors[0].flags.c_contiguous:
+            return tensors[0].reshape(-1)
+        return None
 
-    def _numpy_scratch(self, name, dtype):
-        buf = self._scratch.get(name)
-        if buf is None:
-            buf = self._scratch[name] = np.empty((2, BLOCK), dtype=dtype)
-        return buf
-
-    def _f64(self, like, which):
-        key = (which, self.device(like))
+    def _wide(self, like, which, dtype):
+        key = (which, like.device.id, dtype)
         buf = self._scratch.get(key)
         if buf is None:
-            buf = self._scratch[key] = self.empty(BLOCK, "float64", self.device(like))
+            buf = self._scratch[key] = self.empty(DEVICE_BLOCK, dtype, f"cuda:{like.device.id}")
         return buf
 
     def partial_dots(self, a, b, pieces):
-        if self.xp is np:
-            return _numpy_partial_dots(a, b, pieces, self._numpy_scratch("gram", np.float64))
         xp = self.xp
         out = xp.zeros((len(pieces), 3), dtype=xp.float64)
-        if a.dtype == xp.float64:
-            for i, (s, e) in enumerate(pieces):
-                x, y = a[s:e], b[s:e]
-                out[i, 0], out[i, 1], out[i, 2] = xp.dot(x, y), xp.dot(x, x), xp.dot(y, y)
-        else:
-            x64, y64 = self._f64(a, 0), self._f64(a, 1)
-            for i, (s, e) in enumerate(pieces):
-                for bs, be in _blocks(s, e):
-                    n = be - bs
-                    x, y = x64[:n], y64[:n]
+        native = a.dtype == xp.float64
+        x64, y64 = (None, None) if native else (self._wide(a, 0, "float64"), self._wide(a, 1, "float64"))
+        for i, (s, e) in enumerate(pieces):
+            for bs, be in _blocks(s, e, DEVICE_BLOCK):
+                if native:
+                    x, y = a[bs:be], b[bs:be]
+                else:
+                    x, y = x64[:be - bs], y64[:be - bs]
                     x[...] = a[bs:be]
                     y[...] = b[bs:be]
-                    out[i, 0] += xp.dot(x, y)
-                    out[i, 1] += xp.dot(x, x)
-                    out[i, 2] += xp.dot(y, y)
+                out[i, 0] += xp.dot(x, y)
+                out[i, 1] += xp.dot(x, x)
+                out[i, 2] += xp.dot(y, y)
         return xp.asnumpy(out)
 
     def scaled_add(self, a, b, pieces, ca, cb):
-        if self.xp is np:
-            _numpy_scaled_add(a, b, pieces, ca, cb, self._numpy_scratch("wide", np.float32))
-            return
         xp = self.xp
-        x64, y64 = self._f64(a, 0), self._f64(a, 1)
+        wide = a.dtype == xp.float16
         for (s, e), p, q in zip(pieces, ca.tolist(), cb.tolist()):
-            for bs, be in _blocks(s, e):
-                n = be - bs
-                if a.dtype == xp.float64:
-                    x, y = a[bs:be], b[bs:be]
-                else:
-                    x, y = x64[:n], y64[:n]
+            for bs, be in _blocks(s, e, DEVICE_BLOCK):
+                if wide:
+                    x, y = self._wide(a, 0, "float32")[:be - bs], self._wide(a, 1, "float32")[:be - bs]
                     x[...] = a[bs:be]
                     y[...] = b[bs:be]
-                xp.multiply(x, p, out=x)
-                xp.multiply(y, q, out=y)
+                else:
+                    x, y = a[bs:be], b[bs:be]
+                xp.multiply(x, x.dtype.type(p), out=x)
+                xp.multiply(y, x.dtype.type(q), out=y)
                 xp.add(x, y, out=x)
-                if a.dtype != xp.float64:
+                if wide:
                     a[bs:be] = x
 
     def divide(self, buf, divisor):
         self.xp.divide(buf, divisor, out=buf)
-
-    def host_typed(self, buf):
-        return buf
 
     def numpy_dtype(self, buf):
         return np.dtype(buf.dtype)
@@ -262,43 +310,25 @@ class ArrayModuleAdapter(Adapter):
     def copy_(self, dst, src):
         dst[...] = src
 
-    def all_finite(self, buf):
-        return bool(self.xp.isfinite(buf).all())
-
     def mpi_bytes(self, buf):
         return buf.view(self.xp.uint8)
 
     def host_bytes_empty(self, nbytes, device):
-        if self.xp is np:
-            return np.empty(nbytes, dtype=np.uint8)
+        if self._pinned_empty is not None:
+            return self._pinned_empty(nbytes)
         import cupyx  # cupy's page-locked host arrays
 
         return cupyx.empty_pinned((nbytes,), dtype=np.uint8)
 
     def to_host(self, buf, host):
-        if self.xp is np:
-            host[...] = buf.view(np.uint8)
-        else:
-            buf.view(self.xp.uint8).get(out=host)
+        buf.view(self.xp.uint8).get(out=host)
 
     def from_host(self, host, buf):
-        if self.xp is np:
-            buf.view(np.uint8)[...] = host
-        else:
-            buf.view(self.xp.uint8).set(host)
+        buf.view(self.xp.uint8).set(host)
 
     def synchronize(self, device):
-        if self.xp is not np:
+        with self._on(device):
             self.xp.cuda.get_current_stream().synchronize()
-
-
-_TORCH_NAMES = {
-    "float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64",
-    "int8": "int8", "int16": "int16", "int32": "int32", "int64": "int64", "uint8": "uint8",
-    "uint16": "uint16", "uint32": "uint32", "uint64": "uint64", "bool": "bool",
-    "complex64": "complex64", "complex128": "complex128", "float8_e4m3fn": "float8_e4m3fn",
-    "float8_e5m2": "float8_e5m2",
-}
 
 
 class TorchAdapter(Adapter):
@@ -311,9 +341,6 @@ class TorchAdapter(Adapter):
 
         self.torch = torch
         self._scratch: dict = {}
-
-    def owns(self, t) -> bool:
-        return isinstance(t, self.torch.Tensor)
 
     def dtype_name(self, t) -> str:
         return str(t.dtype).replace("torch.", "")
@@ -356,12 +383,16 @@ class TorchAdapter(Adapter):
         total = sum(t.numel() for t in live)
         return self.torch.as_strided(live[0].detach(), (total,), (1,), live[0].storage_offset())
 
-    def _f64(self, like, which):
-        key = (which, like.device)
+    def _wide(self, like, which, dtype):
+        key = (which, like.device, dtype)
         buf = self._scratch.get(key)
         if buf is None:
-            buf = self._scratch[key] = self.torch.empty(BLOCK, dtype=self.torch.float64, device=like.device)
+            n = BLOCK if like.device.type == "cpu" else DEVICE_BLOCK
+            buf = self._scratch[key] = self.torch.empty(n, dtype=dtype, device=like.device)
         return buf
+
+    def _block(self, like) -> int:
+        return BLOCK if like.device.type == "cpu" else DEVICE_BLOCK
 
     def partial_dots(self, a, b, pieces):
         torch = self.torch
@@ -369,24 +400,21 @@ class TorchAdapter(Adapter):
             # numpy's kernels, on the same memory: they vectorise over many small layers
             return _NUMPY.partial_dots(a.numpy(), b.numpy(), pieces)
         out = torch.zeros((len(pieces), 3), dtype=torch.float64, device=a.device)
-        if a.dtype == torch.float64:
-            for i, (s, e) in enumerate(pieces):
-                x, y = a[s:e], b[s:e]
-                out[i, 0] = torch.dot(x, y)
-                out[i, 1] = torch.dot(x, x)
-                out[i, 2] = torch.dot(y, y)
-        else:
-            x64, y64 = self._f64(a, 0), self._f64(a, 1)
-            for i, (s, e) in enumerate(pieces):
-                row = out[i]
-                for bs, be in _blocks(s, e):
-                    n = be - bs
-                    x, y = x64[:n], y64[:n]
+        native = a.dtype == torch.float64
+        if not native:
+            x64, y64 = self._wide(a, 0, torch.float64), self._wide(a, 1, torch.float64)
+        for i, (s, e) in enumerate(pieces):
+            row = out[i]
+            for bs, be in _blocks(s, e, self._block(a)):
+                if native:
+                    x, y = a[bs:be], b[bs:be]
+                else:
+                    x, y = x64[:be - bs], y64[:be - bs]
                     x.copy_(a[bs:be])
                     y.copy_(b[bs:be])
-                    row[0] += torch.dot(x, y)
-                    row[1] += torch.dot(x, x)
-                    row[2] += torch.dot(y, y)
+                row[0] += torch.dot(x, y)
+                row[1] += torch.dot(x, x)
+                row[2] += torch.dot(y, y)
         return out.cpu().numpy()
 
     def scaled_add(self, a, b, pieces, ca, cb):
@@ -394,16 +422,15 @@ class TorchAdapter(Adapter):
         if a.device.type == "cpu" and a.dtype != torch.bfloat16:
             _NUMPY.scaled_add(a.numpy(), b.numpy(), pieces, ca, cb)
             return
-        if a.dtype == torch.float64:
+        if a.dtype in (torch.float32, torch.float64):
             for (s, e), p, q in zip(pieces, ca.tolist(), cb.tolist()):
-                x = a[s:e]
-                x.mul_(p).add_(b[s:e], alpha=q)
+                a[s:e].mul_(p).add_(b[s:e], alpha=q)
             return
-        x64, y64 = self._f64(a, 0), self._f64(a, 1)
+        # 16-bit: widen to float32 block by block so that the result is rounded to the dtype only once
+        x32, y32 = self._wide(a, 0, torch.float32), self._wide(a, 1, torch.float32)
         for (s, e), p, q in zip(pieces, ca.tolist(), cb.tolist()):
-            for bs, be in _blocks(s, e):
-                n = be - bs
-                x, y = x64[:n], y64[:n]
+            for bs, be in _blocks(s, e, self._block(a)):
+                x, y = x32[:be - bs], y32[:be - bs]
                 x.copy_(a[bs:be])
                 y.copy_(b[bs:be])
                 x.mul_(p).add_(y, alpha=q)
@@ -423,9 +450,6 @@ class TorchAdapter(Adapter):
 
     def copy_(self, dst, src):
         dst.copy_(src)
-
-    def all_finite(self, buf):
-        return bool(self.torch.isfinite(buf).all())
 
     def mpi_bytes(self, buf):
         u8 = buf.view(self.torch.uint8)
@@ -518,7 +542,7 @@ def _numpy_scaled_add(a, b, pieces, ca, cb, f32_scratch) -> None:
             a[bs:be] = x
 
 
-_NUMPY = ArrayModuleAdapter(np)
+_NUMPY = NumpyAdapter()
 _ADAPTERS: dict[str, Adapter] = {"numpy": _NUMPY}
 
 
@@ -528,6 +552,11 @@ def adapter_for(t) -> Adapter | None:
     torch and cupy are looked up only if the user's program has imported them: an object cannot be a
     torch tensor unless torch is loaded.
     """
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(t, cupy.ndarray):
+        if "cupy" not in _ADAPTERS:
+            _ADAPTERS["cupy"] = CupyAdapter(cupy, getattr(cupy, "_adasum_pinned_empty", None))
+        return _ADAPTERS["cupy"]
     if isinstance(t, np.ndarray):
         return _NUMPY
     torch = sys.modules.get("torch")
@@ -535,9 +564,4 @@ def adapter_for(t) -> Adapter | None:
         if "torch" not in _ADAPTERS:
             _ADAPTERS["torch"] = TorchAdapter()
         return _ADAPTERS["torch"]
-    cupy = sys.modules.get("cupy")
-    if cupy is not None and isinstance(t, cupy.ndarray):
-        if "cupy" not in _ADAPTERS:
-            _ADAPTERS["cupy"] = ArrayModuleAdapter(cupy)
-        return _ADAPTERS["cupy"]
     return None

@@ -11,11 +11,18 @@ from mpi4py import MPI
 
 import adasum
 
-# (kind, dtype) pairs that the library accepts. "staged" is numpy with every exchange forced through the
-# host staging path that device buffers take, standing in for cupy on machines without a GPU.
-KINDS = ["numpy", "torch", "staged"]
-FLOATS = {"numpy": ["float16", "float32", "float64"], "staged": ["float16", "float32", "float64"],
-          "torch": ["float16", "bfloat16", "float32", "float64"]}
+from cupy_standin import cupy_or_standin
+
+cupy = cupy_or_standin()
+CUPY_IS_REAL = not getattr(cupy, "__adasum_standin__", False)
+CUDA = torch.cuda.is_available()
+
+# Array kinds: numpy, torch on the CPU, cupy (on a GPU, or its numpy-backed stand-in, which runs the device
+# code paths on the CPU), and torch on a GPU where one exists.
+KINDS = ["numpy", "torch", "cupy"] + (["torch-cuda"] if CUDA else [])
+FLOATS = {"numpy": ["float16", "float32", "float64"], "cupy": ["float16", "float32", "float64"],
+          "torch": ["float16", "bfloat16", "float32", "float64"],
+          "torch-cuda": ["float16", "bfloat16", "float32", "float64"]}
 KIND_DTYPES = [(k, d) for k in KINDS for d in FLOATS[k]]
 
 EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23, "float64": 2.0 ** -52}
@@ -23,37 +30,45 @@ EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23, "flo
 
 def make(values: np.ndarray, kind: str, dtype: str):
     """``values`` as an array of ``kind`` and ``dtype``."""
-    if kind == "torch":
-        return torch.from_numpy(np.array(values, dtype=np.float64, copy=True)).to(getattr(torch, dtype))
-    return np.asarray(values, dtype=np.float64).astype(dtype)
+    if kind.startswith("torch"):
+        t = torch.from_numpy(np.array(values, dtype=np.float64, copy=True)).to(getattr(torch, dtype))
+        return t.cuda() if kind == "torch-cuda" else t
+    host = np.asarray(values, dtype=np.float64).astype(dtype)
+    return cupy.asarray(host) if kind == "cupy" else host
 
 
 def as_f64(x) -> np.ndarray:
     """A float64 numpy copy of any array the library returns."""
     if isinstance(x, torch.Tensor):
         return x.detach().to(torch.float64).cpu().numpy()
+    if isinstance(x, cupy.ndarray):
+        return cupy.asnumpy(x).astype(np.float64)
     return np.asarray(x, dtype=np.float64)
 
 
 def raw_bytes(x) -> bytes:
     if isinstance(x, torch.Tensor):
-        x = x.detach().contiguous()
+        x = x.detach().contiguous().cpu()
         return x.view(torch.uint8).numpy().tobytes() if x.numel() else b""
+    if isinstance(x, cupy.ndarray):
+        return cupy.asnumpy(x).tobytes()
     return np.ascontiguousarray(x).tobytes()
 
 
 @contextlib.contextmanager
-def kind_context(kind: str):
-    """Switch on the staging path for the 'staged' stand-in."""
-    if kind != "staged":
-        yield
-        return
+def gpu_transport(mode: str):
+    """Run the block with device buffers sent ``mode`` ("auto", "direct" or "staged")."""
     old = adasum.get_gpu_transport()
-    adasum.set_gpu_transport("staged")
+    adasum.set_gpu_transport(mode)
     try:
         yield
     finally:
         adasum.set_gpu_transport(old)
+
+
+def kind_context(kind: str):
+    """The transport a kind's tests use: the library's own choice."""
+    return gpu_transport("auto")
 
 
 def assert_identical_across_ranks(comm: MPI.Intracomm, arrays) -> None:

@@ -1,0 +1,86 @@
+"""A numpy-backed stand-in for the parts of cupy that adasum uses, for machines without a GPU.
+
+Its arrays are a numpy subclass with cupy's device attributes (``.device.id``, ``.get``, ``.set``), so
+:class:`adasum.arrays.CupyAdapter` runs all of its device code paths (device kernels through the module,
+staging through host buffers, stream synchronisation) on the CPU. Counters record the device calls.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+
+calls = {"synchronize": 0, "get": 0, "set": 0, "pinned": 0}
+
+
+class _Device:
+    def __init__(self, id: int = 0):
+        self.id = id
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class ndarray(np.ndarray):
+    @property
+    def device(self):
+        return _Device(0)
+
+    def get(self, out=None):
+        calls["get"] += 1
+        host = self.view(np.ndarray)
+        if out is None:
+            return host.copy()
+        out[...] = host
+        return out
+
+    def set(self, arr):
+        calls["set"] += 1
+        self.view(np.ndarray)[...] = arr
+
+
+def _wrap(a):
+    return np.asarray(a).view(ndarray)
+
+
+class _Stream:
+    def synchronize(self):
+        calls["synchronize"] += 1
+
+
+def make_module() -> types.ModuleType:
+    m = types.ModuleType("cupy")
+    m.ndarray = ndarray
+    m.empty = lambda shape, dtype=np.float64: _wrap(np.empty(shape, dtype))
+    m.zeros = lambda shape, dtype=np.float64: _wrap(np.zeros(shape, dtype))
+    m.asarray = lambda a, dtype=None: _wrap(np.array(a, dtype=dtype))
+    m.asnumpy = lambda a: np.array(np.asarray(a).view(np.ndarray))
+    m.dot = lambda x, y: np.dot(x.view(np.ndarray), y.view(np.ndarray))
+    for name in ("multiply", "add", "divide", "isfinite", "float16", "float32", "float64", "uint8"):
+        setattr(m, name, getattr(np, name))
+    m.cuda = types.SimpleNamespace(Device=_Device, get_current_stream=lambda: _Stream())
+
+    def pinned_empty(nbytes):
+        calls["pinned"] += 1
+        return np.empty(nbytes, dtype=np.uint8)
+
+    m._adasum_pinned_empty = pinned_empty
+    m.__adasum_standin__ = True
+    return m
+
+
+def cupy_or_standin():
+    """Real cupy where it imports, else the stand-in, installed as ``sys.modules['cupy']``."""
+    try:
+        import cupy  # noqa: F401
+
+        return sys.modules["cupy"]
+    except ImportError:
+        module = make_module()
+        sys.modules["cupy"] = module
+        return module

@@ -1,0 +1,107 @@
+"""Device buffers: transport choice, host staging and device checks.
+
+On machines without a GPU these run against the numpy-backed cupy stand-in (tests/cupy_standin.py), which
+takes the same code paths as cupy on a GPU; with real cupy or CUDA they run on the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import adasum
+from adasum import transport
+from adasum.reference import reference_allreduce
+from helpers import CUDA, CUPY_IS_REAL, as_f64, assert_identical_across_ranks, cupy, gpu_transport, make, rel_l2
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+def _layers(comm, rank, kind="cupy"):
+    return [make(np.random.default_rng([41, rank, i]).standard_normal(n), kind, "float32")
+            for i, n in enumerate((1000, 3, 4097))]
+
+
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+def test_cupy_transports_agree_with_reference(comm, mode):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    data = [[as_f64(t) for t in _layers(comm, r)] for r in range(size)]
+    with gpu_transport(mode):
+        out = adasum.adasum_allreduce(_layers(comm, rank))
+    assert all(isinstance(o, cupy.ndarray) for o in out)
+    for o, w in zip(out, reference_allreduce(data)):
+        assert rel_l2(as_f64(o), w) <= 100 * 2.0 ** -23
+    assert_identical_across_ranks(comm, out)
+
+
+@pytest.mark.skipif(CUPY_IS_REAL, reason="counts calls of the stand-in module")
+def test_staging_reuses_host_buffers_and_synchronises(comm):
+    from cupy_standin import calls
+
+    if comm.Get_size() == 1:
+        pytest.skip("a single rank exchanges nothing")
+    adasum.release_buffers()
+    with gpu_transport("staged"):
+        adasum.adasum_allreduce(_layers(comm, comm.Get_rank()))
+        before = dict(calls)
+        for _ in range(3):
+            adasum.adasum_allreduce(_layers(comm, comm.Get_rank()))
+    assert calls["pinned"] == before["pinned"], "staging buffers must be allocated once and reused"
+    assert calls["get"] > before["get"] and calls["set"] > before["set"]
+    with gpu_transport("direct"):
+        before = dict(calls)
+        adasum.adasum_allreduce(_layers(comm, comm.Get_rank()))
+    assert calls["get"] == before["get"] and calls["set"] == before["set"], "direct mode must not stage"
+    assert calls["synchronize"] > before["synchronize"], "the device must be synchronised before MPI reads"
+
+
+def test_sum_and_mean_on_device_buffers(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    for mode in ("staged", "direct"):
+        with gpu_transport(mode):
+            out = adasum.adasum_allreduce([make(np.full(5, rank + 1.0), "cupy", "float16"),
+                                           make(np.arange(4.0), "cupy", "float64")], op="mean")
+        np.testing.assert_allclose(as_f64(out[0]), np.full(5, (size + 1) / 2), rtol=1e-3)
+        np.testing.assert_array_equal(as_f64(out[1]), np.arange(4.0))
+
+
+def test_cpu_array_among_device_arrays_is_rejected(comm):
+    with pytest.raises(ValueError, match=r"tensor 1 is on cpu but tensor 0 is on cuda:0; all tensors of one call "
+                                         r"must be on one device"):
+        adasum.adasum_allreduce([make(np.ones(3), "cupy", "float32"), np.ones(3, np.float32)])
+
+
+def test_transport_mode_validation_and_env_override(monkeypatch):
+    with pytest.raises(ValueError, match="gpu transport must be one of"):
+        adasum.set_gpu_transport("nvlink")
+    monkeypatch.setattr(transport, "_cuda_aware", None)
+    monkeypatch.setenv("ADASUM_CUDA_AWARE", "1")
+    assert adasum.cuda_aware_mpi() is True
+    monkeypatch.setattr(transport, "_cuda_aware", None)
+    monkeypatch.setenv("ADASUM_CUDA_AWARE", "0")
+    assert adasum.cuda_aware_mpi() is False
+    monkeypatch.setattr(transport, "_cuda_aware", None)
+    monkeypatch.delenv("ADASUM_CUDA_AWARE")
+    assert isinstance(adasum.cuda_aware_mpi(), bool)  # asks the MPI library itself
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_torch_cuda_matches_cpu_bitwise_per_rank(comm):
+    rank = comm.Get_rank()
+    cpu = _layers(comm, rank, "torch")
+    gpu = [t.cuda() for t in cpu]
+    for mode in ("staged", "direct") if adasum.cuda_aware_mpi() else ("staged",):
+        with gpu_transport(mode):
+            out = adasum.adasum_allreduce(gpu)
+        assert all(o.is_cuda for o in out)
+        want = adasum.adasum_allreduce(cpu)
+        for o, w in zip(out, want):
+            assert rel_l2(as_f64(o), as_f64(w)) <= 10 * 2.0 ** -23
+        assert_identical_across_ranks(comm, out)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_torch_cuda_and_cpu_in_one_call_rejected(comm):
+    with pytest.raises(ValueError, match="must be on one device"):
+        adasum.adasum_allreduce([torch.ones(2, device="cuda"), torch.ones(2)])
