@@ -48,7 +48,7 @@ def as_f64(x) -> np.ndarray:
 
 def raw_bytes(x) -> bytes:
     if isinstance(x, torch.Tensor):
-        x = x.detach().contiguous().cpu()
+        x = x.detach().reshape(-1).contiguous().cpu()
         return x.view(torch.uint8).numpy().tobytes() if x.numel() else b""
     if isinstance(x, cupy.ndarray):
         return cupy.asnumpy(x).tobytes()
