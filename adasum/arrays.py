@@ -38,9 +38,6 @@ class Adapter:
     def device(self, t) -> str:
         raise NotImplementedError
 
-    def shape(self, t) -> tuple[int, ...]:
-        return tuple(int(n) for n in t.shape)
-
     # --- fused buffers ------------------------------------------------------------------------------------
     def empty(self, n: int, dtype: str, device: str):
         raise NotImplementedError
@@ -139,7 +136,7 @@ class NumpyAdapter(Adapter):
         self._scratch: dict = {}
 
     def dtype_name(self, t) -> str:
-        return t.dtype.name
+        return _dtype_name(t.dtype)
 
     def device(self, t) -> str:
         return "cpu"
@@ -225,7 +222,7 @@ class CupyAdapter(Adapter):
         self._scratch: dict = {}
 
     def dtype_name(self, t) -> str:
-        return t.dtype.name
+        return _dtype_name(t.dtype)
 
     def device(self, t) -> str:
         return f"cuda:{t.device.id}"
@@ -471,6 +468,17 @@ class TorchAdapter(Adapter):
     def synchronize(self, device):
         if device.startswith("cuda"):
             self.torch.cuda.synchronize(device)
+
+
+_DTYPE_NAMES: dict = {}
+
+
+def _dtype_name(dtype) -> str:
+    # numpy's dtype.name is computed in Python on every access; a call may describe thousands of tensors
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = np.dtype(dtype).name
+    return name
 
 
 def _numpy_root(t):

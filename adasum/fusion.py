@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -34,9 +36,6 @@ class Group:
     def size(self) -> int:
         return int(self.bounds[-1])
 
-    @property
-    def itemsize(self) -> int:
-        return int(self.adapter.mpi_bytes(self.buffer[:1]).nbytes) if self.size else 0
 
 
 def make_groups(tensors: Sequence[Any], adapters: Sequence[Adapter], descs) -> list[Group]:
@@ -50,8 +49,8 @@ def make_groups(tensors: Sequence[Any], adapters: Sequence[Adapter], descs) -> l
         g.indices.append(i)
         g.shapes.append(desc.shape)
     for g in groups.values():
-        sizes = [int(np.prod(s, dtype=np.int64)) for s in g.shapes]
-        g.bounds = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        g.bounds = np.fromiter(itertools.accumulate((math.prod(s) for s in g.shapes), initial=0),
+                               dtype=np.int64, count=len(g.shapes) + 1)
     return list(groups.values())
 
 

@@ -8,9 +8,7 @@ waiting in the allreduce.
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -25,8 +23,7 @@ class AdasumMismatchError(ValueError):
     """The ranks called a collective with inputs that do not match (op, tensor count, shape or dtype)."""
 
 
-@dataclass(frozen=True)
-class TensorDesc:
+class TensorDesc(NamedTuple):
     shape: tuple[int, ...]
     dtype: str
     device: str
@@ -46,29 +43,42 @@ def describe(tensors: Sequence[Any], op: str, rank: int):
             raise TypeError(f"rank {rank}: tensor {i} is a {type(t).__module__}.{type(t).__qualname__}; "
                             "adasum takes numpy arrays, torch tensors and cupy arrays")
         dtype = adapter.dtype_name(t)
-        if dtype in FLOAT_DTYPES:
-            pass
-        elif dtype in INT_DTYPES:
-            if op != "sum":
+        if dtype not in _ALLOWED[op]:
+            if dtype in INT_DTYPES:
                 raise TypeError(f"rank {rank}: tensor {i} has integer dtype {dtype}, which op '{op}' does not "
                                 "take; integers are allowed for op 'sum' only")
-        else:
             raise TypeError(f"rank {rank}: tensor {i} has unsupported dtype {dtype}; supported are float16, "
                             "bfloat16 (torch), float32, float64, and integers for op 'sum'")
-        desc = TensorDesc(adapter.shape(t), dtype, adapter.device(t))
-        devices.setdefault(desc.device, i)
-        if len(devices) > 1:
-            (d0, i0), (d1, i1) = list(devices.items())[:2]
-            raise ValueError(f"rank {rank}: tensor {i1} is on {d1} but tensor {i0} is on {d0}; all tensors "
-                             "of one call must be on one device")
+        device = adapter.device(t)
+        if device not in devices:
+            devices[device] = i
+            if len(devices) > 1:
+                (d0, i0), (d1, i1) = list(devices.items())[:2]
+                raise ValueError(f"rank {rank}: tensor {i1} is on {d1} but tensor {i0} is on {d0}; all "
+                                 "tensors of one call must be on one device")
         adapters.append(adapter)
-        descs.append(desc)
+        descs.append(TensorDesc(tuple(t.shape), dtype, device))
     return adapters, descs
 
 
+_ALLOWED = {"adasum": FLOAT_DTYPES, "mean": FLOAT_DTYPES, "sum": FLOAT_DTYPES | INT_DTYPES}
+
+
+_DTYPE_CODES = {name: i for i, name in enumerate(sorted(FLOAT_DTYPES | INT_DTYPES))}
+
+
 def _signature(op: str, descs: Sequence[TensorDesc], extra: tuple) -> int:
-    text = repr((op, extra, [(d.shape, d.dtype) for d in descs])).encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
+    """A 62-bit digest of what must agree between ranks.
+
+    Built from integers only: Python hashes ints and tuples of ints the same in every process (only
+    strings are salted per process), and hashing them is far cheaper than a cryptographic digest.
+    """
+    key = (_OPS[op], tuple(int(bool(v)) for _, v in extra),
+           tuple((d.shape, _DTYPE_CODES[d.dtype]) for d in descs))
+    return hash(key) & ((1 << 62) - 1)
+
+
+_OPS = {"adasum": 1, "sum": 2, "mean": 3}
 
 
 def agree(comm: MPI.Intracomm, op: str, descs: Sequence[TensorDesc] | None, error: Exception | None,

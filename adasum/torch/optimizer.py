@@ -229,6 +229,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``"sum"``/``"mean"`` it would replace the reduced gradients by local ones.
         """
         if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
             raise RuntimeError("DistributedOptimizer was passed to GradScaler.step(); instead give the scaler "
                                "to the constructor (DistributedOptimizer(..., grad_scaler=scaler)) and call "
                                "optimizer.step() directly: the scaler's own update would differ across ranks")
