@@ -6,7 +6,8 @@ launches ``mpiexec -n P python benchmarks/allreduce.py`` for each P (with ``--ho
 launcher options of your MPI where ranks span hosts or emulated nodes), then writes ``results.json``,
 ``results.csv`` and three PNGs into ``--out``: time against size, bus bandwidth against size, and the
 ratio to the raw ``comm.Allreduce`` against size, one line per op and world size.
-``--plot-only`` redraws from an existing ``results.json``.
+``--plot-only`` redraws from an existing ``results.json``. ``--launcher`` replaces mpiexec, for example to
+run across the network namespaces of ``benchmarks/cluster/netns.sh``.
 """
 
 from __future__ import annotations
@@ -30,10 +31,13 @@ def run_sweep(args) -> list[dict]:
     mpiexec = shutil_which("mpiexec")
     for p in [int(x) for x in args.world_sizes.split(",") if x]:
         json_path = out / f"np{p}.json"
-        cmd = [mpiexec, "-n", str(p)]
-        if args.hostfile:
-            cmd += ["-f", args.hostfile]
-        cmd += shlex.split(args.mpiexec_args)
+        if args.launcher:
+            cmd = shlex.split(args.launcher.format(P=p))
+        else:
+            cmd = [mpiexec, "-n", str(p)]
+            if args.hostfile:
+                cmd += ["-f", args.hostfile]
+            cmd += shlex.split(args.mpiexec_args)
         cmd += [sys.executable, str(HERE / "allreduce.py"), "--sizes", args.sizes, "--ops", args.ops,
                 "--json", str(json_path), "--layout", args.layout]
         if args.repeats:
@@ -131,6 +135,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hierarchical", action="store_true", help="also time hierarchical Adasum")
     ap.add_argument("--hostfile", help="hostfile passed to mpiexec -f")
     ap.add_argument("--mpiexec-args", default="", help="further mpiexec options, e.g. '-launcher fork'")
+    ap.add_argument("--launcher", default="",
+                    help="a launch command to use instead of mpiexec, with {P} for the world size, e.g. "
+                         "'bash benchmarks/cluster/netns.sh run {P} 1 --' (one rank on each of P emulated hosts)")
     ap.add_argument("--label", default="", help="a title for the plots (machine, network)")
     ap.add_argument("--out", default="benchmarks/out/allreduce")
     ap.add_argument("--plot-only", action="store_true", help="redraw from OUT/results.json")
