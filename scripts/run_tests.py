@@ -1,4 +1,5 @@
-"""Runs the test suite: once serially, then under mpiexec at each world size in --sizes.
+"""Runs the test suite: once serially, then under mpiexec at each world size in --sizes, then the
+hierarchical-mode tests on emulated nodes (--hostfile-runs).
 
 Rank 0 of each MPI run prints to the terminal; the other ranks write to logs that are printed only when
 their run fails. The last line is the total over all runs, in the form "N passed, N failed".
@@ -18,6 +19,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = ROOT / ".venv" / "bin"
+
+# Emulated nodes on one machine: MPICH's hydra, with the fork launcher, makes every line of a hostfile its
+# own node (its own Split_type(COMM_TYPE_SHARED) group) whatever host name it gives. Each run: (name,
+# ranks, expected nodes as "ranks;ranks"); hostfiles/emulated-<name>.txt; the tests check the layout.
+HOSTFILE_RUNS = [
+    ("2x2", 4, "0,1;2,3"),
+    ("2x3", 6, "0,1,2;3,4,5"),
+    ("3x2", 6, "0,1;2,3;4,5"),
+    ("4x2", 8, "0,1;2,3;4,5;6,7"),
+    ("3x1", 3, "0;1;2"),
+    ("1x4", 4, "0,1,2,3"),
+    ("3+1+2", 6, "0,1,2;3;4,5"),
+    ("interleaved", 5, "0,2,4;1,3"),  # two one-slot hosts, ranks wrap around: unequal and non-contiguous
+]
+HOSTFILE_TESTS = ["tests/test_hierarchical.py"]
 
 
 def _counts(text: str) -> dict[str, int]:
@@ -53,6 +69,9 @@ def main() -> int:
     ap.add_argument("--sizes", default="1,2,3,4,5,6,8", help="MPI world sizes (comma-separated)")
     ap.add_argument("--no-serial", action="store_true", help="skip the serial (non-MPI) run")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds allowed for each mpiexec run")
+    ap.add_argument("--hostfile-runs", default="all",
+                    help="emulated-node runs of the hierarchical tests: 'all', 'none' or names from "
+                         f"{', '.join(name for name, _, _ in HOSTFILE_RUNS)} (comma-separated)")
     args, extra = ap.parse_known_args()
 
     env = dict(os.environ)
@@ -64,17 +83,29 @@ def main() -> int:
     failures = []
     started = time.time()
 
-    runs: list[tuple[str, list[str], str | None]] = []
+    runs: list[tuple[str, list[str], str | None, dict[str, str]]] = []
     if not args.no_serial:
-        runs.append(("serial", [py, "-m", "pytest", "-q", "-m", "not mpi", *extra], None))
+        runs.append(("serial", [py, "-m", "pytest", "-q", "-m", "not mpi", *extra], None, {}))
     for n in [int(s) for s in args.sizes.split(",") if s]:
         logdir = tempfile.mkdtemp(prefix=f"adasum-np{n}-")
         cmd = [str(VENV_BIN / "mpiexec"), "-n", str(n), py, "-m", "mpi4py", "-m", "pytest", "-q", "--with-mpi",
                "-m", "mpi", *extra]
-        runs.append((f"np={n}", cmd, logdir))
+        runs.append((f"np={n}", cmd, logdir, {}))
+    wanted = {s.strip() for s in args.hostfile_runs.split(",") if s.strip()}
+    unknown = wanted - {"all", "none"} - {name for name, _, _ in HOSTFILE_RUNS}
+    if unknown:
+        ap.error(f"--hostfile-runs: unknown run(s) {', '.join(sorted(unknown))}")
+    for name, n, nodes in HOSTFILE_RUNS:
+        if "none" in wanted or not ("all" in wanted or name in wanted):
+            continue
+        logdir = tempfile.mkdtemp(prefix=f"adasum-{name}-")
+        hostfile = ROOT / "hostfiles" / f"emulated-{name}.txt"
+        cmd = [str(VENV_BIN / "mpiexec"), "-launcher", "fork", "-f", str(hostfile), "-n", str(n), py, "-m",
+               "mpi4py", "-m", "pytest", "-q", "--with-mpi", "-m", "mpi", *HOSTFILE_TESTS, *extra]
+        runs.append((f"nodes {name} (np={n})", cmd, logdir, {"ADASUM_TEST_NODES": nodes}))
 
-    for name, cmd, logdir in runs:
-        run_env = dict(env)
+    for name, cmd, logdir, run_vars in runs:
+        run_env = dict(env, **run_vars)
         if logdir:
             run_env["ADASUM_TEST_LOGDIR"] = logdir
             run_env["MPIEXEC_TIMEOUT"] = str(args.timeout)

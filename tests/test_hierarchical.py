@@ -12,7 +12,6 @@ import os
 
 import numpy as np
 import pytest
-import torch
 from mpi4py import MPI
 
 import adasum
@@ -22,7 +21,8 @@ from adasum.hierarchical import _slice_bounds, _slice_group, hierarchical_reduce
 from adasum.reference import reference_allreduce, reference_hierarchical
 from adasum.transport import library_comm
 
-from helpers import EPS, KIND_DTYPES, as_f64, assert_identical_across_ranks, kind_context, make, rel_l2
+from helpers import (EPS, KIND_DTYPES, as_f64, assert_identical_across_ranks, cupy, gpu_transport, kind_context,
+                     make, rel_l2)
 
 # Layer sizes 0, 1, odd, and one larger than all the others together, so that slicing a fused buffer
 # between the ranks of a node cuts through layers.
@@ -205,13 +205,39 @@ def test_one_node_is_the_mean(comm, kind, dtype):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("kind,dtype", [("numpy", "float16"), ("torch", "float16"), ("staged", "float16")])
-def test_16bit_node_sum_does_not_overflow(comm, kind, dtype):
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_device_buffers_both_transports(comm, mode, dtype):
+    """cupy arrays (or the stand-in) with the node collectives on device memory and through host staging."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    inputs = [[make(v, "cupy", dtype) for v in rank_values(r, 16)] for r in range(size)]
+    with gpu_transport(mode):
+        out = adasum.adasum_allreduce(inputs[rank], hierarchical=True)
+    assert all(isinstance(o, cupy.ndarray) for o in out)
+    want = reference_hierarchical([[as_f64(t) for t in ts] for ts in inputs], world_nodes(comm))
+    check(comm, out, want, [dtype] * len(out))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind,mode", [("numpy", "auto"), ("torch", "auto"), ("cupy", "staged"),
+                                       ("cupy", "direct")])
+def test_16bit_node_sum_does_not_overflow(comm, kind, mode):
     """40000 is a float16 number but twice it is not: the node sum must be taken in float32."""
-    x = make(np.full(9, 40000.0), kind, dtype)
-    with kind_context(kind):
+    x = make(np.full(9, 40000.0), kind, "float16")
+    with gpu_transport(mode):
         out = adasum.adasum_allreduce([x], hierarchical=True)[0]
     np.testing.assert_array_equal(as_f64(out), np.full(9, 40000.0))
+
+
+@pytest.mark.mpi
+def test_nan_on_one_rank_poisons_its_layer_everywhere(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    values = rank_values(rank, 17)
+    if rank == size - 1:
+        values[4].flat[5] = np.nan
+    out = adasum.adasum_allreduce(values, hierarchical=True)
+    assert not np.isfinite(out[4]).all(), f"rank {rank}: the NaN of rank {size - 1} was lost"
+    assert_identical_across_ranks(comm, out)
 
 
 @pytest.mark.mpi
