@@ -150,6 +150,7 @@ class _NodeCollectives:
         else:
             wide, send = g, g.buffer
         recv = pooled(wide, n, "node-recv")
+        _record("node_bytes", self._nbytes(send), 1)
         if self.staged:
             hs = self.transport._stage(0, self._nbytes(send))
             hr = self.transport._stage(1, self._nbytes(recv))
@@ -177,6 +178,7 @@ class _NodeCollectives:
         item = self._nbytes(g.buffer[:1])
         me = self.comm.Get_rank()
         holders = [j for j, n in enumerate(self.counts) if n]
+        _record("node_bytes", self.counts[me] * item, len(holders))
         if self.staged:
             host = self.transport._stage(0, self._nbytes(g.buffer))
             lo, n = self.displs[me], self.counts[me]

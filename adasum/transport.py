@@ -27,13 +27,16 @@ class Traffic:
     """Bytes and messages this rank handed to MPI while :func:`count_traffic` was active.
 
     ``sent_bytes`` counts the vector exchanges; ``scalar_bytes`` the per-level dot-product sums and the
-    agreement check; ``allreduce_bytes`` the buffers given to ``MPI_Allreduce`` (sum, mean).
+    agreement check; ``allreduce_bytes`` the buffers given to ``MPI_Allreduce`` (sum, mean);
+    ``node_bytes`` the buffers given to the collectives inside a node (hierarchical mode: the
+    reduce-scatter's input and the slice this rank broadcasts).
     """
 
     sent_bytes: int = 0
     messages: int = 0
     scalar_bytes: int = 0
     allreduce_bytes: int = 0
+    node_bytes: int = 0
 
 
 _counters: list[Traffic] = []

@@ -73,7 +73,7 @@ def run(comm, nbytes: int, ops, repeats: int, warmup: int, hierarchical: bool, l
         with adasum.count_traffic() as t:
             call(name)
         # what the busiest rank handed to MPI: point-to-point bytes, or the buffer given to MPI_Allreduce
-        mine = t.sent_bytes + t.scalar_bytes + t.allreduce_bytes if name != "raw" else flat.nbytes
+        mine = (t.sent_bytes + t.scalar_bytes + t.allreduce_bytes + t.node_bytes) if name != "raw" else flat.nbytes
         sent[name] = comm.allreduce(mine, op=MPI.MAX)
     for _ in range(warmup):
         for name in names:
@@ -105,6 +105,8 @@ def run(comm, nbytes: int, ops, repeats: int, warmup: int, hierarchical: bool, l
             "busbw_GBps": algbw * 2 * (size - 1) / size / 1e9,
             "sent_bytes_max_rank": sent[name],
         }
+        if name == "adasum-hier" and "adasum" in times:
+            out["results"][name]["ratio_to_adasum"] = float(np.median(t / np.array(times["adasum"])))
     return out
 
 

@@ -47,6 +47,14 @@ def _counts(text: str) -> dict[str, int]:
     return found
 
 
+def _quiet_ranks() -> list[str]:
+    """A prefix for the rank command: every rank but 0 writes its output to $ADASUM_TEST_LOGDIR/rankN.log
+    (PMI_RANK is set by the process manager)."""
+    script = ('if [ "${PMI_RANK:-0}" != 0 ]; then exec >"$ADASUM_TEST_LOGDIR/rank$PMI_RANK.log" 2>&1; fi; '
+              'exec "$@"')
+    return ["sh", "-c", script, "sh"]
+
+
 def _run(cmd: list[str], env: dict[str, str], timeout: int) -> tuple[int, str]:
     print("$ " + " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
@@ -88,8 +96,8 @@ def main() -> int:
         runs.append(("serial", [py, "-m", "pytest", "-q", "-m", "not mpi", *extra], None, {}))
     for n in [int(s) for s in args.sizes.split(",") if s]:
         logdir = tempfile.mkdtemp(prefix=f"adasum-np{n}-")
-        cmd = [str(VENV_BIN / "mpiexec"), "-n", str(n), py, "-m", "mpi4py", "-m", "pytest", "-q", "--with-mpi",
-               "-m", "mpi", *extra]
+        cmd = [str(VENV_BIN / "mpiexec"), "-n", str(n), *_quiet_ranks(), py, "-m", "mpi4py", "-m", "pytest", "-q",
+               "--with-mpi", "-m", "mpi", *extra]
         runs.append((f"np={n}", cmd, logdir, {}))
     wanted = {s.strip() for s in args.hostfile_runs.split(",") if s.strip()}
     unknown = wanted - {"all", "none"} - {name for name, _, _ in HOSTFILE_RUNS}
@@ -100,8 +108,8 @@ def main() -> int:
             continue
         logdir = tempfile.mkdtemp(prefix=f"adasum-{name}-")
         hostfile = ROOT / "hostfiles" / f"emulated-{name}.txt"
-        cmd = [str(VENV_BIN / "mpiexec"), "-launcher", "fork", "-f", str(hostfile), "-n", str(n), py, "-m",
-               "mpi4py", "-m", "pytest", "-q", "--with-mpi", "-m", "mpi", *HOSTFILE_TESTS, *extra]
+        cmd = [str(VENV_BIN / "mpiexec"), "-launcher", "fork", "-f", str(hostfile), "-n", str(n), *_quiet_ranks(),
+               py, "-m", "mpi4py", "-m", "pytest", "-q", "--with-mpi", "-m", "mpi", *HOSTFILE_TESTS, *extra]
         runs.append((f"nodes {name} (np={n})", cmd, logdir, {"ADASUM_TEST_NODES": nodes}))
 
     for name, cmd, logdir, run_vars in runs:
