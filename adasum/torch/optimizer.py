@@ -37,11 +37,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     The training loop (Accelerate's convention)::
 
-        for x, y in shard:
+        for i, (x, y) in enumerate(shard):
             loss_fn(model(x), y).backward()
-            optimizer.step()          # reduces and updates only where a window closes
-            scheduler.step()          # a BoundaryScheduler: once per window
-            optimizer.zero_grad()     # does nothing while a window is open
+            if i == len(shard) - 1:
+                optimizer.force_boundary()  # a short last window is averaged by its own count
+            optimizer.step()                # reduces and updates only where a window closes
+            scheduler.step()                # a BoundaryScheduler: once per window
+            optimizer.zero_grad()           # does nothing while a window is open
 
     Args:
         optimizer: the torch optimizer to wrap; it keeps doing the actual update.
@@ -60,9 +62,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             optimizer then unscales at the boundary and updates the scale itself, from the non-finite check
             that all ranks share, so every rank keeps the same scale. Do not call the scaler's ``step``,
             ``unscale_`` or ``update`` yourself.
+        hierarchical: ``op="adasum"`` only: the deltas are averaged over the ranks of each node, then combined
+            with Adasum across nodes (``adasum_allreduce(..., hierarchical=True)``): fewer bytes between
+            nodes, Adasum's benefit kept for the node count.
         skip_nonfinite: skip an update, on every rank, when the reduced gradients (sum/mean) or weight deltas
             (adasum) hold a NaN or Inf; the parameters are left as they were, ``skipped_updates`` counts it
-            and rank 0 logs it once (logger ``"adasum"``). Off: non-finite values reach the parameters.
+            and rank 0 logs it once (logger ``"adasum"``). With adasum a rank whose own gradients are
+            non-finite skips its local step (its optimizer state stays finite); the other ranks have taken
+            theirs, and their optimizer state keeps it. Off: non-finite values reach the parameters.
 
     Attributes:
         is_boundary: whether the last ``step()`` closed a window.
@@ -77,7 +84,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer, *, op: str | Op = "adasum", accumulation_steps: int = 1,
                  comm: MPI.Intracomm | None = None, start_copy: str = "device", grad_scaler=None,
-                 skip_nonfinite: bool = True):
+                 skip_nonfinite: bool = True, hierarchical: bool = False):
         # torch.optim.Optimizer.__init__ is not called: the wrapped optimizer owns groups, state, defaults.
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer; wrap the torch optimizer only once")
@@ -93,6 +100,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
         if start_copy not in ("device", "host"):
             raise ValueError(f"start_copy must be 'device' or 'host', got {start_copy!r}")
+        if hierarchical and self.op != "adasum":
+            raise ValueError(f"hierarchical=True needs op 'adasum', got op '{self.op}'")
         if grad_scaler is not None and not all(callable(getattr(grad_scaler, m, None))
                                                for m in ("scale", "update", "get_scale", "is_enabled")):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
@@ -101,6 +110,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.start_copy = start_copy
         self.grad_scaler = grad_scaler
         self.skip_nonfinite = bool(skip_nonfinite)
+        self.hierarchical = bool(hierarchical)
         self._window = AccumulationWindow(accumulation_steps)
         self.is_boundary = False
         self.step_was_skipped = False
@@ -318,7 +328,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     if d.numel():
                         d.fill_(float("nan"))
                         break
-            adasum_allreduce_inplace(deltas, op="adasum", comm=self.comm)
+            adasum_allreduce_inplace(deltas, op="adasum", comm=self.comm, hierarchical=self.hierarchical)
             ok = not self.skip_nonfinite or _all_finite(deltas)
             self._apply_start(deltas, start, "add" if ok else "copy")
         return ok, loss
@@ -448,7 +458,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if lcomm.Get_size() == 1:
             return
         mine = {"op": self.op, "accumulation_steps": self._window.steps, "start_copy": self.start_copy,
-                "skip_nonfinite": self.skip_nonfinite, "grad_scaler": self._scaler_enabled(),
+                "skip_nonfinite": self.skip_nonfinite, "hierarchical": self.hierarchical,
+                "grad_scaler": self._scaler_enabled(),
                 "parameters": len(self._params())}
         shapes = hashlib.blake2b(repr([(tuple(p.shape), str(p.dtype)) for p in self._params()]).encode(),
                                  digest_size=8).hexdigest()
@@ -472,17 +483,21 @@ def _grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element is finite: the largest magnitude of each tensor (NaN propagates), one host
-    synchronisation per device."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    """Whether every element is finite, from each tensor's L1 norm (NaN and Inf carry through a sum; a sum of
+    finite values overflows only beyond float32's range, an update worth skipping too). One fused pass per
+    device where torch has one, 16-bit tensors summed in float32, one host synchronisation per device."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():
-            by_device.setdefault(t.device, []).append(t)
-    for ts in by_device.values():
-        peaks = torch._foreach_norm(ts, float("inf"))
-        if not bool(torch.isfinite(torch.stack([p.float() for p in peaks])).all()):
+            groups.setdefault((t.device, t.dtype in _HALF), []).append(t)
+    for (_, half), ts in groups.items():
+        norms = torch._foreach_norm(ts, 1, dtype=torch.float32 if half else None)
+        if not bool(torch.isfinite(torch.stack([n.to(norms[0].dtype) for n in norms])).all()):
             return False
     return True
+
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _host_like(p: torch.Tensor) -> torch.Tensor:
