@@ -83,6 +83,8 @@ def test_groups_state_and_defaults_are_the_wrapped_optimizers():
     assert torch.equal(extra.detach(), torch.full((3,), -1.0, dtype=torch.float64))
     inner.custom_setting = "kept"
     assert opt.custom_setting == "kept"  # other attributes reach the wrapped optimizer
+    with pytest.raises(TypeError, match="save its state_dict"):
+        copy.deepcopy(opt)
 
 
 def test_zero_grad_waits_for_the_boundary():

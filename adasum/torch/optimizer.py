@@ -149,6 +149,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise AttributeError(name)
         return getattr(optimizer, name)
 
+    def __getstate__(self):
+        raise TypeError("a DistributedOptimizer cannot be pickled or copied (it holds an MPI communicator); "
+                        "save its state_dict() instead")
+
     def __repr__(self) -> str:
         return (f"DistributedOptimizer(op={self.op!r}, accumulation_steps={self.accumulation_steps}, "
                 f"size={self.comm.Get_size()}, optimizer={self.optimizer!r})")
@@ -483,21 +487,26 @@ def _grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element is finite, from each tensor's L1 norm (NaN and Inf carry through a sum; a sum of
-    finite values overflows only beyond float32's range, an update worth skipping too). One fused pass per
-    device where torch has one, 16-bit tensors summed in float32, one host synchronisation per device."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
+    """Whether every element of ``tensors`` is finite: torch's fused check of GradScaler, one pass and one
+    host synchronisation per device. It multiplies by 1.0 on the way, which changes no value."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():
-            groups.setdefault((t.device, t.dtype in _HALF), []).append(t)
-    for (_, half), ts in groups.items():
-        norms = torch._foreach_norm(ts, 1, dtype=torch.float32 if half else None)
-        if not bool(torch.isfinite(torch.stack([n.to(norms[0].dtype) for n in norms])).all()):
+            by_device.setdefault(t.device, []).append(t)
+    for device, ts in by_device.items():
+        flags = _flags.get(device)
+        if flags is None:
+            flags = _flags[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
+        found, one = flags
+        found.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_(ts, found, one)
+        if found.item():
             return False
     return True
 
 
-_HALF = (torch.float16, torch.bfloat16)
+# Per device: the "found a non-finite value" flag and the factor 1.0 that _all_finite hands to torch.
+_flags: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _host_like(p: torch.Tensor) -> torch.Tensor:
