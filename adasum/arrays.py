@@ -127,22 +127,11 @@ def _blocks(s: int, e: int, block: int = BLOCK):
         yield bs, min(bs + block, e)
 
 
-class NumpyAdapter(Adapter):
-    """numpy arrays (host memory)."""
-
-    kind = "numpy"
-
-    def __init__(self):
-        self._scratch: dict = {}
+class _NumpyLike(Adapter):
+    """What numpy and cupy arrays share: the numpy API for packing, views, casts and dtypes."""
 
     def dtype_name(self, t) -> str:
         return _dtype_name(t.dtype)
-
-    def device(self, t) -> str:
-        return "cpu"
-
-    def empty(self, n, dtype, device):
-        return np.empty(n, dtype=dtype)
 
     def pack(self, tensors, buf, bounds):
         for t, s, e in zip(tensors, bounds[:-1], bounds[1:]):
@@ -154,6 +143,30 @@ class NumpyAdapter(Adapter):
     def write_back(self, tensors, buf, bounds):
         for t, s, e in zip(tensors, bounds[:-1], bounds[1:]):
             t[...] = buf[s:e].reshape(t.shape)
+
+    def numpy_dtype(self, buf):
+        return np.dtype(buf.dtype)
+
+    def astype(self, buf, dtype):
+        return buf.astype(dtype)
+
+    def copy_(self, dst, src):
+        dst[...] = src
+
+
+class NumpyAdapter(_NumpyLike):
+    """numpy arrays (host memory)."""
+
+    kind = "numpy"
+
+    def __init__(self):
+        self._scratch: dict = {}
+
+    def device(self, t) -> str:
+        return "cpu"
+
+    def empty(self, n, dtype, device):
+        return np.empty(n, dtype=dtype)
 
     def fused_view(self, tensors):
         live = [t for t in tensors if t.size]
@@ -187,15 +200,6 @@ class NumpyAdapter(Adapter):
     def host_typed(self, buf):
         return buf
 
-    def numpy_dtype(self, buf):
-        return np.dtype(buf.dtype)
-
-    def astype(self, buf, dtype):
-        return buf.astype(dtype)
-
-    def copy_(self, dst, src):
-        dst[...] = src
-
     def mpi_bytes(self, buf):
         return buf.view(np.uint8)
 
@@ -206,7 +210,7 @@ class NumpyAdapter(Adapter):
         buf.view(np.uint8)[...] = host
 
 
-class CupyAdapter(Adapter):
+class CupyAdapter(_NumpyLike):
     """cupy arrays on a CUDA device; the arithmetic runs in cupy kernels on that device.
 
     Written against the numpy-compatible subset of cupy's API plus ``xp.cuda`` (devices and streams),
@@ -221,9 +225,6 @@ class CupyAdapter(Adapter):
         self._pinned_empty = pinned_empty
         self._scratch: dict = {}
 
-    def dtype_name(self, t) -> str:
-        return _dtype_name(t.dtype)
-
     def device(self, t) -> str:
         return f"cuda:{t.device.id}"
 
@@ -236,17 +237,6 @@ class CupyAdapter(Adapter):
     def empty(self, n, dtype, device):
         with self._on(device):
             return self.xp.empty(n, dtype=dtype)
-
-    def pack(self, tensors, buf, bounds):
-        for t, s, e in zip(tensors, bounds[:-1], bounds[1:]):
-            buf[s:e].reshape(t.shape)[...] = t
-
-    def views(self, buf, bounds, shapes):
-        return [buf[s:e].reshape(shape) for s, e, shape in zip(bounds[:-1], bounds[1:], shapes)]
-
-    def write_back(self, tensors, buf, bounds):
-        for t, s, e in zip(tensors, bounds[:-1], bounds[1:]):
-            t[...] = buf[s:e].reshape(t.shape)
 
     def fused_view(self, tensors):
         if len(tensors) == 1 and tensors[0].flags.c_contiguous:
@@ -297,15 +287,6 @@ class CupyAdapter(Adapter):
 
     def divide(self, buf, divisor):
         self.xp.divide(buf, divisor, out=buf)
-
-    def numpy_dtype(self, buf):
-        return np.dtype(buf.dtype)
-
-    def astype(self, buf, dtype):
-        return buf.astype(dtype)
-
-    def copy_(self, dst, src):
-        dst[...] = src
 
     def mpi_bytes(self, buf):
         return buf.view(self.xp.uint8)
