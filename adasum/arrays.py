@@ -11,12 +11,39 @@ tensors on the CPU or a CUDA device.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["Adapter", "NumpyAdapter", "CupyAdapter", "TorchAdapter", "adapter_for", "FLOAT_DTYPES"]
+__all__ = ["Adapter", "NumpyAdapter", "CupyAdapter", "TorchAdapter", "adapter_for", "FLOAT_DTYPES",
+           "kernels_backend", "set_kernels_backend"]
+
+try:  # the compiled single-pass kernels for float32/float64 host buffers (setup.py builds them)
+    from . import _kernels as _c_kernels
+except ImportError:  # pragma: no cover - a build without a C compiler
+    _c_kernels = None
+
+_use_c = _c_kernels is not None and os.environ.get("ADASUM_KERNELS", "c") != "numpy"
+
+
+def kernels_backend() -> str:
+    """``"c"`` when host float32/float64 buffers go through the compiled kernels, else ``"numpy"``.
+
+    The environment variable ``ADASUM_KERNELS=numpy`` selects the numpy kernels at import.
+    """
+    return "c" if _use_c else "numpy"
+
+
+def set_kernels_backend(name: str) -> None:
+    """Select ``"c"`` (the compiled kernels; ImportError if they were not built) or ``"numpy"``."""
+    global _use_c
+    if name not in ("c", "numpy"):
+        raise ValueError(f"kernels backend must be 'c' or 'numpy', got {name!r}")
+    if name == "c" and _c_kernels is None:
+        raise ImportError("adasum._kernels was not built (no C compiler at install time?)")
+    _use_c = name == "c"
 
 # Elements converted to float64 at a time: two such blocks (a and b) stay in a core's L2 cache, and no
 # float64 copy of a whole buffer is ever made.
@@ -189,9 +216,18 @@ class NumpyAdapter(_NumpyLike):
         return buf
 
     def partial_dots(self, a, b, pieces):
+        if _use_c and a.dtype.char in "fd" and a.flags.c_contiguous and b.flags.c_contiguous:
+            out = np.empty((len(pieces), 3))
+            _c_kernels.dots(a, b, np.asarray(pieces, dtype=np.int64).reshape(-1, 2), out)
+            return out
         return _numpy_partial_dots(a, b, pieces, self._block_scratch("wide64", np.float64))
 
     def scaled_add(self, a, b, pieces, ca, cb):
+        if _use_c and a.dtype.char in "fd" and a.flags.c_contiguous and b.flags.c_contiguous:
+            _c_kernels.scaled_add(a, a, b, np.asarray(pieces, dtype=np.int64).reshape(-1, 2),
+                                  np.ascontiguousarray(ca, dtype=np.float64),
+                                  np.ascontiguousarray(cb, dtype=np.float64))
+            return
         _numpy_scaled_add(a, b, pieces, ca, cb, self._block_scratch("wide32", np.float32))
 
     def divide(self, buf, divisor):
