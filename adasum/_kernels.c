@@ -8,120 +8,178 @@
  * (a product of two floats is exact in double), so the dot products need no float64 copy of the buffer
  * and the combine rounds once to the buffer's type.
  *
- * The results do not depend on the instruction set the loops are compiled for: the dot products keep eight
- * independent partial sums in a fixed order and add them up in a fixed order, and the build turns off
- * floating-point contraction (no FMA), so every rank of a job computes bitwise the same numbers from the
- * same data even when its CPUs differ.
+ * The results do not depend on the instruction set: the AVX2 loops (chosen at import where the CPU has
+ * them) and the portable loops add in the same fixed order, and neither fuses a multiply with an add
+ * (the build turns floating-point contraction off), so every rank of a job computes bitwise the same
+ * numbers from the same data even when its CPUs differ.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define MULTIVERSION __attribute__((target_clones("avx2", "default")))
-#else
-#define MULTIVERSION
+/*
+ * The summation order, fixed for every build: element i goes to lane i mod 8 while at least 8 elements
+ * remain; at the end lane j and lane j + 4 are added (j = 0..3), then ((l0 + l1) + l2) + l3, then the last
+ * n mod 8 elements in order. The portable loops below and the AVX2 loops follow it exactly.
+ */
+#define DEFINE_PORTABLE(T, NAME)                                                                      \
+    static void dots_##NAME##_portable(const T *a, const T *b, Py_ssize_t n, double *out)            \
+    {                                                                                               \
+        double ab[8] = {0}, aa[8] = {0}, bb[8] = {0};                                               \
+        Py_ssize_t i = 0;                                                                           \
+        for (; i + 8 <= n; i += 8) {                                                                \
+            for (int j = 0; j < 8; j++) {                                                           \
+                double x = (double)a[i + j], y = (double)b[i + j];                                  \
+                ab[j] += x * y;                                                                     \
+                aa[j] += x * x;                                                                     \
+                bb[j] += y * y;                                                                     \
+            }                                                                                       \
+        }                                                                                           \
+        finish(ab, aa, bb, out);                                                                    \
+        tail_##NAME(a + i, b + i, n - i, out);                                                      \
+    }                                                                                               \
+                                                                                                    \
+    static void scaled_add_##NAME##_portable(T *dst, const T *a, const T *b, Py_ssize_t n, double ca, \
+                                             double cb)                                             \
+    {                                                                                               \
+        for (Py_ssize_t i = 0; i < n; i++)                                                          \
+            dst[i] = (T)(ca * (double)a[i] + cb * (double)b[i]);                                    \
+    }
+
+static void
+finish(double *ab, double *aa, double *bb, double *out)
+{
+    double *acc[3] = {ab, aa, bb};
+    for (int k = 0; k < 3; k++) {
+        double *l = acc[k];
+        out[k] = (((l[0] + l[4]) + (l[1] + l[5])) + (l[2] + l[6])) + (l[3] + l[7]);
+    }
+}
+
+#define DEFINE_TAIL(T, NAME)                                                                          \
+    static void tail_##NAME(const T *a, const T *b, Py_ssize_t n, double *out)                       \
+    {                                                                                               \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                        \
+            double x = (double)a[i], y = (double)b[i];                                              \
+            out[0] += x * y;                                                                        \
+            out[1] += x * x;                                                                        \
+            out[2] += y * y;                                                                        \
+        }                                                                                           \
+    }
+
+DEFINE_TAIL(float, f32)
+DEFINE_TAIL(double, f64)
+DEFINE_PORTABLE(float, f32)
+DEFINE_PORTABLE(double, f64)
+
+typedef void (*dots_fn)(const void *, const void *, Py_ssize_t, double *);
+typedef void (*scaled_add_fn)(void *, const void *, const void *, Py_ssize_t, double, double);
+
+static dots_fn dots_f32 = (dots_fn)dots_f32_portable, dots_f64 = (dots_fn)dots_f64_portable;
+static scaled_add_fn scaled_add_f32 = (scaled_add_fn)scaled_add_f32_portable,
+                     scaled_add_f64 = (scaled_add_fn)scaled_add_f64_portable;
+static const char *isa = "portable";
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_AVX2_PATH 1
+#define AVX2 __attribute__((target("avx2")))
+
+AVX2 static void
+finish_avx2(__m256d ab0, __m256d ab1, __m256d aa0, __m256d aa1, __m256d bb0, __m256d bb1, double *out)
+{
+    double ab[8], aa[8], bb[8];
+    _mm256_storeu_pd(ab, ab0);
+    _mm256_storeu_pd(ab + 4, ab1);
+    _mm256_storeu_pd(aa, aa0);
+    _mm256_storeu_pd(aa + 4, aa1);
+    _mm256_storeu_pd(bb, bb0);
+    _mm256_storeu_pd(bb + 4, bb1);
+    finish(ab, aa, bb, out);
+}
+
+#define ACCUMULATE(x0, x1, y0, y1)                                                                    \
+    do {                                                                                            \
+        ab0 = _mm256_add_pd(ab0, _mm256_mul_pd(x0, y0));                                            \
+        ab1 = _mm256_add_pd(ab1, _mm256_mul_pd(x1, y1));                                            \
+        aa0 = _mm256_add_pd(aa0, _mm256_mul_pd(x0, x0));                                            \
+        aa1 = _mm256_add_pd(aa1, _mm256_mul_pd(x1, x1));                                            \
+        bb0 = _mm256_add_pd(bb0, _mm256_mul_pd(y0, y0));                                            \
+        bb1 = _mm256_add_pd(bb1, _mm256_mul_pd(y1, y1));                                            \
+    } while (0)
+
+AVX2 static void
+dots_f32_avx2(const float *a, const float *b, Py_ssize_t n, double *out)
+{
+    __m256d ab0 = _mm256_setzero_pd(), ab1 = ab0, aa0 = ab0, aa1 = ab0, bb0 = ab0, bb1 = ab0;
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256d x0 = _mm256_cvtps_pd(_mm_loadu_ps(a + i)), x1 = _mm256_cvtps_pd(_mm_loadu_ps(a + i + 4));
+        __m256d y0 = _mm256_cvtps_pd(_mm_loadu_ps(b + i)), y1 = _mm256_cvtps_pd(_mm_loadu_ps(b + i + 4));
+        ACCUMULATE(x0, x1, y0, y1);
+    }
+    finish_avx2(ab0, ab1, aa0, aa1, bb0, bb1, out);
+    tail_f32(a + i, b + i, n - i, out);
+}
+
+AVX2 static void
+dots_f64_avx2(const double *a, const double *b, Py_ssize_t n, double *out)
+{
+    __m256d ab0 = _mm256_setzero_pd(), ab1 = ab0, aa0 = ab0, aa1 = ab0, bb0 = ab0, bb1 = ab0;
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256d x0 = _mm256_loadu_pd(a + i), x1 = _mm256_loadu_pd(a + i + 4);
+        __m256d y0 = _mm256_loadu_pd(b + i), y1 = _mm256_loadu_pd(b + i + 4);
+        ACCUMULATE(x0, x1, y0, y1);
+    }
+    finish_avx2(ab0, ab1, aa0, aa1, bb0, bb1, out);
+    tail_f64(a + i, b + i, n - i, out);
+}
+
+AVX2 static void
+scaled_add_f32_avx2(float *dst, const float *a, const float *b, Py_ssize_t n, double ca, double cb)
+{
+    __m256d p = _mm256_set1_pd(ca), q = _mm256_set1_pd(cb);
+    Py_ssize_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        __m256d x = _mm256_cvtps_pd(_mm_loadu_ps(a + i)), y = _mm256_cvtps_pd(_mm_loadu_ps(b + i));
+        _mm_storeu_ps(dst + i, _mm256_cvtpd_ps(_mm256_add_pd(_mm256_mul_pd(p, x), _mm256_mul_pd(q, y))));
+    }
+    scaled_add_f32_portable(dst + i, a + i, b + i, n - i, ca, cb);
+}
+
+AVX2 static void
+scaled_add_f64_avx2(double *dst, const double *a, const double *b, Py_ssize_t n, double ca, double cb)
+{
+    __m256d p = _mm256_set1_pd(ca), q = _mm256_set1_pd(cb);
+    Py_ssize_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        __m256d x = _mm256_loadu_pd(a + i), y = _mm256_loadu_pd(b + i);
+        _mm256_storeu_pd(dst + i, _mm256_add_pd(_mm256_mul_pd(p, x), _mm256_mul_pd(q, y)));
+    }
+    scaled_add_f64_portable(dst + i, a + i, b + i, n - i, ca, cb);
+}
 #endif
 
-typedef double v4d __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
-
-/* Eight partial sums per quantity (two vectors of four lanes), added up in a fixed order at the end. */
-struct acc {
-    v4d ab0, ab1, aa0, aa1, bb0, bb1;
-};
-
-static inline void
-acc_add(struct acc *s, v4d x0, v4d x1, v4d y0, v4d y1)
+/* Picks the AVX2 loops where the CPU has them (ADASUM_KERNELS_ISA=portable forces the portable ones). */
+static void
+select_isa(void)
 {
-    s->ab0 += x0 * y0;
-    s->ab1 += x1 * y1;
-    s->aa0 += x0 * x0;
-    s->aa1 += x1 * x1;
-    s->bb0 += y0 * y0;
-    s->bb1 += y1 * y1;
-}
-
-static inline double
-hsum(v4d lo, v4d hi)
-{
-    v4d v = lo + hi;
-    return (v[0] + v[2]) + (v[1] + v[3]);
-}
-
-static inline void
-acc_finish(const struct acc *s, const double *tail, Py_ssize_t n_tail, double *out)
-{
-    double ab = hsum(s->ab0, s->ab1), aa = hsum(s->aa0, s->aa1), bb = hsum(s->bb0, s->bb1);
-    for (Py_ssize_t i = 0; i < n_tail; i++) {
-        double x = tail[i], y = tail[n_tail + i];
-        ab += x * y;
-        aa += x * x;
-        bb += y * y;
+#ifdef HAVE_AVX2_PATH
+    const char *env = getenv("ADASUM_KERNELS_ISA");
+    if (env && strcmp(env, "portable") == 0)
+        return;
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) {
+        dots_f32 = (dots_fn)dots_f32_avx2;
+        dots_f64 = (dots_fn)dots_f64_avx2;
+        scaled_add_f32 = (scaled_add_fn)scaled_add_f32_avx2;
+        scaled_add_f64 = (scaled_add_fn)scaled_add_f64_avx2;
+        isa = "avx2";
     }
-    out[0] = ab;
-    out[1] = aa;
-    out[2] = bb;
-}
-
-MULTIVERSION static void
-dots_f32(const float *a, const float *b, Py_ssize_t n, double *out)
-{
-    struct acc s = {{0}, {0}, {0}, {0}, {0}, {0}};
-    Py_ssize_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        v4f a0, a1, b0, b1;
-        memcpy(&a0, a + i, sizeof a0);
-        memcpy(&a1, a + i + 4, sizeof a1);
-        memcpy(&b0, b + i, sizeof b0);
-        memcpy(&b1, b + i + 4, sizeof b1);
-        acc_add(&s, __builtin_convertvector(a0, v4d), __builtin_convertvector(a1, v4d),
-                __builtin_convertvector(b0, v4d), __builtin_convertvector(b1, v4d));
-    }
-    double tail[16];
-    Py_ssize_t t = n - i;
-    for (Py_ssize_t j = 0; j < t; j++) {
-        tail[j] = (double)a[i + j];
-        tail[t + j] = (double)b[i + j];
-    }
-    acc_finish(&s, tail, t, out);
-}
-
-MULTIVERSION static void
-dots_f64(const double *a, const double *b, Py_ssize_t n, double *out)
-{
-    struct acc s = {{0}, {0}, {0}, {0}, {0}, {0}};
-    Py_ssize_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        v4d a0, a1, b0, b1;
-        memcpy(&a0, a + i, sizeof a0);
-        memcpy(&a1, a + i + 4, sizeof a1);
-        memcpy(&b0, b + i, sizeof b0);
-        memcpy(&b1, b + i + 4, sizeof b1);
-        acc_add(&s, a0, a1, b0, b1);
-    }
-    double tail[16];
-    Py_ssize_t t = n - i;
-    for (Py_ssize_t j = 0; j < t; j++) {
-        tail[j] = a[i + j];
-        tail[t + j] = b[i + j];
-    }
-    acc_finish(&s, tail, t, out);
-}
-
-MULTIVERSION static void
-scaled_add_f32(float *dst, const float *a, const float *b, Py_ssize_t n, double ca, double cb)
-{
-    for (Py_ssize_t i = 0; i < n; i++)
-        dst[i] = (float)(ca * (double)a[i] + cb * (double)b[i]);
-}
-
-MULTIVERSION static void
-scaled_add_f64(double *dst, const double *a, const double *b, Py_ssize_t n, double ca, double cb)
-{
-    for (Py_ssize_t i = 0; i < n; i++)
-        dst[i] = ca * a[i] + cb * b[i];
+#endif
 }
 
 /* A C-contiguous buffer of 4- or 8-byte floats; returns the item size, or 0 with an exception set. */
@@ -302,5 +360,11 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__kernels(void)
 {
-    return PyModule_Create(&module);
+    select_isa();
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddStringConstant(m, "ISA", isa) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

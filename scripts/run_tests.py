@@ -1,5 +1,6 @@
-"""Runs the test suite: once serially, then under mpiexec at each world size in --sizes, then the
-hierarchical-mode tests on emulated nodes (--hostfile-runs).
+"""Runs the test suite: once serially, then under mpiexec at each world size in --sizes, the core tests
+again on the numpy kernels (--numpy-kernels-sizes), then the hierarchical-mode tests on emulated nodes
+(--hostfile-runs).
 
 Rank 0 of each MPI run prints to the terminal; the other ranks write to logs that are printed only when
 their run fails. The last line is the total over all runs, in the form "N passed, N failed".
@@ -34,6 +35,8 @@ HOSTFILE_RUNS = [
     ("interleaved", 5, "0,2,4;1,3"),  # two one-slot hosts, ranks wrap around: unequal and non-contiguous
 ]
 HOSTFILE_TESTS = ["tests/test_hierarchical.py"]
+# The numpy kernels (the fallback where adasum._kernels could not be built) run the core tests too.
+NUMPY_KERNEL_TESTS = ["tests/test_allreduce.py", "tests/test_hierarchical.py"]
 
 
 def _counts(text: str) -> dict[str, int]:
@@ -75,6 +78,8 @@ def _run(cmd: list[str], env: dict[str, str], timeout: int) -> tuple[int, str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sizes", default="1,2,3,4,5,6,8", help="MPI world sizes (comma-separated)")
+    ap.add_argument("--numpy-kernels-sizes", default="3",
+                    help="world sizes at which the core tests run again on the numpy kernels")
     ap.add_argument("--no-serial", action="store_true", help="skip the serial (non-MPI) run")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds allowed for each mpiexec run")
     ap.add_argument("--hostfile-runs", default="all",
@@ -99,6 +104,11 @@ def main() -> int:
         cmd = [str(VENV_BIN / "mpiexec"), "-n", str(n), *_quiet_ranks(), py, "-m", "mpi4py", "-m", "pytest", "-q",
                "--with-mpi", "-m", "mpi", *extra]
         runs.append((f"np={n}", cmd, logdir, {}))
+    for n in [int(s) for s in args.numpy_kernels_sizes.split(",") if s]:
+        logdir = tempfile.mkdtemp(prefix=f"adasum-np{n}-numpy-")
+        cmd = [str(VENV_BIN / "mpiexec"), "-n", str(n), *_quiet_ranks(), py, "-m", "mpi4py", "-m", "pytest", "-q",
+               "--with-mpi", "-m", "mpi", *NUMPY_KERNEL_TESTS, *extra]
+        runs.append((f"np={n}, numpy kernels", cmd, logdir, {"ADASUM_KERNELS": "numpy"}))
     wanted = {s.strip() for s in args.hostfile_runs.split(",") if s.strip()}
     unknown = wanted - {"all", "none"} - {name for name, _, _ in HOSTFILE_RUNS}
     if unknown:

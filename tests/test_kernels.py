@@ -1,0 +1,129 @@
+"""The compiled kernels (adasum._kernels) against float64 numpy, across instruction sets and the fallback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from adasum import arrays
+
+K = pytest.importorskip("adasum._kernels") if os.environ.get("ADASUM_ALLOW_NO_KERNELS") else None
+if K is None:
+    from adasum import _kernels as K  # the development and CI install must have built the extension
+
+
+def _spans(n: int, rng) -> np.ndarray:
+    """Consecutive spans over [0, n) of lengths 0 … 40 (every tail length of the 8-lane loops) and larger."""
+    cuts = [0]
+    while cuts[-1] < n:
+        cuts.append(min(n, cuts[-1] + int(rng.choice([0, 1, 7, 8, 9, 15, 16, 17, 40, 1000]))))
+    return np.array(list(zip(cuts[:-1], cuts[1:])), dtype=np.int64).reshape(-1, 2)
+
+
+def _data(dtype, n=5000, seed=0):
+    rng = np.random.default_rng(seed)
+    a = (rng.standard_normal(n) * rng.uniform(0.1, 1e3)).astype(dtype)
+    b = (rng.standard_normal(n) * rng.uniform(0.1, 1e3)).astype(dtype)
+    return a, b, _spans(n, rng)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_dots_match_float64(dtype):
+    a, b, spans = _data(dtype)
+    out = np.full((len(spans), 3), np.nan)
+    K.dots(a, b, spans, out)
+    x, y = a.astype(np.float64), b.astype(np.float64)
+    for (s, e), got in zip(spans, out):
+        want = [x[s:e] @ y[s:e], x[s:e] @ x[s:e], y[s:e] @ y[s:e]]
+        scale = [np.abs(x[s:e]) @ np.abs(y[s:e]), want[1], want[2]]
+        np.testing.assert_array_less(np.abs(got - want), 1e-14 * np.asarray(scale) + 1e-300)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_scaled_add_rounds_once(dtype):
+    a, b, spans = _data(dtype, seed=1)
+    rng = np.random.default_rng(2)
+    ca, cb = rng.uniform(-2, 2, len(spans)), rng.uniform(-2, 2, len(spans))
+    want = a.copy()
+    for (s, e), p, q in zip(spans, ca, cb):
+        want[s:e] = (p * a[s:e].astype(np.float64) + q * b[s:e].astype(np.float64)).astype(dtype)
+    dst = np.full_like(a, np.nan)
+    K.scaled_add(dst, a, b, spans, ca, cb)
+    np.testing.assert_array_equal(dst, want)
+    K.scaled_add(a, a, b, spans, ca, cb)  # in place
+    np.testing.assert_array_equal(a, want)
+
+
+def test_bad_arguments_raise():
+    a = np.ones(10, np.float32)
+    out = np.empty((1, 3))
+    with pytest.raises(TypeError, match="float32 or float64"):
+        K.dots(np.ones(10, np.int32), np.ones(10, np.int32), np.array([[0, 10]]), out)
+    with pytest.raises(ValueError, match="same dtype and length"):
+        K.dots(a, np.ones(10), np.array([[0, 10]]), out)
+    with pytest.raises(IndexError, match=r"span 0 = \(0, 11\)"):
+        K.dots(a, a, np.array([[0, 11]]), out)
+    with pytest.raises(ValueError, match="expected 48 bytes"):
+        K.dots(a, a, np.array([[0, 5], [5, 10]]), out)
+    with pytest.raises(ValueError):  # read-only destination
+        ro = np.ones(10, np.float32)
+        ro.flags.writeable = False
+        K.scaled_add(ro, a, a, np.array([[0, 10]]), np.ones(1), np.ones(1))
+    with pytest.raises((BufferError, ValueError), match="contiguous"):
+        K.dots(np.ones(20, np.float32)[::2], a, np.array([[0, 10]]), out)
+
+
+_ISA_SCRIPT = """
+import sys, numpy as np
+from adasum import _kernels as K
+a = np.random.default_rng(3).standard_normal(10007).astype(sys.argv[1])
+b = np.random.default_rng(4).standard_normal(10007).astype(sys.argv[1])
+spans = np.array([[0, 3], [3, 5000], [5000, 10007]])
+out = np.empty((3, 3))
+K.dots(a, b, spans, out)
+K.scaled_add(a, a, b, spans, np.array([0.3, 0.7, 1.1]), np.array([0.9, -0.2, 0.5]))
+sys.stdout.write(K.ISA + " " + out.tobytes().hex() + " " + a.tobytes().hex())
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_instruction_sets_agree_bitwise(dtype):
+    """Ranks on CPUs with and without AVX2 must compute the same bits."""
+    runs = {}
+    for isa in ("default", "portable"):
+        env = dict(os.environ, ADASUM_KERNELS_ISA=isa)
+        runs[isa] = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, dtype], env=env, check=True,
+                                   capture_output=True, text=True).stdout.split()
+    assert runs["portable"][0] == "portable"
+    assert runs["default"][1:] == runs["portable"][1:]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_numpy_fallback_agrees(dtype):
+    a, b, spans = _data(dtype, seed=5)
+    pieces = [(int(s), int(e)) for s, e in spans if e > s]  # as fusion.pieces makes them: no empty layer
+    ca, cb = np.linspace(0.1, 1.5, len(pieces)), np.linspace(1.2, -0.3, len(pieces))
+    adapter = arrays.NumpyAdapter()
+    results = {}
+    for backend in ("c", "numpy"):
+        arrays.set_kernels_backend(backend)
+        try:
+            x = a.copy()
+            dots = adapter.partial_dots(x, b, pieces)
+            adapter.scaled_add(x, b.copy(), pieces, ca, cb)
+            results[backend] = dots, x
+        finally:
+            arrays.set_kernels_backend("c")
+    np.testing.assert_allclose(results["c"][0], results["numpy"][0], rtol=1e-12, atol=1e-9)
+    rtol = 4 * np.finfo(dtype).eps  # numpy's float32 combine rounds twice, the kernel once
+    np.testing.assert_allclose(results["c"][1], results["numpy"][1], rtol=rtol, atol=rtol * np.abs(results["c"][1]).max())
+
+
+def test_backend_selection():
+    assert arrays.kernels_backend() in ("c", "numpy")
+    with pytest.raises(ValueError, match="'c' or 'numpy'"):
+        arrays.set_kernels_backend("fortran")
