@@ -5,7 +5,9 @@ binary tree of ranks, by recursive vector halving, so each rank sends about as m
 bandwidth-optimal allreduce. ``adasum.torch.DistributedOptimizer`` applies it to weight deltas in training.
 """
 
-from .allreduce import Op, adasum_allreduce, adasum_allreduce_inplace
+from .allreduce import (Op, adasum_allreduce, adasum_allreduce_inplace, get_small_message_bytes,
+                        set_small_message_bytes)
+from .arrays import kernels_backend
 from .transport import Traffic, count_traffic, cuda_aware_mpi, get_gpu_transport, set_gpu_transport
 from .validate import AdasumMismatchError
 from .fusion import release_buffers
@@ -14,6 +16,9 @@ __all__ = [
     "Op",
     "adasum_allreduce",
     "adasum_allreduce_inplace",
+    "get_small_message_bytes",
+    "set_small_message_bytes",
+    "kernels_backend",
     "AdasumMismatchError",
     "Traffic",
     "count_traffic",

@@ -3,18 +3,44 @@
 from __future__ import annotations
 
 import enum
+import os
 from typing import Any, Sequence
 
 from mpi4py import MPI
 
 from . import transport as _transport
 from .arrays import adapter_for
+from .doubling import adasum_reduce_doubling
 from .fusion import Group, make_groups, pooled
 from .transport import Transport, library_comm
 from .validate import agree, describe
 from .vhdd import adasum_reduce
 
-__all__ = ["Op", "adasum_allreduce", "adasum_allreduce_inplace"]
+__all__ = ["Op", "adasum_allreduce", "adasum_allreduce_inplace", "get_small_message_bytes",
+           "set_small_message_bytes"]
+
+# Calls whose fused buffers hold at most this many bytes in all use recursive doubling of whole vectors
+# (log2 P rounds); larger ones recursive halving (bandwidth-optimal). See benchmarks/README.md.
+_DEFAULT_SMALL_MESSAGE_BYTES = 64 << 10
+_small_message_bytes = int(os.environ.get("ADASUM_SMALL_MESSAGE_BYTES", _DEFAULT_SMALL_MESSAGE_BYTES))
+
+
+def set_small_message_bytes(nbytes: int) -> None:
+    """Adasum calls of at most ``nbytes`` (all tensors together) exchange whole vectors by recursive
+    doubling, in log2(P) message rounds; larger calls use recursive halving, which sends about 2·N bytes
+    per rank instead of log2(P)·N. ``0`` always uses halving. Default 64 KiB; the environment variable
+    ``ADASUM_SMALL_MESSAGE_BYTES`` sets it at start-up.
+
+    Every rank must use the same value: a call on ranks that differ raises AdasumMismatchError.
+    """
+    global _small_message_bytes
+    if int(nbytes) < 0:
+        raise ValueError(f"small message threshold must be >= 0 bytes, got {nbytes}")
+    _small_message_bytes = int(nbytes)
+
+
+def get_small_message_bytes() -> int:
+    return _small_message_bytes
 
 
 class Op(str, enum.Enum):
@@ -98,7 +124,10 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
         if not str(exc).startswith("rank "):
             exc = type(exc)(f"rank {rank}: {exc}")
         error, descs = exc, None
-    agree(lcomm, opname, descs, error, extra=(("hierarchical", bool(hierarchical)),))
+    settings = (("hierarchical", bool(hierarchical)),)
+    if opname == "adasum":
+        settings += (("small-message bytes", _small_message_bytes),)
+    agree(lcomm, opname, descs, error, extra=settings)
 
     groups = make_groups(items, adapters, descs)
     for g in groups:
@@ -117,7 +146,11 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
 
             hierarchical_reduce(lcomm, active)
         elif opname == "adasum":
-            adasum_reduce(lcomm, active, [_transport_for(lcomm, g) for g in active])
+            transports = [_transport_for(lcomm, g) for g in active]
+            if sum(g.size * _ITEMSIZE[g.dtype] for g in active) <= _small_message_bytes:
+                adasum_reduce_doubling(lcomm, active, transports)
+            else:
+                adasum_reduce(lcomm, active, transports)
         else:
             _plain_reduce(lcomm, active, mean=opname == "mean")
 
@@ -131,6 +164,9 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
         for i, view in zip(g.indices, g.adapter.views(g.buffer, g.bounds, g.shapes)):
             out[i] = view
     return out[0] if single else out
+
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
 def _transport_for(comm: MPI.Intracomm, g: Group) -> Transport:

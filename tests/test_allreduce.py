@@ -15,6 +15,16 @@ from helpers import (EPS, KIND_DTYPES, KINDS, all_ranks_data, as_f64, assert_ide
 pytestmark = pytest.mark.mpi(min_size=1)
 
 
+@pytest.fixture(autouse=True, params=["halving", "doubling"])
+def algorithm(request):
+    """Every test runs under both schedules: recursive halving (threshold 0) and recursive doubling of
+    whole vectors (every call below the threshold)."""
+    before = adasum.get_small_message_bytes()
+    adasum.set_small_message_bytes(0 if request.param == "halving" else 1 << 40)
+    yield request.param
+    adasum.set_small_message_bytes(before)
+
+
 def _tolerance(dtype: str, size: int) -> float:
     """The accepted relative L2 error against the float64 reference of the dtype-rounded inputs.
 

@@ -72,6 +72,22 @@ def test_op_mismatch(comm):
     _still_works(comm)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_small_message_threshold_mismatch(comm):
+    """Ranks set to different schedules would wait for messages that never come; they raise instead."""
+    before = adasum.get_small_message_bytes()
+    try:
+        adasum.set_small_message_bytes(999 if comm.Get_rank() == 1 else 0)
+        with pytest.raises(AdasumMismatchError, match=r"ranks disagree on the settings: rank 1 has "
+                                                      r"\{.*'small-message bytes': 999\}, rank 0 has "):
+            adasum.adasum_allreduce(_inputs(comm))
+    finally:
+        adasum.set_small_message_bytes(before)
+    _still_works(comm)
+    with pytest.raises(ValueError, match=">= 0 bytes, got -1"):
+        adasum.set_small_message_bytes(-1)
+
+
 def test_unsupported_dtype_on_one_rank_raises_type_error_everywhere(comm):
     tensors = _inputs(comm)
     if comm.Get_rank() == _last(comm):

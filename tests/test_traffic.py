@@ -10,7 +10,16 @@ import adasum
 pytestmark = pytest.mark.mpi(min_size=1)
 
 
-def test_bytes_sent_per_rank(comm):
+@pytest.fixture
+def threshold():
+    """Restores the small-message threshold after a test that sets it."""
+    before = adasum.get_small_message_bytes()
+    yield adasum.set_small_message_bytes
+    adasum.set_small_message_bytes(before)
+
+
+def test_bytes_sent_per_rank(comm, threshold):
+    threshold(0)  # recursive halving at every size
     size, rank = comm.Get_size(), comm.Get_rank()
     k = size.bit_length() - 1
     p2, extra = 1 << k, size - (1 << k)
@@ -42,3 +51,31 @@ def test_sum_and_mean_go_to_mpi_allreduce_once(comm):
     # one fused buffer per dtype
     expected = 0 if comm.Get_size() == 1 else sum(x.nbytes for x in layers)
     assert t.allreduce_bytes == expected and t.sent_bytes == 0
+
+
+def test_small_messages_take_log_p_rounds_of_whole_vectors(comm, threshold):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    k = size.bit_length() - 1
+    extra = size - (1 << k)
+    layers = [np.full(300, rank + 1.0, np.float32), np.arange(5.0) * (rank + 1)]
+    nbytes = sum(t.nbytes for t in layers)
+    threshold(nbytes)
+    with adasum.count_traffic() as t:
+        out = adasum.adasum_allreduce(layers)
+    if rank < 2 * extra and rank % 2 == 1:
+        want, rounds = nbytes, 1
+    elif rank < 2 * extra:
+        want, rounds = (k + 1) * nbytes, k + 1
+    else:
+        want, rounds = k * nbytes, k
+    assert t.sent_bytes == want, f"rank {rank}: sent {t.sent_bytes} bytes, expected {want}"
+    assert t.messages == rounds * len(layers)  # one message per round per dtype; no dot-product sums
+    # parallel inputs: the mean over all ranks, layer by layer
+    np.testing.assert_allclose(out[0], np.full(300, (size + 1) / 2), rtol=1e-6)
+    np.testing.assert_allclose(out[1], np.arange(5.0) * (size + 1) / 2, rtol=1e-12)
+    # one byte over the threshold takes the halving schedule: per-level dot-product sums appear
+    threshold(nbytes - 1)
+    with adasum.count_traffic() as t:
+        adasum.adasum_allreduce(layers)
+    survivor = not (rank < 2 * extra and rank % 2 == 1)
+    assert (t.scalar_bytes > 8 * 3) == (survivor and size > 1)

@@ -1,0 +1,95 @@
+"""Adasum by recursive doubling of whole vectors: the schedule for small messages.
+
+At level l (l = 1 … k) rank v swaps its whole current vector with v XOR 2^(l-1) and both combine the pair
+locally, the lower subtree's vector on the left (SPEC §3 pairs the same ranks as :mod:`adasum.vhdd`). Each
+rank sends log2(P)·N bytes instead of about 2·N, but makes k message rounds instead of 2k plus the
+per-level dot-product sums, which is what counts when N is small: there the cost of a call is its rounds.
+
+Both partners compute the same coefficients from the same two vectors with the same kernel and operand
+order, so they hold bitwise the same result after every level and every rank ends with the same bits.
+P = 2^k + r folds the first r adjacent pairs exactly as :mod:`adasum.vhdd` does.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from .combine import coefficients
+from .fusion import Group, pooled
+from .transport import Transport
+
+__all__ = ["adasum_reduce_doubling"]
+
+
+def _layer_spans(g: Group) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """The group's non-empty layers and their ``(start, end)`` in the fused buffer."""
+    b = g.bounds
+    layers = np.flatnonzero(b[1:] > b[:-1])
+    return layers, [(int(b[i]), int(b[i + 1])) for i in layers]
+
+
+def _combine_pair(groups, spans, scratches, count_left: int, count_right: int, upper: bool) -> None:
+    """``buffer ← Adasum(left, right)`` where this rank's buffer is the right vector if ``upper``."""
+    for g, (layers, sp), scr in zip(groups, spans, scratches):
+        if not sp:
+            continue
+        left, right = (scr, g.buffer) if upper else (g.buffer, scr)
+        d = g.adapter.partial_dots(left, right, sp)
+        c_left, c_right = coefficients(d[:, 0], d[:, 1], d[:, 2], count_left, count_right)
+        if upper:
+            # The same kernel call as the partner's (left first), into the scratch, then copied over.
+            g.adapter.scaled_add(scr, g.buffer, sp, c_left, c_right)
+            g.adapter.copy_(g.buffer, scr)
+        else:
+            g.adapter.scaled_add(g.buffer, scr, sp, c_left, c_right)
+
+
+def adasum_reduce_doubling(comm: MPI.Intracomm, groups: Sequence[Group], transports: Sequence[Transport], *,
+                           counts: Sequence[int] | None = None) -> None:
+    """Replace every group's buffer, in place and on every rank, by the Adasum of all ranks' buffers.
+
+    ``counts[r]``: how many ranks rank r's vector stands for (1 each for plain Adasum).
+    """
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1 or not groups:
+        return
+    counts = list(counts) if counts is not None else [1] * size
+    k = size.bit_length() - 1
+    extra = size - (1 << k)
+
+    def real(u: int) -> int:
+        return 2 * u if u < extra else u + extra
+
+    spans = [_layer_spans(g) for g in groups]
+    scratches = [pooled(g, g.size, "recv") for g in groups]
+
+    if rank < 2 * extra and rank % 2 == 1:
+        for g, t in zip(groups, transports):
+            t.send(g.buffer, rank - 1)
+        for g, t in zip(groups, transports):
+            t.recv(g.buffer, rank - 1)
+        return
+    if rank < 2 * extra:
+        for g, t, scr in zip(groups, transports, scratches):
+            t.recv(scr, rank + 1)
+        _combine_pair(groups, spans, scratches, counts[rank], counts[rank + 1], upper=False)
+        v = rank // 2
+    else:
+        v = rank - extra
+    vcounts = [counts[2 * u] + counts[2 * u + 1] if u < extra else counts[u + extra] for u in range(1 << k)]
+
+    for level in range(1, k + 1):
+        d = 1 << (level - 1)
+        partner = real(v ^ d)
+        for g, t, scr in zip(groups, transports, scratches):
+            t.sendrecv(g.buffer, partner, scr, partner)
+        base = (v >> level) << level
+        _combine_pair(groups, spans, scratches, sum(vcounts[base:base + d]), sum(vcounts[base + d:base + 2 * d]),
+                      upper=bool(v & d))
+
+    if rank < 2 * extra:
+        for g, t in zip(groups, transports):
+            t.send(g.buffer, rank + 1)
