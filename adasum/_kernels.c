@@ -3,6 +3,8 @@
  *
  *   dots(a, b, spans, out)             out[i] = [a·b, a·a, b·b] over a[s:e], b[s:e] for spans[i] = (s, e)
  *   scaled_add(dst, a, b, spans, ca, cb)  dst[s:e] = ca[i]·a[s:e] + cb[i]·b[s:e]   (dst may be a)
+ *   dots_parts / scaled_add_parts          the same with a[s:e] given as a separate buffer per span
+ *                                          (the caller's own tensors, read without packing them first)
  *
  * Both read their inputs once, in one pass, with the GIL released. Products and sums are taken in double
  * (a product of two floats is exact in double), so the dot products need no float64 copy of the buffer
@@ -341,6 +343,171 @@ release_dst:
     Py_RETURN_NONE;
 }
 
+/* Acquires parts[i] (a sequence of n buffers) with parts[i] holding exactly spans[i] elements of `itemsize`
+ * bytes each; on failure releases what it took, sets an exception and returns NULL. */
+static Py_buffer *
+get_parts(PyObject *oparts, Py_ssize_t n, const int64_t *sp, int itemsize)
+{
+    PyObject *seq = PySequence_Fast(oparts, "parts must be a sequence of buffers");
+    if (!seq)
+        return NULL;
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+        PyErr_Format(PyExc_ValueError, "expected %zd parts (one per span), got %zd", n,
+                     PySequence_Fast_GET_SIZE(seq));
+        Py_DECREF(seq);
+        return NULL;
+    }
+    Py_buffer *views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    if (!views) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    Py_ssize_t i = 0;
+    for (; i < n; i++) {
+        int size = float_buffer(PySequence_Fast_GET_ITEM(seq, i), &views[i], 0, "parts[i]");
+        if (!size)
+            break;
+        if (size != itemsize || views[i].len != (sp[2 * i + 1] - sp[2 * i]) * itemsize) {
+            PyErr_Format(PyExc_ValueError, "part %zd: expected %lld elements of %d bytes, got %zd bytes", i,
+                         (long long)(sp[2 * i + 1] - sp[2 * i]), itemsize, views[i].len);
+            PyBuffer_Release(&views[i]);
+            break;
+        }
+    }
+    Py_DECREF(seq);
+    if (i < n) {
+        while (i-- > 0)
+            PyBuffer_Release(&views[i]);
+        PyMem_Free(views);
+        return NULL;
+    }
+    return views;
+}
+
+static void
+release_parts(Py_buffer *views, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+}
+
+/* Spans as int64 pairs, checked against a buffer of `len` elements; returns their count or -1. */
+static Py_ssize_t
+get_spans(PyObject *ospans, Py_buffer *spans, Py_ssize_t len)
+{
+    if (PyObject_GetBuffer(ospans, spans, PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    Py_ssize_t n = spans->len / (Py_ssize_t)(2 * sizeof(int64_t));
+    if (spans->len != n * (Py_ssize_t)(2 * sizeof(int64_t))) {
+        PyErr_SetString(PyExc_ValueError, "spans must be int64 pairs");
+        PyBuffer_Release(spans);
+        return -1;
+    }
+    if (!check_spans((const int64_t *)spans->buf, n, len)) {
+        PyBuffer_Release(spans);
+        return -1;
+    }
+    return n;
+}
+
+static PyObject *
+k_dots_parts(PyObject *self, PyObject *args)
+{
+    PyObject *oparts, *ob, *ospans, *oout;
+    if (!PyArg_ParseTuple(args, "OOOO:dots_parts", &oparts, &ob, &ospans, &oout))
+        return NULL;
+    Py_buffer b, spans, out;
+    int size = float_buffer(ob, &b, 0, "b");
+    if (!size)
+        return NULL;
+    Py_ssize_t n = get_spans(ospans, &spans, b.len / size);
+    if (n < 0) {
+        PyBuffer_Release(&b);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (typed_buffer(oout, &out, 1, 3 * sizeof(double), n, "out")) {
+        const int64_t *sp = (const int64_t *)spans.buf;
+        Py_buffer *parts = get_parts(oparts, n, sp, size);
+        if (parts) {
+            double *o = (double *)out.buf;
+            Py_BEGIN_ALLOW_THREADS
+            for (Py_ssize_t i = 0; i < n; i++) {
+                int64_t s = sp[2 * i], e = sp[2 * i + 1];
+                if (size == 4)
+                    dots_f32(parts[i].buf, (const float *)b.buf + s, e - s, o + 3 * i);
+                else
+                    dots_f64(parts[i].buf, (const double *)b.buf + s, e - s, o + 3 * i);
+            }
+            Py_END_ALLOW_THREADS
+            release_parts(parts, n);
+            result = Py_None;
+        }
+        PyBuffer_Release(&out);
+    }
+    PyBuffer_Release(&spans);
+    PyBuffer_Release(&b);
+    Py_XINCREF(result);
+    return result;
+}
+
+static PyObject *
+k_scaled_add_parts(PyObject *self, PyObject *args)
+{
+    PyObject *odst, *oparts, *ob, *ospans, *oca, *ocb;
+    if (!PyArg_ParseTuple(args, "OOOOOO:scaled_add_parts", &odst, &oparts, &ob, &ospans, &oca, &ocb))
+        return NULL;
+    Py_buffer dst, b, spans, ca, cb;
+    PyObject *result = NULL;
+    int size = float_buffer(odst, &dst, 1, "dst");
+    if (!size)
+        return NULL;
+    int size_b = float_buffer(ob, &b, 0, "b");
+    if (!size_b)
+        goto release_dst;
+    if (size_b != size || b.len != dst.len) {
+        PyErr_SetString(PyExc_ValueError, "dst and b must have the same dtype and length");
+        goto release_b;
+    }
+    Py_ssize_t n = get_spans(ospans, &spans, b.len / size);
+    if (n < 0)
+        goto release_b;
+    if (!typed_buffer(oca, &ca, 0, sizeof(double), n, "ca"))
+        goto release_spans;
+    if (!typed_buffer(ocb, &cb, 0, sizeof(double), n, "cb"))
+        goto release_ca;
+    const int64_t *sp = (const int64_t *)spans.buf;
+    Py_buffer *parts = get_parts(oparts, n, sp, size);
+    if (parts) {
+        const double *p = (const double *)ca.buf, *q = (const double *)cb.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t s = sp[2 * i], e = sp[2 * i + 1];
+            if (size == 4)
+                scaled_add_f32((float *)dst.buf + s, parts[i].buf, (const float *)b.buf + s, e - s, p[i], q[i]);
+            else
+                scaled_add_f64((double *)dst.buf + s, parts[i].buf, (const double *)b.buf + s, e - s, p[i],
+                               q[i]);
+        }
+        Py_END_ALLOW_THREADS
+        release_parts(parts, n);
+        result = Py_None;
+    }
+    PyBuffer_Release(&cb);
+release_ca:
+    PyBuffer_Release(&ca);
+release_spans:
+    PyBuffer_Release(&spans);
+release_b:
+    PyBuffer_Release(&b);
+release_dst:
+    PyBuffer_Release(&dst);
+    Py_XINCREF(result);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"dots", k_dots, METH_VARARGS,
      "dots(a, b, spans, out): out[i] = [a.b, a.a, b.b] over a[s:e], b[s:e] for spans[i] = (s, e), in "
@@ -349,6 +516,11 @@ static PyMethodDef methods[] = {
     {"scaled_add", k_scaled_add, METH_VARARGS,
      "scaled_add(dst, a, b, spans, ca, cb): dst[s:e] = ca[i]*a[s:e] + cb[i]*b[s:e] for spans[i] = (s, e), "
      "computed in float64 and rounded once to dst's dtype. dst may be a."},
+    {"dots_parts", k_dots_parts, METH_VARARGS,
+     "dots_parts(parts, b, spans, out): as dots, with a[s:e] given as parts[i], a buffer of e - s elements "
+     "of b's dtype."},
+    {"scaled_add_parts", k_scaled_add_parts, METH_VARARGS,
+     "scaled_add_parts(dst, parts, b, spans, ca, cb): as scaled_add, with a[s:e] given as parts[i]."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -11,9 +11,9 @@ from mpi4py import MPI
 from . import transport as _transport
 from .arrays import adapter_for
 from .doubling import adasum_reduce_doubling
-from .fusion import Group, make_groups, pooled
+from .fusion import Group, layer_spans, make_groups, pooled
 from .transport import Transport, library_comm
-from .validate import agree, describe
+from .validate import agree, describe, signature
 from .vhdd import adasum_reduce
 
 __all__ = ["Op", "adasum_allreduce", "adasum_allreduce_inplace", "get_small_message_bytes",
@@ -113,44 +113,54 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
         raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
     lcomm = library_comm(comm)
     rank = comm.Get_rank()
-    opname, single, items, adapters, descs, error = str(op), False, [], [], None, None
+    opname, single, items, plan, error = str(op), False, [], None, None
     try:
         single, items = _as_list(tensors)
         opname = _parse_op(op)
         if hierarchical and opname != "adasum":
             raise ValueError(f"hierarchical=True needs op 'adasum', got '{opname}'")
-        adapters, descs = describe(items, opname, rank)
+        settings = (("hierarchical", bool(hierarchical)),)
+        if opname == "adasum":
+            settings += (("small-message bytes", _small_message_bytes),)
+        plan = _plan(items, opname, rank, settings)
     except (TypeError, ValueError) as exc:
         if not str(exc).startswith("rank "):
             exc = type(exc)(f"rank {rank}: {exc}")
-        error, descs = exc, None
-    settings = (("hierarchical", bool(hierarchical)),)
-    if opname == "adasum":
-        settings += (("small-message bytes", _small_message_bytes),)
-    agree(lcomm, opname, descs, error, extra=settings)
+        error = exc
+        settings = (("hierarchical", bool(hierarchical)),)
+    agree(lcomm, opname, None if plan is None else plan.descs, error, extra=settings,
+          digest=None if plan is None else plan.signature)
 
-    groups = make_groups(items, adapters, descs)
+    groups = plan.groups()
+    size = comm.Get_size()
+    halving = (opname == "adasum" and not hierarchical and size > 1
+               and sum(g.size * _ITEMSIZE[g.dtype] for g in groups) > _small_message_bytes)
+    # Out of place, a rank that starts the halving itself reads its tensors directly at the first level.
+    direct = halving and not inplace and rank >= 2 * (size - (1 << (size.bit_length() - 1)))
     for g in groups:
         members = [items[i] for i in g.indices]
         view = g.adapter.fused_view(members) if inplace else None
+        parts = g.adapter.direct_parts(members, g.dtype) if direct and g.size > 0 else None
         if view is not None and len(view) == g.size:
             g.buffer, g.aliased = view, True
+        elif parts is not None:
+            g.buffer, g.parts = g.adapter.empty(g.size, g.dtype, g.device), parts
         else:
             g.buffer = pooled(g, g.size, "fused") if inplace else g.adapter.empty(g.size, g.dtype, g.device)
             g.adapter.pack(members, g.buffer, g.bounds)
     active = [g for g in groups if g.size > 0]
 
-    if active and comm.Get_size() > 1:
+    if active and size > 1:
         if opname == "adasum" and hierarchical:
             from .hierarchical import hierarchical_reduce
 
             hierarchical_reduce(lcomm, active)
         elif opname == "adasum":
             transports = [_transport_for(lcomm, g) for g in active]
-            if sum(g.size * _ITEMSIZE[g.dtype] for g in active) <= _small_message_bytes:
-                adasum_reduce_doubling(lcomm, active, transports)
-            else:
+            if halving:
                 adasum_reduce(lcomm, active, transports)
+            else:
+                adasum_reduce_doubling(lcomm, active, transports)
         else:
             _plain_reduce(lcomm, active, mean=opname == "mean")
 
@@ -167,6 +177,41 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
 
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+class _Plan:
+    """What a call's tensors and settings determine: descriptions, the agreement signature, the groups'
+    layer tables. Kept for calls with the same shapes, dtypes and devices (a training loop's every step)."""
+
+    __slots__ = ("adapters", "descs", "signature", "_templates")
+
+    def __init__(self, items, op: str, rank: int, settings: tuple):
+        self.adapters, self.descs = describe(items, op, rank)
+        self.signature = signature(op, self.descs, settings)
+        self._templates = [(g.adapter, g.device, g.dtype, g.indices, g.shapes, g.bounds, layer_spans(g))
+                           for g in make_groups(items, self.adapters, self.descs)]
+
+    def groups(self) -> list[Group]:
+        return [Group(a, device, dtype, indices, shapes, bounds, spans=spans)
+                for a, device, dtype, indices, shapes, bounds, spans in self._templates]
+
+
+_plans: dict[tuple, _Plan] = {}
+_MAX_PLANS = 64
+
+
+def _plan(items, op: str, rank: int, settings: tuple) -> _Plan:
+    try:
+        key = (op, settings, rank, tuple((type(t), t.shape, t.dtype, getattr(t, "device", None)) for t in items))
+        plan = _plans.get(key)
+    except (AttributeError, TypeError):  # not an array, or unhashable: describe() says what is wrong
+        return _Plan(items, op, rank, settings)
+    if plan is None:
+        plan = _Plan(items, op, rank, settings)
+        if len(_plans) >= _MAX_PLANS:
+            _plans.pop(next(iter(_plans)))
+        _plans[key] = plan
+    return plan
 
 
 def _transport_for(comm: MPI.Intracomm, g: Group) -> Transport:

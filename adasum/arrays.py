@@ -100,6 +100,19 @@ class Adapter:
         ``b`` is scratch: its contents may be destroyed."""
         raise NotImplementedError
 
+    def direct_parts(self, tensors: Sequence[Any], dtype: str):
+        """Flat views of ``tensors`` that the ``*_parts`` methods can read in place of a packed buffer, or
+        None where this adapter (or this dtype, or a non-contiguous tensor) needs the tensors packed."""
+        return None
+
+    def partial_dots_parts(self, parts: Sequence[Any], b, pieces) -> np.ndarray:
+        """:meth:`partial_dots` with ``a[s:e]`` given as ``parts[i]``."""
+        raise NotImplementedError
+
+    def scaled_add_parts(self, dst, parts: Sequence[Any], b, pieces, ca: np.ndarray, cb: np.ndarray) -> None:
+        """``dst[s:e] ← ca[i]·parts[i] + cb[i]·b[s:e]`` per piece."""
+        raise NotImplementedError
+
     def divide(self, buf, divisor: int) -> None:
         """``buf ← buf / divisor`` in place (floating point buffers only)."""
         raise NotImplementedError
@@ -195,6 +208,10 @@ class NumpyAdapter(_NumpyLike):
     def empty(self, n, dtype, device):
         return np.empty(n, dtype=dtype)
 
+    def pack(self, tensors, buf, bounds):
+        # one C loop over all tensors (reshape(-1) is a view for contiguous ones)
+        np.concatenate([t.reshape(-1) for t in tensors], out=buf)
+
     def fused_view(self, tensors):
         live = [t for t in tensors if t.size]
         if not live or not all(t.flags.c_contiguous and t.flags.writeable for t in live):
@@ -229,6 +246,21 @@ class NumpyAdapter(_NumpyLike):
                                   np.ascontiguousarray(cb, dtype=np.float64))
             return
         _numpy_scaled_add(a, b, pieces, ca, cb, self._block_scratch("wide32", np.float32))
+
+    def direct_parts(self, tensors, dtype):
+        if not _use_c or dtype not in ("float32", "float64") or not all(t.flags.c_contiguous for t in tensors):
+            return None
+        return [t.reshape(-1) for t in tensors]
+
+    def partial_dots_parts(self, parts, b, pieces):
+        out = np.empty((len(pieces), 3))
+        _c_kernels.dots_parts(parts, b, np.asarray(pieces, dtype=np.int64).reshape(-1, 2), out)
+        return out
+
+    def scaled_add_parts(self, dst, parts, b, pieces, ca, cb):
+        _c_kernels.scaled_add_parts(dst, parts, b, np.asarray(pieces, dtype=np.int64).reshape(-1, 2),
+                                    np.ascontiguousarray(ca, dtype=np.float64),
+                                    np.ascontiguousarray(cb, dtype=np.float64))
 
     def divide(self, buf, divisor):
         np.divide(buf, divisor, out=buf)

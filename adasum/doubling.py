@@ -14,21 +14,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 from mpi4py import MPI
 
 from .combine import coefficients
-from .fusion import Group, pooled
+from .fusion import Group, layer_spans, pooled
 from .transport import Transport
 
 __all__ = ["adasum_reduce_doubling"]
-
-
-def _layer_spans(g: Group) -> tuple[np.ndarray, list[tuple[int, int]]]:
-    """The group's non-empty layers and their ``(start, end)`` in the fused buffer."""
-    b = g.bounds
-    layers = np.flatnonzero(b[1:] > b[:-1])
-    return layers, [(int(b[i]), int(b[i + 1])) for i in layers]
 
 
 def _combine_pair(groups, spans, scratches, count_left: int, count_right: int, upper: bool) -> None:
@@ -63,7 +55,7 @@ def adasum_reduce_doubling(comm: MPI.Intracomm, groups: Sequence[Group], transpo
     def real(u: int) -> int:
         return 2 * u if u < extra else u + extra
 
-    spans = [_layer_spans(g) for g in groups]
+    spans = [layer_spans(g) for g in groups]
     scratches = [pooled(g, g.size, "recv") for g in groups]
 
     if rank < 2 * extra and rank % 2 == 1:

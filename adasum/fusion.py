@@ -11,7 +11,7 @@ import numpy as np
 
 from .arrays import Adapter
 
-__all__ = ["Group", "make_groups", "pieces", "pooled", "release_buffers"]
+__all__ = ["Group", "layer_spans", "make_groups", "pieces", "pooled", "release_buffers"]
 
 
 @dataclass
@@ -31,6 +31,10 @@ class Group:
     buffer: Any = None
     # True when `buffer` is the caller's own memory (an in-place call on one contiguous tensor).
     aliased: bool = False
+    # layer_spans(self), computed once per plan
+    spans: Any = None
+    # Flat views of the caller's tensors, one per layer, while `buffer` is not yet packed (see vhdd).
+    parts: Any = None
 
     @property
     def size(self) -> int:
@@ -52,6 +56,15 @@ def make_groups(tensors: Sequence[Any], adapters: Sequence[Adapter], descs) -> l
         g.bounds = np.fromiter(itertools.accumulate((math.prod(s) for s in g.shapes), initial=0),
                                dtype=np.int64, count=len(g.shapes) + 1)
     return list(groups.values())
+
+
+def layer_spans(g: Group) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """The group's non-empty layers and their ``(start, end)`` in the fused buffer."""
+    if g.spans is None:
+        b = g.bounds
+        layers = np.flatnonzero(b[1:] > b[:-1])
+        g.spans = layers, [(int(b[i]), int(b[i + 1])) for i in layers]
+    return g.spans
 
 
 def pieces(bounds: np.ndarray, lo: int, hi: int) -> tuple[list[int], list[tuple[int, int]]]:

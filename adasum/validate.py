@@ -16,7 +16,7 @@ from mpi4py import MPI
 from .arrays import FLOAT_DTYPES, INT_DTYPES, Adapter, adapter_for
 from .transport import _record
 
-__all__ = ["AdasumMismatchError", "TensorDesc", "describe", "agree"]
+__all__ = ["AdasumMismatchError", "TensorDesc", "describe", "agree", "signature"]
 
 
 class AdasumMismatchError(ValueError):
@@ -67,13 +67,13 @@ _ALLOWED = {"adasum": FLOAT_DTYPES, "mean": FLOAT_DTYPES, "sum": FLOAT_DTYPES | 
 _DTYPE_CODES = {name: i for i, name in enumerate(sorted(FLOAT_DTYPES | INT_DTYPES))}
 
 
-def _signature(op: str, descs: Sequence[TensorDesc], extra: tuple) -> int:
+def signature(op: str, descs: Sequence[TensorDesc], extra: tuple) -> int:
     """A 62-bit digest of what must agree between ranks.
 
     Built from integers only: Python hashes ints and tuples of ints the same in every process (only
     strings are salted per process), and hashing them is far cheaper than a cryptographic digest.
     """
-    key = (_OPS[op], tuple(int(bool(v)) for _, v in extra),
+    key = (_OPS[op], tuple(int(v) for _, v in extra),
            tuple((d.shape, _DTYPE_CODES[d.dtype]) for d in descs))
     return hash(key) & ((1 << 62) - 1)
 
@@ -82,17 +82,21 @@ _OPS = {"adasum": 1, "sum": 2, "mean": 3}
 
 
 def agree(comm: MPI.Intracomm, op: str, descs: Sequence[TensorDesc] | None, error: Exception | None,
-          extra: tuple = ()) -> None:
+          extra: tuple = (), digest: int | None = None) -> None:
     """Meet the other ranks once; raise the same exception on every rank if any rank failed or differs.
 
     ``descs`` is this rank's description of its tensors (None if ``error`` is set). ``extra`` holds further
-    settings that must agree (for example the hierarchical flag).
+    settings that must agree (for example the hierarchical flag). ``digest``, if given, is
+    ``signature(op, descs, extra)`` computed earlier.
     """
     if comm.Get_size() == 1:
         if error is not None:
             raise error
         return
-    sig = _signature(op, descs, extra) if error is None else 0
+    if error is not None:
+        sig = 0
+    else:
+        sig = signature(op, descs, extra) if digest is None else digest
     mine = np.array([sig, -sig, 1 if error is not None else 0], dtype=np.int64)
     seen = np.empty_like(mine)
     _record("scalar_bytes", mine.nbytes)

@@ -26,6 +26,19 @@ from .transport import Transport, scalar_sendrecv
 
 __all__ = ["adasum_reduce"]
 
+def _own_parts(g: Group, lo: int, layers, spans) -> list:
+    """This rank's values of ``g.buffer[lo + s : lo + e]`` for each span, read from the caller's tensors."""
+    b = g.bounds
+    return [g.parts[i][lo + s - b[i]:lo + e - b[i]] for i, (s, e) in zip(layers, spans)]
+
+
+def _pack_range(g: Group, lo: int, hi: int) -> None:
+    """Copy ``[lo, hi)`` of the caller's tensors into ``g.buffer`` (the half this rank sends first)."""
+    layers, spans = pieces(g.bounds, lo, hi)
+    for part, (s, e) in zip(_own_parts(g, lo, layers, spans), spans):
+        g.buffer[lo + s:lo + e] = part
+
+
 def _layer_partials(groups, scratches, los, his, swap: bool):
     """Per-layer [left·right, ‖left‖², ‖right‖²] over this rank's segments, for all groups, flattened."""
     out, spans_by_group = [], []
@@ -33,7 +46,10 @@ def _layer_partials(groups, scratches, los, his, swap: bool):
         full = np.zeros((len(g.bounds) - 1, 3))
         layers, spans = pieces(g.bounds, lo, hi)
         if spans:
-            part = g.adapter.partial_dots(g.buffer[lo:hi], scr, spans)
+            if g.parts is not None:
+                part = g.adapter.partial_dots_parts(_own_parts(g, lo, layers, spans), scr, spans)
+            else:
+                part = g.adapter.partial_dots(g.buffer[lo:hi], scr, spans)
             if swap:  # this rank holds the right-hand vector in `buffer`
                 part = part[:, [0, 2, 1]]
             full[layers] = part
@@ -51,7 +67,12 @@ def _combine(groups, scratches, los, his, spans_by_group, sums, count_left, coun
     for g, scr, lo, hi, (layers, spans) in zip(groups, scratches, los, his, spans_by_group):
         if spans:
             idx = np.asarray(layers) + offset
-            g.adapter.scaled_add(g.buffer[lo:hi], scr, spans, mine[idx], theirs[idx])
+            if g.parts is not None:
+                g.adapter.scaled_add_parts(g.buffer[lo:hi], _own_parts(g, lo, layers, spans), scr, spans,
+                                           mine[idx], theirs[idx])
+            else:
+                g.adapter.scaled_add(g.buffer[lo:hi], scr, spans, mine[idx], theirs[idx])
+        g.parts = None  # from here on the buffer holds this rank's values
         offset += len(g.bounds) - 1
 
 
@@ -63,6 +84,11 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Group], transports: Sequ
     ``counts[r]`` is how many ranks rank r's vector stands for (1 each for plain Adasum; ranks per node in
     the hierarchical mode). ``local_sum``, if given, sums a rank's partial dot products with those of the
     ranks outside ``comm`` that hold the other pieces of the same vectors (the hierarchical mode).
+
+    A group whose ``parts`` are set has not been packed: its values are read from ``parts`` (flat views of
+    the caller's tensors) at the first level, which packs only the half it sends and writes the combined
+    half it keeps, so an out-of-place call copies its input once less. Only ranks that take part in the
+    first level of halving (not folded, P > 1) may be given such groups.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1 or not groups:
@@ -107,6 +133,8 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Group], transports: Sequ
         for g, t, lo, hi in zip(groups, transports, los, his):
             mid = lo + (hi - lo) // 2
             (klo, khi), (slo, shi) = ((mid, hi), (lo, mid)) if upper else ((lo, mid), (mid, hi))
+            if g.parts is not None:
+                _pack_range(g, slo, shi)
             scr = pooled(g, khi - klo, "recv")
             t.sendrecv(g.buffer[slo:shi], partner, scr, partner)
             new_los.append(klo)

@@ -264,3 +264,21 @@ def test_inplace_on_views_of_one_buffer_needs_no_copy(comm, kind):
     again = [make(data[rank], kind, "float32")[:5], make(data[rank], kind, "float32")[5:]]
     adasum.adasum_allreduce_inplace(again[::-1])
     assert_identical_across_ranks(comm, views)
+
+
+def test_out_of_place_reads_inputs_directly_with_the_same_bits(comm, algorithm):
+    """Out of place, ranks that start the halving read their tensors instead of packing them first; the
+    result must be bitwise the one of the packed path (an in-place call on copies)."""
+    rank = comm.Get_rank()
+    rng = np.random.default_rng([11, rank])
+    layers = [rng.standard_normal(n).astype(dt) for n, dt in
+              ((1000, np.float32), (3, np.float32), (0, np.float32), (4097, np.float64), (77, np.float32))]
+    layers.append(rng.standard_normal((30, 20)).astype(np.float32)[:, ::2])  # non-contiguous: packed
+    before = [t.copy() for t in layers]
+    out = adasum.adasum_allreduce(layers)
+    copies = [t.copy() for t in layers]
+    adasum.adasum_allreduce_inplace(copies)
+    for i, (o, c, b, t) in enumerate(zip(out, copies, before, layers)):
+        np.testing.assert_array_equal(t, b, err_msg=f"input {i} modified")
+        assert o.tobytes() == c.tobytes(), f"tensor {i}: out-of-place and in-place differ"
+    assert_identical_across_ranks(comm, out)

@@ -1,5 +1,7 @@
 """The pairwise rule (SPEC §1) and its size weights (SPEC §3), serially."""
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -85,3 +87,16 @@ def test_sum_minus_half_of_each_projection(ab):
     proj_a_b = (a @ b) / na * a if na else np.zeros_like(a)
     proj_b_a = (a @ b) / nb * b if nb else np.zeros_like(b)
     np.testing.assert_allclose(combine(a, b), a + b - proj_a_b / 2 - proj_b_a / 2, rtol=1e-9, atol=1e-7)
+
+
+def test_few_layer_path_matches_the_vectorised_one():
+    """Calls with few layers take Python floats; every rank must get numpy's bits, NaN and Inf included."""
+    vals = [0.0, 1.0, -2.5, np.inf, -np.inf, np.nan, 1e308, 1e-308, 5e-324, 3.0]
+    grid = np.array(list(itertools.product(vals, [0.0, 1.0, np.inf, np.nan, 1e-308, 2.0, 1e308],
+                                           [0.0, 4.0, np.inf]))).T
+    dots, norms_a, norms_b = grid
+    assert len(dots) > 32  # the whole grid at once takes the vectorised path
+    many = coefficients(dots, norms_a, norms_b, 3, 2)
+    few = [coefficients(dots[i:i + 8], norms_a[i:i + 8], norms_b[i:i + 8], 3, 2) for i in range(0, len(dots), 8)]
+    for side in (0, 1):
+        np.testing.assert_array_equal(np.concatenate([f[side] for f in few]), many[side])

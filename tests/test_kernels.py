@@ -127,3 +127,23 @@ def test_backend_selection():
     assert arrays.kernels_backend() in ("c", "numpy")
     with pytest.raises(ValueError, match="'c' or 'numpy'"):
         arrays.set_kernels_backend("fortran")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_parts_variants_equal_the_packed_ones(dtype):
+    a, b, spans = _data(dtype, seed=6)
+    parts = [a[s:e].copy() for s, e in spans]
+    ca, cb = np.linspace(0.2, 1.1, len(spans)), np.linspace(0.9, -0.4, len(spans))
+    want_dots, got_dots = np.empty((len(spans), 3)), np.empty((len(spans), 3))
+    K.dots(a, b, spans, want_dots)
+    K.dots_parts(parts, b, spans, got_dots)
+    assert want_dots.tobytes() == got_dots.tobytes()
+    want, got = a.copy(), np.zeros_like(a)
+    K.scaled_add(want, a, b, spans, ca, cb)
+    K.scaled_add_parts(got, parts, b, spans, ca, cb)
+    assert want.tobytes() == got.tobytes()
+    with pytest.raises(ValueError, match="expected .* parts"):
+        K.dots_parts(parts[:-1], b, spans, got_dots)
+    with pytest.raises(ValueError, match="part 1: expected"):
+        K.dots_parts([parts[0], parts[1][:-1] if len(parts[1]) else np.ones(1, dtype), *parts[2:]], b, spans,
+                     got_dots)
