@@ -135,8 +135,9 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
     size = comm.Get_size()
     halving = (opname == "adasum" and not hierarchical and size > 1
                and sum(g.size * _ITEMSIZE[g.dtype] for g in groups) > _small_message_bytes)
-    # Out of place, a rank that starts the halving itself reads its tensors directly at the first level.
-    direct = halving and not inplace and rank >= 2 * (size - (1 << (size.bit_length() - 1)))
+    # A rank that starts the halving itself reads its tensors directly at the first level (they are not
+    # written before the end, also in place), so only the half it sends is packed.
+    direct = halving and rank >= 2 * (size - (1 << (size.bit_length() - 1)))
     for g in groups:
         members = [items[i] for i in g.indices]
         view = g.adapter.fused_view(members) if inplace else None
@@ -144,7 +145,8 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
         if view is not None and len(view) == g.size:
             g.buffer, g.aliased = view, True
         elif parts is not None:
-            g.buffer, g.parts = g.adapter.empty(g.size, g.dtype, g.device), parts
+            g.parts = parts
+            g.buffer = pooled(g, g.size, "fused") if inplace else g.adapter.empty(g.size, g.dtype, g.device)
         else:
             g.buffer = pooled(g, g.size, "fused") if inplace else g.adapter.empty(g.size, g.dtype, g.device)
             g.adapter.pack(members, g.buffer, g.bounds)
