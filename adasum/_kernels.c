@@ -230,6 +230,25 @@ check_spans(const int64_t *spans, Py_ssize_t n, Py_ssize_t len)
     return 1;
 }
 
+/* Spans as int64 pairs, checked against a buffer of `len` elements; returns their count or -1. */
+static Py_ssize_t
+get_spans(PyObject *ospans, Py_buffer *spans, Py_ssize_t len)
+{
+    if (PyObject_GetBuffer(ospans, spans, PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    Py_ssize_t n = spans->len / (Py_ssize_t)(2 * sizeof(int64_t));
+    if (spans->len != n * (Py_ssize_t)(2 * sizeof(int64_t))) {
+        PyErr_SetString(PyExc_ValueError, "spans must be int64 pairs");
+        PyBuffer_Release(spans);
+        return -1;
+    }
+    if (!check_spans((const int64_t *)spans->buf, n, len)) {
+        PyBuffer_Release(spans);
+        return -1;
+    }
+    return n;
+}
+
 static PyObject *
 k_dots(PyObject *self, PyObject *args)
 {
@@ -246,30 +265,23 @@ k_dots(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "a and b must have the same dtype and length");
         goto release_b;
     }
-    if (PyObject_GetBuffer(ospans, &spans, PyBUF_C_CONTIGUOUS) < 0)
+    Py_ssize_t n = get_spans(ospans, &spans, a.len / size_a);
+    if (n < 0)
         goto release_b;
-    Py_ssize_t n = spans.len / (Py_ssize_t)(2 * sizeof(int64_t));
-    if (spans.len != n * (Py_ssize_t)(2 * sizeof(int64_t))) {
-        PyErr_SetString(PyExc_ValueError, "spans must be int64 pairs");
-        goto release_spans;
-    }
     if (!typed_buffer(oout, &out, 1, 3 * sizeof(double), n, "out"))
         goto release_spans;
     const int64_t *sp = (const int64_t *)spans.buf;
-    Py_ssize_t len = a.len / size_a;
-    if (check_spans(sp, n, len)) {
-        double *o = (double *)out.buf;
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++) {
-            int64_t s = sp[2 * i], e = sp[2 * i + 1];
-            if (size_a == 4)
-                dots_f32((const float *)a.buf + s, (const float *)b.buf + s, e - s, o + 3 * i);
-            else
-                dots_f64((const double *)a.buf + s, (const double *)b.buf + s, e - s, o + 3 * i);
-        }
-        Py_END_ALLOW_THREADS
-        ok = 1;
+    double *o = (double *)out.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t s = sp[2 * i], e = sp[2 * i + 1];
+        if (size_a == 4)
+            dots_f32((const float *)a.buf + s, (const float *)b.buf + s, e - s, o + 3 * i);
+        else
+            dots_f64((const double *)a.buf + s, (const double *)b.buf + s, e - s, o + 3 * i);
     }
+    Py_END_ALLOW_THREADS
+    ok = 1;
     PyBuffer_Release(&out);
 release_spans:
     PyBuffer_Release(&spans);
@@ -300,33 +312,27 @@ k_scaled_add(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "dst, a and b must have the same dtype and length");
         goto release_b;
     }
-    if (PyObject_GetBuffer(ospans, &spans, PyBUF_C_CONTIGUOUS) < 0)
+    Py_ssize_t n = get_spans(ospans, &spans, dst.len / size_d);
+    if (n < 0)
         goto release_b;
-    Py_ssize_t n = spans.len / (Py_ssize_t)(2 * sizeof(int64_t));
-    if (spans.len != n * (Py_ssize_t)(2 * sizeof(int64_t))) {
-        PyErr_SetString(PyExc_ValueError, "spans must be int64 pairs");
-        goto release_spans;
-    }
     if (!typed_buffer(oca, &ca, 0, sizeof(double), n, "ca"))
         goto release_spans;
     if (!typed_buffer(ocb, &cb, 0, sizeof(double), n, "cb"))
         goto release_ca;
     const int64_t *sp = (const int64_t *)spans.buf;
-    if (check_spans(sp, n, dst.len / size_d)) {
-        const double *p = (const double *)ca.buf, *q = (const double *)cb.buf;
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++) {
-            int64_t s = sp[2 * i], e = sp[2 * i + 1];
-            if (size_d == 4)
-                scaled_add_f32((float *)dst.buf + s, (const float *)a.buf + s, (const float *)b.buf + s,
-                               e - s, p[i], q[i]);
-            else
-                scaled_add_f64((double *)dst.buf + s, (const double *)a.buf + s,
-                               (const double *)b.buf + s, e - s, p[i], q[i]);
-        }
-        Py_END_ALLOW_THREADS
-        ok = 1;
+    const double *p = (const double *)ca.buf, *q = (const double *)cb.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t s = sp[2 * i], e = sp[2 * i + 1];
+        if (size_d == 4)
+            scaled_add_f32((float *)dst.buf + s, (const float *)a.buf + s, (const float *)b.buf + s, e - s,
+                           p[i], q[i]);
+        else
+            scaled_add_f64((double *)dst.buf + s, (const double *)a.buf + s, (const double *)b.buf + s,
+                           e - s, p[i], q[i]);
     }
+    Py_END_ALLOW_THREADS
+    ok = 1;
     PyBuffer_Release(&cb);
 release_ca:
     PyBuffer_Release(&ca);
@@ -391,25 +397,6 @@ release_parts(Py_buffer *views, Py_ssize_t n)
     for (Py_ssize_t i = 0; i < n; i++)
         PyBuffer_Release(&views[i]);
     PyMem_Free(views);
-}
-
-/* Spans as int64 pairs, checked against a buffer of `len` elements; returns their count or -1. */
-static Py_ssize_t
-get_spans(PyObject *ospans, Py_buffer *spans, Py_ssize_t len)
-{
-    if (PyObject_GetBuffer(ospans, spans, PyBUF_C_CONTIGUOUS) < 0)
-        return -1;
-    Py_ssize_t n = spans->len / (Py_ssize_t)(2 * sizeof(int64_t));
-    if (spans->len != n * (Py_ssize_t)(2 * sizeof(int64_t))) {
-        PyErr_SetString(PyExc_ValueError, "spans must be int64 pairs");
-        PyBuffer_Release(spans);
-        return -1;
-    }
-    if (!check_spans((const int64_t *)spans->buf, n, len)) {
-        PyBuffer_Release(spans);
-        return -1;
-    }
-    return n;
 }
 
 static PyObject *

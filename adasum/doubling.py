@@ -19,6 +19,7 @@ from mpi4py import MPI
 from .combine import coefficients
 from .fusion import Group, layer_spans, pooled
 from .transport import Transport
+from .vhdd import fold_out
 
 __all__ = ["adasum_reduce_doubling"]
 
@@ -58,11 +59,7 @@ def adasum_reduce_doubling(comm: MPI.Intracomm, groups: Sequence[Group], transpo
     spans = [layer_spans(g) for g in groups]
     scratches = [pooled(g, g.size, "recv") for g in groups]
 
-    if rank < 2 * extra and rank % 2 == 1:
-        for g, t in zip(groups, transports):
-            t.send(g.buffer, rank - 1)
-        for g, t in zip(groups, transports):
-            t.recv(g.buffer, rank - 1)
+    if fold_out(groups, transports, rank, extra):
         return
     if rank < 2 * extra:
         for g, t, scr in zip(groups, transports, scratches):

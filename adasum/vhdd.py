@@ -24,7 +24,7 @@ from .combine import coefficients
 from .fusion import Group, pieces, pooled
 from .transport import Transport, scalar_sendrecv
 
-__all__ = ["adasum_reduce"]
+__all__ = ["adasum_reduce", "fold_out"]
 
 def _own_parts(g: Group, lo: int, layers, spans) -> list:
     """This rank's values of ``g.buffer[lo + s : lo + e]`` for each span, read from the caller's tensors."""
@@ -76,6 +76,18 @@ def _combine(groups, scratches, los, his, spans_by_group, sums, count_left, coun
         offset += len(g.bounds) - 1
 
 
+def fold_out(groups: Sequence[Group], transports: Sequence[Transport], rank: int, extra: int) -> bool:
+    """The folded-out rank of a pair (SPEC §3): hands its vector to its even partner and receives the
+    result. True if this rank is one (and has its result); False for every other rank."""
+    if not (rank < 2 * extra and rank % 2 == 1):
+        return False
+    for g, t in zip(groups, transports):
+        t.send(g.buffer, rank - 1)
+    for g, t in zip(groups, transports):
+        t.recv(g.buffer, rank - 1)
+    return True
+
+
 def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Group], transports: Sequence[Transport], *,
                   counts: Sequence[int] | None = None,
                   local_sum: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
@@ -102,11 +114,7 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Group], transports: Sequ
         return 2 * u if u < extra else u + extra
 
     # --- fold the first `extra` adjacent pairs -----------------------------------------------------------
-    if rank < 2 * extra and rank % 2 == 1:
-        for g, t in zip(groups, transports):
-            t.send(g.buffer, rank - 1)
-        for g, t in zip(groups, transports):
-            t.recv(g.buffer, rank - 1)
+    if fold_out(groups, transports, rank, extra):
         return
     if rank < 2 * extra:
         scratches = [pooled(g, g.size, "recv") for g in groups]
