@@ -2,9 +2,11 @@
  * adasum._kernels: the two passes Adasum makes over every piece of every layer, for float32 and float64.
  *
  *   dots(a, b, spans, out)             out[i] = [a·b, a·a, b·b] over a[s:e], b[s:e] for spans[i] = (s, e)
- *   scaled_add(dst, a, b, spans, ca, cb)  dst[s:e] = ca[i]·a[s:e] + cb[i]·b[s:e]   (dst may be a)
- *   dots_parts / scaled_add_parts          the same with a[s:e] given as a separate buffer per span
- *                                          (the caller's own tensors, read without packing them first)
+ *   scaled_add(dst, a, b, spans, ca, cb)  dst[s:e] = ca[i]·a[s:e] + cb[i]·b[s:e]   (dst may be a or b)
+ *
+ * Any operand may also be a list of buffers, one per span: the caller's own tensors, read and written
+ * where they lie instead of being packed into one buffer first. layout() tells whether tensors lie back
+ * to back, apart, or overlapping.
  *
  * Both read their inputs once, in one pass, with the GIL released. Products and sums are taken in double
  * (a product of two floats is exact in double), so the dot products need no float64 copy of the buffer
@@ -215,24 +217,9 @@ typed_buffer(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize, 
     return 1;
 }
 
-/* Checks every span against the buffer length before any work starts. */
-static int
-check_spans(const int64_t *spans, Py_ssize_t n, Py_ssize_t len)
-{
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t s = spans[2 * i], e = spans[2 * i + 1];
-        if (s < 0 || e < s || e > len) {
-            PyErr_Format(PyExc_IndexError, "span %zd = (%lld, %lld) is outside a buffer of %zd elements", i,
-                         (long long)s, (long long)e, len);
-            return 0;
-        }
-    }
-    return 1;
-}
-
-/* Spans as int64 pairs, checked against a buffer of `len` elements; returns their count or -1. */
+/* Spans as int64 pairs with 0 <= s <= e; returns their count, or -1 with an exception set. */
 static Py_ssize_t
-get_spans(PyObject *ospans, Py_buffer *spans, Py_ssize_t len)
+get_spans(PyObject *ospans, Py_buffer *spans)
 {
     if (PyObject_GetBuffer(ospans, spans, PyBUF_C_CONTIGUOUS) < 0)
         return -1;
@@ -242,11 +229,122 @@ get_spans(PyObject *ospans, Py_buffer *spans, Py_ssize_t len)
         PyBuffer_Release(spans);
         return -1;
     }
-    if (!check_spans((const int64_t *)spans->buf, n, len)) {
-        PyBuffer_Release(spans);
-        return -1;
+    const int64_t *sp = (const int64_t *)spans->buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (sp[2 * i] < 0 || sp[2 * i + 1] < sp[2 * i]) {
+            PyErr_Format(PyExc_IndexError, "span %zd = (%lld, %lld) is not a range", i, (long long)sp[2 * i],
+                         (long long)sp[2 * i + 1]);
+            PyBuffer_Release(spans);
+            return -1;
+        }
     }
     return n;
+}
+
+/*
+ * An operand of the kernels: one flat buffer that every span indexes (element s of span i is at
+ * buf + s), or a sequence of buffers, one per span, each exactly e - s elements long (the caller's own
+ * tensors, read and written without packing them into one buffer).
+ */
+typedef struct {
+    Py_buffer whole;
+    Py_buffer *parts; /* NULL for a whole buffer */
+    Py_ssize_t n;
+    int itemsize;
+} operand;
+
+static void
+release_operand(operand *op)
+{
+    if (op->parts) {
+        for (Py_ssize_t i = 0; i < op->n; i++)
+            PyBuffer_Release(&op->parts[i]);
+        PyMem_Free(op->parts);
+        op->parts = NULL;
+    } else {
+        PyBuffer_Release(&op->whole);
+    }
+}
+
+/* Acquires `obj` as an operand over `n` spans of float32/float64; 1 on success, 0 with an exception set. */
+static int
+get_operand(PyObject *obj, operand *op, int writable, const char *name, const int64_t *sp, Py_ssize_t n)
+{
+    op->parts = NULL;
+    op->n = n;
+    if (PyObject_CheckBuffer(obj)) {
+        if (!(op->itemsize = float_buffer(obj, &op->whole, writable, name)))
+            return 0;
+        Py_ssize_t len = op->whole.len / op->itemsize;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (sp[2 * i + 1] > len) {
+                PyErr_Format(PyExc_IndexError, "%s: span %zd = (%lld, %lld) is outside a buffer of %zd elements",
+                             name, i, (long long)sp[2 * i], (long long)sp[2 * i + 1], len);
+                PyBuffer_Release(&op->whole);
+                return 0;
+            }
+        }
+        return 1;
+    }
+    PyObject *seq = PySequence_Fast(obj, "an operand must be a buffer or a sequence of buffers");
+    if (!seq)
+        return 0;
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %zd parts (one per span), got %zd", name, n,
+                     PySequence_Fast_GET_SIZE(seq));
+        Py_DECREF(seq);
+        return 0;
+    }
+    op->parts = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    if (!op->parts) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return 0;
+    }
+    op->itemsize = 0;
+    Py_ssize_t i = 0;
+    for (; i < n; i++) {
+        int size = float_buffer(PySequence_Fast_GET_ITEM(seq, i), &op->parts[i], writable, name);
+        if (!size)
+            break;
+        if ((op->itemsize && size != op->itemsize) || op->parts[i].len != (sp[2 * i + 1] - sp[2 * i]) * size) {
+            PyErr_Format(PyExc_ValueError, "%s: part %zd: expected %lld elements of %d bytes, got %zd bytes", name,
+                         i, (long long)(sp[2 * i + 1] - sp[2 * i]), op->itemsize ? op->itemsize : size,
+                         op->parts[i].len);
+            PyBuffer_Release(&op->parts[i]);
+            break;
+        }
+        op->itemsize = size;
+    }
+    Py_DECREF(seq);
+    if (i < n) {
+        op->n = i;
+        release_operand(op);
+        return 0;
+    }
+    if (!op->itemsize) /* no spans: any float type will do */
+        op->itemsize = 4;
+    return 1;
+}
+
+/* Where span i of the operand starts. */
+static inline char *
+operand_at(const operand *op, const int64_t *sp, Py_ssize_t i)
+{
+    return op->parts ? (char *)op->parts[i].buf : (char *)op->whole.buf + sp[2 * i] * op->itemsize;
+}
+
+static int
+same_type(const operand *ops, int count)
+{
+    for (int k = 1; k < count; k++) {
+        if (ops[k].itemsize != ops[0].itemsize && !(ops[k].parts && ops[k].n == 0) &&
+            !(ops[0].parts && ops[0].n == 0)) {
+            PyErr_SetString(PyExc_ValueError, "all operands must have the same dtype");
+            return 0;
+        }
+    }
+    return 1;
 }
 
 static PyObject *
@@ -255,43 +353,37 @@ k_dots(PyObject *self, PyObject *args)
     PyObject *oa, *ob, *ospans, *oout;
     if (!PyArg_ParseTuple(args, "OOOO:dots", &oa, &ob, &ospans, &oout))
         return NULL;
-    Py_buffer a, b, spans, out;
-    int ok = 0, size_a, size_b;
-    if (!(size_a = float_buffer(oa, &a, 0, "a")))
-        return NULL;
-    if (!(size_b = float_buffer(ob, &b, 0, "b")))
-        goto release_a;
-    if (size_a != size_b || a.len != b.len) {
-        PyErr_SetString(PyExc_ValueError, "a and b must have the same dtype and length");
-        goto release_b;
-    }
-    Py_ssize_t n = get_spans(ospans, &spans, a.len / size_a);
+    Py_buffer spans, out;
+    operand ops[2];
+    PyObject *result = NULL;
+    Py_ssize_t n = get_spans(ospans, &spans);
     if (n < 0)
-        goto release_b;
-    if (!typed_buffer(oout, &out, 1, 3 * sizeof(double), n, "out"))
-        goto release_spans;
+        return NULL;
     const int64_t *sp = (const int64_t *)spans.buf;
+    if (!get_operand(oa, &ops[0], 0, "a", sp, n))
+        goto release_spans;
+    if (!get_operand(ob, &ops[1], 0, "b", sp, n))
+        goto release_a;
+    if (!same_type(ops, 2) || !typed_buffer(oout, &out, 1, 3 * sizeof(double), n, "out"))
+        goto release_b;
     double *o = (double *)out.buf;
+    int size = ops[0].itemsize;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t s = sp[2 * i], e = sp[2 * i + 1];
-        if (size_a == 4)
-            dots_f32((const float *)a.buf + s, (const float *)b.buf + s, e - s, o + 3 * i);
-        else
-            dots_f64((const double *)a.buf + s, (const double *)b.buf + s, e - s, o + 3 * i);
+        const void *x = operand_at(&ops[0], sp, i), *y = operand_at(&ops[1], sp, i);
+        (size == 4 ? dots_f32 : dots_f64)(x, y, sp[2 * i + 1] - sp[2 * i], o + 3 * i);
     }
     Py_END_ALLOW_THREADS
-    ok = 1;
     PyBuffer_Release(&out);
+    result = Py_None;
+release_b:
+    release_operand(&ops[1]);
+release_a:
+    release_operand(&ops[0]);
 release_spans:
     PyBuffer_Release(&spans);
-release_b:
-    PyBuffer_Release(&b);
-release_a:
-    PyBuffer_Release(&a);
-    if (!ok)
-        return NULL;
-    Py_RETURN_NONE;
+    Py_XINCREF(result);
+    return result;
 }
 
 static PyObject *
@@ -300,214 +392,121 @@ k_scaled_add(PyObject *self, PyObject *args)
     PyObject *odst, *oa, *ob, *ospans, *oca, *ocb;
     if (!PyArg_ParseTuple(args, "OOOOOO:scaled_add", &odst, &oa, &ob, &ospans, &oca, &ocb))
         return NULL;
-    Py_buffer dst, a, b, spans, ca, cb;
-    int ok = 0, size_d, size_a, size_b;
-    if (!(size_d = float_buffer(odst, &dst, 1, "dst")))
-        return NULL;
-    if (!(size_a = float_buffer(oa, &a, 0, "a")))
-        goto release_dst;
-    if (!(size_b = float_buffer(ob, &b, 0, "b")))
-        goto release_a;
-    if (size_a != size_d || size_b != size_d || a.len != dst.len || b.len != dst.len) {
-        PyErr_SetString(PyExc_ValueError, "dst, a and b must have the same dtype and length");
-        goto release_b;
-    }
-    Py_ssize_t n = get_spans(ospans, &spans, dst.len / size_d);
+    Py_buffer spans, ca, cb;
+    operand ops[3];
+    PyObject *result = NULL;
+    Py_ssize_t n = get_spans(ospans, &spans);
     if (n < 0)
-        goto release_b;
-    if (!typed_buffer(oca, &ca, 0, sizeof(double), n, "ca"))
+        return NULL;
+    const int64_t *sp = (const int64_t *)spans.buf;
+    if (!get_operand(odst, &ops[0], 1, "dst", sp, n))
         goto release_spans;
+    if (!get_operand(oa, &ops[1], 0, "a", sp, n))
+        goto release_dst;
+    if (!get_operand(ob, &ops[2], 0, "b", sp, n))
+        goto release_a;
+    if (!same_type(ops, 3) || !typed_buffer(oca, &ca, 0, sizeof(double), n, "ca"))
+        goto release_b;
     if (!typed_buffer(ocb, &cb, 0, sizeof(double), n, "cb"))
         goto release_ca;
-    const int64_t *sp = (const int64_t *)spans.buf;
     const double *p = (const double *)ca.buf, *q = (const double *)cb.buf;
+    int size = ops[0].itemsize;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t s = sp[2 * i], e = sp[2 * i + 1];
-        if (size_d == 4)
-            scaled_add_f32((float *)dst.buf + s, (const float *)a.buf + s, (const float *)b.buf + s, e - s,
-                           p[i], q[i]);
-        else
-            scaled_add_f64((double *)dst.buf + s, (const double *)a.buf + s, (const double *)b.buf + s,
-                           e - s, p[i], q[i]);
+        void *d = operand_at(&ops[0], sp, i);
+        const void *x = operand_at(&ops[1], sp, i), *y = operand_at(&ops[2], sp, i);
+        (size == 4 ? scaled_add_f32 : scaled_add_f64)(d, x, y, sp[2 * i + 1] - sp[2 * i], p[i], q[i]);
     }
     Py_END_ALLOW_THREADS
-    ok = 1;
+    result = Py_None;
     PyBuffer_Release(&cb);
 release_ca:
     PyBuffer_Release(&ca);
+release_b:
+    release_operand(&ops[2]);
+release_a:
+    release_operand(&ops[1]);
+release_dst:
+    release_operand(&ops[0]);
 release_spans:
     PyBuffer_Release(&spans);
-release_b:
-    PyBuffer_Release(&b);
-release_a:
-    PyBuffer_Release(&a);
-release_dst:
-    PyBuffer_Release(&dst);
-    if (!ok)
-        return NULL;
-    Py_RETURN_NONE;
+    Py_XINCREF(result);
+    return result;
 }
 
-/* Acquires parts[i] (a sequence of n buffers) with parts[i] holding exactly spans[i] elements of `itemsize`
- * bytes each; on failure releases what it took, sets an exception and returns NULL. */
-static Py_buffer *
-get_parts(PyObject *oparts, Py_ssize_t n, const int64_t *sp, int itemsize)
+typedef struct {
+    uintptr_t start, end;
+} extent;
+
+static int
+by_start(const void *x, const void *y)
 {
-    PyObject *seq = PySequence_Fast(oparts, "parts must be a sequence of buffers");
+    uintptr_t a = ((const extent *)x)->start, b = ((const extent *)y)->start;
+    return (a > b) - (a < b);
+}
+
+/* layout(arrays, writable): how C-contiguous buffers lie in memory (see the method's docstring). */
+static PyObject *
+k_layout(PyObject *self, PyObject *args)
+{
+    PyObject *oarrays;
+    int writable;
+    if (!PyArg_ParseTuple(args, "Op:layout", &oarrays, &writable))
+        return NULL;
+    PyObject *seq = PySequence_Fast(oarrays, "layout needs a sequence of buffers");
     if (!seq)
         return NULL;
-    if (PySequence_Fast_GET_SIZE(seq) != n) {
-        PyErr_Format(PyExc_ValueError, "expected %zd parts (one per span), got %zd", n,
-                     PySequence_Fast_GET_SIZE(seq));
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), live = 0;
+    extent *ext = PyMem_Malloc((n ? n : 1) * sizeof(extent));
+    if (!ext) {
         Py_DECREF(seq);
-        return NULL;
+        return PyErr_NoMemory();
     }
-    Py_buffer *views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
-    if (!views) {
-        Py_DECREF(seq);
-        PyErr_NoMemory();
-        return NULL;
-    }
-    Py_ssize_t i = 0;
-    for (; i < n; i++) {
-        int size = float_buffer(PySequence_Fast_GET_ITEM(seq, i), &views[i], 0, "parts[i]");
-        if (!size)
-            break;
-        if (size != itemsize || views[i].len != (sp[2 * i + 1] - sp[2 * i]) * itemsize) {
-            PyErr_Format(PyExc_ValueError, "part %zd: expected %lld elements of %d bytes, got %zd bytes", i,
-                         (long long)(sp[2 * i + 1] - sp[2 * i]), itemsize, views[i].len);
-            PyBuffer_Release(&views[i]);
-            break;
+    int adjacent = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_buffer view;
+        int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &view, flags) < 0) {
+            PyMem_Free(ext);
+            Py_DECREF(seq);
+            return NULL;
         }
+        if (view.len > 0) {
+            uintptr_t start = (uintptr_t)view.buf;
+            if (live && start != ext[live - 1].end)
+                adjacent = 0;
+            ext[live].start = start;
+            ext[live].end = start + (uintptr_t)view.len;
+            live++;
+        }
+        PyBuffer_Release(&view);
     }
     Py_DECREF(seq);
-    if (i < n) {
-        while (i-- > 0)
-            PyBuffer_Release(&views[i]);
-        PyMem_Free(views);
-        return NULL;
+    long result = 2;
+    if (!adjacent) {
+        qsort(ext, (size_t)live, sizeof(extent), by_start);
+        result = 1;
+        for (Py_ssize_t i = 1; i < live; i++)
+            if (ext[i].start < ext[i - 1].end)
+                result = 0;
     }
-    return views;
-}
-
-static void
-release_parts(Py_buffer *views, Py_ssize_t n)
-{
-    for (Py_ssize_t i = 0; i < n; i++)
-        PyBuffer_Release(&views[i]);
-    PyMem_Free(views);
-}
-
-static PyObject *
-k_dots_parts(PyObject *self, PyObject *args)
-{
-    PyObject *oparts, *ob, *ospans, *oout;
-    if (!PyArg_ParseTuple(args, "OOOO:dots_parts", &oparts, &ob, &ospans, &oout))
-        return NULL;
-    Py_buffer b, spans, out;
-    int size = float_buffer(ob, &b, 0, "b");
-    if (!size)
-        return NULL;
-    Py_ssize_t n = get_spans(ospans, &spans, b.len / size);
-    if (n < 0) {
-        PyBuffer_Release(&b);
-        return NULL;
-    }
-    PyObject *result = NULL;
-    if (typed_buffer(oout, &out, 1, 3 * sizeof(double), n, "out")) {
-        const int64_t *sp = (const int64_t *)spans.buf;
-        Py_buffer *parts = get_parts(oparts, n, sp, size);
-        if (parts) {
-            double *o = (double *)out.buf;
-            Py_BEGIN_ALLOW_THREADS
-            for (Py_ssize_t i = 0; i < n; i++) {
-                int64_t s = sp[2 * i], e = sp[2 * i + 1];
-                if (size == 4)
-                    dots_f32(parts[i].buf, (const float *)b.buf + s, e - s, o + 3 * i);
-                else
-                    dots_f64(parts[i].buf, (const double *)b.buf + s, e - s, o + 3 * i);
-            }
-            Py_END_ALLOW_THREADS
-            release_parts(parts, n);
-            result = Py_None;
-        }
-        PyBuffer_Release(&out);
-    }
-    PyBuffer_Release(&spans);
-    PyBuffer_Release(&b);
-    Py_XINCREF(result);
-    return result;
-}
-
-static PyObject *
-k_scaled_add_parts(PyObject *self, PyObject *args)
-{
-    PyObject *odst, *oparts, *ob, *ospans, *oca, *ocb;
-    if (!PyArg_ParseTuple(args, "OOOOOO:scaled_add_parts", &odst, &oparts, &ob, &ospans, &oca, &ocb))
-        return NULL;
-    Py_buffer dst, b, spans, ca, cb;
-    PyObject *result = NULL;
-    int size = float_buffer(odst, &dst, 1, "dst");
-    if (!size)
-        return NULL;
-    int size_b = float_buffer(ob, &b, 0, "b");
-    if (!size_b)
-        goto release_dst;
-    if (size_b != size || b.len != dst.len) {
-        PyErr_SetString(PyExc_ValueError, "dst and b must have the same dtype and length");
-        goto release_b;
-    }
-    Py_ssize_t n = get_spans(ospans, &spans, b.len / size);
-    if (n < 0)
-        goto release_b;
-    if (!typed_buffer(oca, &ca, 0, sizeof(double), n, "ca"))
-        goto release_spans;
-    if (!typed_buffer(ocb, &cb, 0, sizeof(double), n, "cb"))
-        goto release_ca;
-    const int64_t *sp = (const int64_t *)spans.buf;
-    Py_buffer *parts = get_parts(oparts, n, sp, size);
-    if (parts) {
-        const double *p = (const double *)ca.buf, *q = (const double *)cb.buf;
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++) {
-            int64_t s = sp[2 * i], e = sp[2 * i + 1];
-            if (size == 4)
-                scaled_add_f32((float *)dst.buf + s, parts[i].buf, (const float *)b.buf + s, e - s, p[i], q[i]);
-            else
-                scaled_add_f64((double *)dst.buf + s, parts[i].buf, (const double *)b.buf + s, e - s, p[i],
-                               q[i]);
-        }
-        Py_END_ALLOW_THREADS
-        release_parts(parts, n);
-        result = Py_None;
-    }
-    PyBuffer_Release(&cb);
-release_ca:
-    PyBuffer_Release(&ca);
-release_spans:
-    PyBuffer_Release(&spans);
-release_b:
-    PyBuffer_Release(&b);
-release_dst:
-    PyBuffer_Release(&dst);
-    Py_XINCREF(result);
-    return result;
+    PyMem_Free(ext);
+    return PyLong_FromLong(result);
 }
 
 static PyMethodDef methods[] = {
     {"dots", k_dots, METH_VARARGS,
      "dots(a, b, spans, out): out[i] = [a.b, a.a, b.b] over a[s:e], b[s:e] for spans[i] = (s, e), in "
-     "float64.\n\na, b: contiguous float32 or float64 buffers of one dtype and length; spans: int64 (n, 2); "
-     "out: writable float64 (n, 3)."},
+     "float64.\n\nspans: int64 (n, 2); out: writable float64 (n, 3). An operand (a, b) is a contiguous "
+     "float32 or float64 buffer that the spans index, or a sequence of n such buffers, buffer i holding "
+     "the e - s elements of span i. All operands have one dtype."},
     {"scaled_add", k_scaled_add, METH_VARARGS,
      "scaled_add(dst, a, b, spans, ca, cb): dst[s:e] = ca[i]*a[s:e] + cb[i]*b[s:e] for spans[i] = (s, e), "
-     "computed in float64 and rounded once to dst's dtype. dst may be a."},
-    {"dots_parts", k_dots_parts, METH_VARARGS,
-     "dots_parts(parts, b, spans, out): as dots, with a[s:e] given as parts[i], a buffer of e - s elements "
-     "of b's dtype."},
-    {"scaled_add_parts", k_scaled_add_parts, METH_VARARGS,
-     "scaled_add_parts(dst, parts, b, spans, ca, cb): as scaled_add, with a[s:e] given as parts[i]."},
+     "computed in float64 and rounded once to the dtype. Operands as for dots; dst may be a or b."},
+    {"layout", k_layout, METH_VARARGS,
+     "layout(arrays, writable): 2 if the non-empty C-contiguous buffers lie back to back in order, 1 if no "
+     "two of them overlap, 0 if some do. A non-contiguous buffer, or a read-only one when writable is true, "
+     "raises the exporter's error (BufferError, or numpy's ValueError)."},
     {NULL, NULL, 0, NULL},
 };
 

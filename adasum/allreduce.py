@@ -113,7 +113,7 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
         raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
     lcomm = library_comm(comm)
     rank = comm.Get_rank()
-    opname, single, items, plan, error = str(op), False, [], None, None
+    opname, single, items, plan, groups, layouts, error = str(op), False, [], None, [], [], None
     try:
         single, items = _as_list(tensors)
         opname = _parse_op(op)
@@ -123,33 +123,46 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
         if opname == "adasum":
             settings += (("small-message bytes", _small_message_bytes),)
         plan = _plan(items, opname, rank, settings)
+        groups = plan.groups()
+        if inplace:  # where the tensors lie decides how the result gets into them; read-only ones fail here
+            layouts = [g.adapter.layout([items[i] for i in g.indices], g.indices, rank) for g in groups]
     except (TypeError, ValueError) as exc:
         if not str(exc).startswith("rank "):
             exc = type(exc)(f"rank {rank}: {exc}")
         error = exc
         settings = (("hierarchical", bool(hierarchical)),)
-    agree(lcomm, opname, None if plan is None else plan.descs, error, extra=settings,
-          digest=None if plan is None else plan.signature)
+        groups = []
 
-    groups = plan.groups()
     size = comm.Get_size()
-    halving = (opname == "adasum" and not hierarchical and size > 1
-               and sum(g.size * _ITEMSIZE[g.dtype] for g in groups) > _small_message_bytes)
-    # A rank that starts the halving itself reads its tensors directly at the first level (they are not
-    # written before the end, also in place), so only the half it sends is packed.
-    direct = halving and rank >= 2 * (size - (1 << (size.bit_length() - 1)))
-    for g in groups:
+    flat = opname == "adasum" and not hierarchical and size > 1
+    halving = flat and sum(g.size * _ITEMSIZE[g.dtype] for g in groups) > _small_message_bytes
+    # Flat Adasum may use the caller's tensors directly (see vhdd.adasum_reduce): halving reads them at
+    # the first level instead of packing them, and an in-place call on tensors that lie apart is combined
+    # in them (both schedules), so that nothing is written back at the end.
+    direct = flat and _transport.get_gpu_transport() != "staged"
+    for gi, g in enumerate(groups):
         members = [items[i] for i in g.indices]
-        view = g.adapter.fused_view(members) if inplace else None
-        parts = g.adapter.direct_parts(members, g.dtype) if direct and g.size > 0 else None
+        where = layouts[gi] if inplace else None
+        view = g.adapter.fused_view(members) if inplace and where in (2, None) else None
         if view is not None and len(view) == g.size:
             g.buffer, g.aliased = view, True
-        elif parts is not None:
-            g.parts = parts
-            g.buffer = pooled(g, g.size, "fused") if inplace else g.adapter.empty(g.size, g.dtype, g.device)
-        else:
-            g.buffer = pooled(g, g.size, "fused") if inplace else g.adapter.empty(g.size, g.dtype, g.device)
-            g.adapter.pack(members, g.buffer, g.bounds)
+            continue
+        if direct and g.size > 0 and (not inplace or where == 1):
+            g.parts = g.adapter.direct_parts(members, g.dtype)
+        g.writes_parts = inplace and g.parts is not None
+        g.packed = not (halving and g.parts is not None)
+    # Halves sent straight from the caller's tensors go as one message per large layer piece (MPI's
+    # fast path needs a contiguous send buffer): every rank must then cut its messages the same way.
+    split = agree(lcomm, opname, None if plan is None else plan.descs, error, extra=settings,
+                  digest=None if plan is None else plan.signature,
+                  vote=int(any(not g.packed for g in groups)))
+
+    for g in groups:
+        if g.aliased or (g.writes_parts and not g.packed):
+            continue  # halving in the caller's tensors (in place) needs no fused buffer at all
+        g.buffer = pooled(g, g.size, "fused") if inplace else g.adapter.empty(g.size, g.dtype, g.device)
+        if g.packed:
+            g.adapter.pack([items[i] for i in g.indices], g.buffer, g.bounds)
     active = [g for g in groups if g.size > 0]
 
     if active and size > 1:
@@ -160,7 +173,7 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
         elif opname == "adasum":
             transports = [_transport_for(lcomm, g) for g in active]
             if halving:
-                adasum_reduce(lcomm, active, transports)
+                adasum_reduce(lcomm, active, transports, split=bool(split))
             else:
                 adasum_reduce_doubling(lcomm, active, transports)
         else:
@@ -168,7 +181,7 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
 
     if inplace:
         for g in active:
-            if not g.aliased:
+            if not g.aliased and not g.writes_parts:
                 g.adapter.write_back([items[i] for i in g.indices], g.buffer, g.bounds)
         return tensors
     out: list[Any] = [None] * len(items)
@@ -217,7 +230,8 @@ def _plan(items, op: str, rank: int, settings: tuple) -> _Plan:
 
 
 def _transport_for(comm: MPI.Intracomm, g: Group) -> Transport:
-    return Transport(comm, g.adapter, g.device, staged=_transport.use_staging(g.adapter, g.buffer))
+    buf = g.buffer if g.buffer is not None else g.parts[0]
+    return Transport(comm, g.adapter, g.device, staged=_transport.use_staging(g.adapter, buf))
 
 
 def _plain_reduce(comm: MPI.Intracomm, groups: Sequence[Group], mean: bool) -> None:

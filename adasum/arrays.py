@@ -91,27 +91,32 @@ class Adapter:
 
     # --- arithmetic on flat buffers -------------------------------------------------------------------------
     def partial_dots(self, a, b, pieces: Sequence[tuple[int, int]]) -> np.ndarray:
-        """``[a·b, a·a, b·b]`` over ``a[s:e]``, ``b[s:e]`` for each piece, as a host float64 (n, 3) array."""
+        """``[a·b, a·a, b·b]`` over ``a[s:e]``, ``b[s:e]`` for each piece, as a host float64 (n, 3) array.
+
+        ``a`` or ``b`` may also be a list with one flat buffer per piece, where :meth:`direct_parts` gave
+        such buffers."""
         raise NotImplementedError
 
-    def scaled_add(self, a, b, pieces: Sequence[tuple[int, int]], ca: np.ndarray, cb: np.ndarray) -> None:
-        """``a[s:e] ← ca[i]·a[s:e] + cb[i]·b[s:e]`` per piece, in float64, rounded once to a's dtype.
+    def scaled_add(self, a, b, pieces: Sequence[tuple[int, int]], ca: np.ndarray, cb: np.ndarray,
+                   dst=None) -> None:
+        """``dst[s:e] ← ca[i]·a[s:e] + cb[i]·b[s:e]`` per piece (``dst`` defaults to ``a``), in float64,
+        rounded once to the dtype. ``dst`` may be ``a`` or ``b``.
 
-        ``b`` is scratch: its contents may be destroyed."""
+        Operands other than ``dst`` are scratch: their contents may be destroyed. Lists of per-piece
+        buffers are taken where :meth:`partial_dots` takes them."""
         raise NotImplementedError
 
     def direct_parts(self, tensors: Sequence[Any], dtype: str):
-        """Flat views of ``tensors`` that the ``*_parts`` methods can read in place of a packed buffer, or
-        None where this adapter (or this dtype, or a non-contiguous tensor) needs the tensors packed."""
+        """Flat views of ``tensors`` that the arithmetic and the transport can use in place of a packed
+        buffer, or None where this adapter (or this dtype, or a non-contiguous tensor) needs them packed."""
         return None
 
-    def partial_dots_parts(self, parts: Sequence[Any], b, pieces) -> np.ndarray:
-        """:meth:`partial_dots` with ``a[s:e]`` given as ``parts[i]``."""
-        raise NotImplementedError
+    def layout(self, tensors: Sequence[Any], indices: Sequence[int], rank: int) -> int | None:
+        """Where an in-place call's ``tensors`` lie: 2 back to back, in order, in one block; 1 apart; 0
+        overlapping; None where this adapter does not tell. ``indices`` are the tensors' places in the call.
 
-    def scaled_add_parts(self, dst, parts: Sequence[Any], b, pieces, ca: np.ndarray, cb: np.ndarray) -> None:
-        """``dst[s:e] ← ca[i]·parts[i] + cb[i]·b[s:e]`` per piece."""
-        raise NotImplementedError
+        Raises ValueError (naming ``rank`` and the tensor) for a tensor the call cannot write into."""
+        return None
 
     def divide(self, buf, divisor: int) -> None:
         """``buf ← buf / divisor`` in place (floating point buffers only)."""
@@ -216,6 +221,8 @@ class NumpyAdapter(_NumpyLike):
         live = [t for t in tensors if t.size]
         if not live or not all(t.flags.c_contiguous and t.flags.writeable for t in live):
             return None
+        if len(live) > 1 and live[0].base is None:
+            return None  # the first owns exactly its own memory: nothing can follow it in one block
         root = _numpy_root(live[0])
         end = live[0].__array_interface__["data"][0]
         for t in live:
@@ -226,41 +233,50 @@ class NumpyAdapter(_NumpyLike):
         first = live[0].reshape(-1)
         return np.lib.stride_tricks.as_strided(first, shape=(total,), strides=(first.itemsize,))
 
+    def layout(self, tensors, indices, rank):
+        for i, t in zip(indices, tensors):
+            if not t.flags.writeable:
+                raise ValueError(f"rank {rank}: tensor {i} is read-only; adasum_allreduce_inplace writes the "
+                                 "result into its tensors")
+        if _c_kernels is None or not all(t.flags.c_contiguous for t in tensors):
+            return None
+        return _c_kernels.layout(tensors, True)
+
     def _block_scratch(self, name, dtype):
         buf = self._scratch.get(name)
         if buf is None:
             buf = self._scratch[name] = np.empty((2, BLOCK), dtype=dtype)
         return buf
 
+    def _compiled(self, *operands) -> bool:
+        return _use_c and all(type(x) is list or (x.dtype.char in "fd" and x.flags.c_contiguous)
+                              for x in operands)
+
     def partial_dots(self, a, b, pieces):
-        if _use_c and a.dtype.char in "fd" and a.flags.c_contiguous and b.flags.c_contiguous:
+        if self._compiled(a, b):
             out = np.empty((len(pieces), 3))
             _c_kernels.dots(a, b, np.asarray(pieces, dtype=np.int64).reshape(-1, 2), out)
             return out
         return _numpy_partial_dots(a, b, pieces, self._block_scratch("wide64", np.float64))
 
-    def scaled_add(self, a, b, pieces, ca, cb):
-        if _use_c and a.dtype.char in "fd" and a.flags.c_contiguous and b.flags.c_contiguous:
-            _c_kernels.scaled_add(a, a, b, np.asarray(pieces, dtype=np.int64).reshape(-1, 2),
+    def scaled_add(self, a, b, pieces, ca, cb, dst=None):
+        dst = a if dst is None else dst
+        if self._compiled(dst, a, b):
+            _c_kernels.scaled_add(dst, a, b, np.asarray(pieces, dtype=np.int64).reshape(-1, 2),
                                   np.ascontiguousarray(ca, dtype=np.float64),
                                   np.ascontiguousarray(cb, dtype=np.float64))
             return
+        if dst is b:
+            a, b = b, a  # compute into b's memory: the sum is symmetric in its two terms
+            ca, cb = cb, ca
         _numpy_scaled_add(a, b, pieces, ca, cb, self._block_scratch("wide32", np.float32))
+        if dst is not a:
+            dst[...] = a
 
     def direct_parts(self, tensors, dtype):
         if not _use_c or dtype not in ("float32", "float64") or not all(t.flags.c_contiguous for t in tensors):
             return None
         return [t.reshape(-1) for t in tensors]
-
-    def partial_dots_parts(self, parts, b, pieces):
-        out = np.empty((len(pieces), 3))
-        _c_kernels.dots_parts(parts, b, np.asarray(pieces, dtype=np.int64).reshape(-1, 2), out)
-        return out
-
-    def scaled_add_parts(self, dst, parts, b, pieces, ca, cb):
-        _c_kernels.scaled_add_parts(dst, parts, b, np.asarray(pieces, dtype=np.int64).reshape(-1, 2),
-                                    np.ascontiguousarray(ca, dtype=np.float64),
-                                    np.ascontiguousarray(cb, dtype=np.float64))
 
     def divide(self, buf, divisor):
         np.divide(buf, divisor, out=buf)
@@ -336,7 +352,11 @@ class CupyAdapter(_NumpyLike):
                 out[i, 2] += xp.dot(y, y)
         return xp.asnumpy(out)
 
-    def scaled_add(self, a, b, pieces, ca, cb):
+    def scaled_add(self, a, b, pieces, ca, cb, dst=None):
+        if dst is not None and dst is not a:
+            self.scaled_add(a, b, pieces, ca, cb)
+            dst[...] = a
+            return
         xp = self.xp
         wide = a.dtype == xp.float16
         for (s, e), p, q in zip(pieces, ca.tolist(), cb.tolist()):
@@ -463,10 +483,14 @@ class TorchAdapter(Adapter):
                 row[2] += torch.dot(y, y)
         return out.cpu().numpy()
 
-    def scaled_add(self, a, b, pieces, ca, cb):
+    def scaled_add(self, a, b, pieces, ca, cb, dst=None):
         torch = self.torch
         if a.device.type == "cpu" and a.dtype != torch.bfloat16:
-            _NUMPY.scaled_add(a.numpy(), b.numpy(), pieces, ca, cb)
+            _NUMPY.scaled_add(a.numpy(), b.numpy(), pieces, ca, cb, None if dst is None else dst.numpy())
+            return
+        if dst is not None and dst is not a:
+            self.scaled_add(a, b, pieces, ca, cb)
+            dst.copy_(a)
             return
         if a.dtype in (torch.float32, torch.float64):
             for (s, e), p, q in zip(pieces, ca.tolist(), cb.tolist()):

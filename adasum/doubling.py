@@ -19,32 +19,31 @@ from mpi4py import MPI
 from .combine import coefficients
 from .fusion import Group, layer_spans, pooled
 from .transport import Transport
-from .vhdd import fold_out
+from .vhdd import fold_out, home
 
 __all__ = ["adasum_reduce_doubling"]
 
 
-def _combine_pair(groups, spans, scratches, count_left: int, count_right: int, upper: bool) -> None:
-    """``buffer ← Adasum(left, right)`` where this rank's buffer is the right vector if ``upper``."""
+def _combine_pair(groups, spans, scratches, count_left: int, count_right: int, upper: bool, last: bool) -> None:
+    """``Adasum(left, right)`` into the buffer (or, at the ``last`` level, where the result goes), where this
+    rank's buffer holds the right vector if ``upper``."""
     for g, (layers, sp), scr in zip(groups, spans, scratches):
         if not sp:
             continue
         left, right = (scr, g.buffer) if upper else (g.buffer, scr)
         d = g.adapter.partial_dots(left, right, sp)
         c_left, c_right = coefficients(d[:, 0], d[:, 1], d[:, 2], count_left, count_right)
-        if upper:
-            # The same kernel call as the partner's (left first), into the scratch, then copied over.
-            g.adapter.scaled_add(scr, g.buffer, sp, c_left, c_right)
-            g.adapter.copy_(g.buffer, scr)
-        else:
-            g.adapter.scaled_add(g.buffer, scr, sp, c_left, c_right)
+        # Both partners make the same kernel call (left first), so they hold the same bits.
+        dst = home(g, 0, g.size, layers, sp) if last else g.buffer
+        g.adapter.scaled_add(left, right, sp, c_left, c_right, dst=dst)
 
 
 def adasum_reduce_doubling(comm: MPI.Intracomm, groups: Sequence[Group], transports: Sequence[Transport], *,
                            counts: Sequence[int] | None = None) -> None:
     """Replace every group's buffer, in place and on every rank, by the Adasum of all ranks' buffers.
 
-    ``counts[r]``: how many ranks rank r's vector stands for (1 each for plain Adasum).
+    ``counts[r]``: how many ranks rank r's vector stands for (1 each for plain Adasum). The buffers must
+    be packed; a group that ``writes_parts`` gets its result written into the caller's tensors.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1 or not groups:
@@ -64,7 +63,7 @@ def adasum_reduce_doubling(comm: MPI.Intracomm, groups: Sequence[Group], transpo
     if rank < 2 * extra:
         for g, t, scr in zip(groups, transports, scratches):
             t.recv(scr, rank + 1)
-        _combine_pair(groups, spans, scratches, counts[rank], counts[rank + 1], upper=False)
+        _combine_pair(groups, spans, scratches, counts[rank], counts[rank + 1], upper=False, last=False)
         v = rank // 2
     else:
         v = rank - extra
@@ -77,8 +76,8 @@ def adasum_reduce_doubling(comm: MPI.Intracomm, groups: Sequence[Group], transpo
             t.sendrecv(g.buffer, partner, scr, partner)
         base = (v >> level) << level
         _combine_pair(groups, spans, scratches, sum(vcounts[base:base + d]), sum(vcounts[base + d:base + 2 * d]),
-                      upper=bool(v & d))
+                      upper=bool(v & d), last=level == k)
 
     if rank < 2 * extra:
         for g, t in zip(groups, transports):
-            t.send(g.buffer, rank + 1)
+            t.send(home(g, 0, g.size), rank + 1)

@@ -33,8 +33,12 @@ class Group:
     aliased: bool = False
     # layer_spans(self), computed once per plan
     spans: Any = None
-    # Flat views of the caller's tensors, one per layer, while `buffer` is not yet packed (see vhdd).
+    # Flat views of the caller's tensors, one per layer, where the schedules may use them directly
     parts: Any = None
+    # False while this rank's values are still only in `parts` (not yet packed into `buffer`)
+    packed: bool = True
+    # True when the result goes into `parts` (an in-place call on tensors that lie apart), not `buffer`
+    writes_parts: bool = False
 
     @property
     def size(self) -> int:

@@ -108,21 +108,90 @@ class Transport:
         return buf[:nbytes]
 
     def _nbytes(self, buf) -> int:
+        if type(buf) is list:
+            return sum(int(p.nbytes) for p in buf)
         return int(buf.numel() * buf.element_size()) if hasattr(buf, "element_size") else int(buf.nbytes)
+
+    def _message(self, buf, sending: bool):
+        """mpi4py's message for ``buf`` and a datatype to free after the call (or None).
+
+        ``buf`` may be a list of flat host arrays (pieces of the caller's tensors). Received, they are
+        described to MPI by an hindexed datatype over their addresses and written where they lie. Sent,
+        they are first packed into a host buffer: MPI's fast paths for large messages read contiguous
+        memory only (an hindexed send runs several times slower).
+        """
+        if type(buf) is not list:
+            if not self.adapter.is_host(buf):
+                self.adapter.synchronize(self.device)
+            return [self.adapter.mpi_bytes(buf), MPI.BYTE], None
+        live = [p for p in buf if p.nbytes]
+        if len(live) <= 1:
+            return [live[0].view(np.uint8) if live else np.empty(0, np.uint8), MPI.BYTE], None
+        if sending:
+            packed = self._stage(0, sum(p.nbytes for p in live))
+            np.concatenate([p.view(np.uint8) for p in live], out=packed)
+            return [packed, MPI.BYTE], None
+        dtype = MPI.BYTE.Create_hindexed([p.nbytes for p in live], [MPI.Get_address(p) for p in live])
+        dtype.Commit()
+        return [MPI.BOTTOM, 1, dtype], dtype
 
     def sendrecv(self, send, dest: int, recv, source: int) -> None:
         sbytes, rbytes = self._nbytes(send), self._nbytes(recv)
         _record("sent_bytes", sbytes, 1)
         if not self.staged:
-            if not self.adapter.is_host(send):
-                self.adapter.synchronize(self.device)
-            self.comm.Sendrecv([self.adapter.mpi_bytes(send), MPI.BYTE], dest, _TAG,
-                               [self.adapter.mpi_bytes(recv), MPI.BYTE], source, _TAG)
+            (smsg, sdt), (rmsg, rdt) = self._message(send, True), self._message(recv, False)
+            try:
+                self.comm.Sendrecv(smsg, dest, _TAG, rmsg, source, _TAG)
+            finally:
+                for dt in (sdt, rdt):
+                    if dt is not None:
+                        dt.Free()
             return
         hs, hr = self._stage(0, sbytes), self._stage(1, rbytes)
         self.adapter.to_host(send, hs)
         self.comm.Sendrecv([hs, MPI.BYTE], dest, _TAG, [hr, MPI.BYTE], source, _TAG)
         self.adapter.from_host(hr, recv)
+
+    def exchange(self, sends: list, dest: int, recvs: list, source: int) -> None:
+        """Send each of ``sends`` to ``dest`` and receive each of ``recvs`` from ``source``, as separate
+        messages in list order: pairwise where the lists are as long, else all in flight at once. Items
+        are buffers or lists of flat host pieces, as in :meth:`sendrecv`."""
+        if self.staged or len(sends) == len(recvs) or (len(sends) <= 1 and len(recvs) <= 1):
+            # message i goes both ways at once (full duplex); uneven lists finish one way
+            for i in range(max(len(sends), len(recvs))):
+                if i < len(sends) and i < len(recvs):
+                    self.sendrecv(sends[i], dest, recvs[i], source)
+                elif i < len(sends):
+                    self.send(sends[i], dest)
+                else:
+                    self.recv(recvs[i], source)
+            return
+        for buf in sends:
+            _record("sent_bytes", self._nbytes(buf), 1)
+        runs = [[p for p in buf if p.nbytes] for buf in sends if type(buf) is list]
+        packed = self._stage(0, sum(p.nbytes for run in runs if len(run) > 1 for p in run))
+        requests, dtypes, offset = [], [], 0
+        try:
+            for buf in recvs:
+                msg, dt = self._message(buf, False)
+                if dt is not None:
+                    dtypes.append(dt)
+                requests.append(self.comm.Irecv(msg, source, _TAG))
+            for buf in sends:
+                live = [p for p in buf if p.nbytes] if type(buf) is list else None
+                if live is not None and len(live) > 1:
+                    n = sum(p.nbytes for p in live)
+                    region = packed[offset:offset + n]
+                    np.concatenate([p.view(np.uint8) for p in live], out=region)
+                    offset += n
+                    msg = [region, MPI.BYTE]
+                else:
+                    msg, _ = self._message(buf, True)
+                requests.append(self.comm.Isend(msg, dest, _TAG))
+            MPI.Request.Waitall(requests)
+        finally:
+            for dt in dtypes:
+                dt.Free()
 
     def allreduce_sum(self, buf) -> None:
         """``MPI_Allreduce(SUM)`` of a flat buffer, in place (MPI's own algorithm and datatypes)."""
@@ -145,9 +214,12 @@ class Transport:
         nbytes = self._nbytes(buf)
         _record("sent_bytes", nbytes, 1)
         if not self.staged:
-            if not self.adapter.is_host(buf):
-                self.adapter.synchronize(self.device)
-            self.comm.Send([self.adapter.mpi_bytes(buf), MPI.BYTE], dest, _TAG)
+            msg, dt = self._message(buf, True)
+            try:
+                self.comm.Send(msg, dest, _TAG)
+            finally:
+                if dt is not None:
+                    dt.Free()
             return
         hs = self._stage(0, nbytes)
         self.adapter.to_host(buf, hs)
@@ -155,7 +227,12 @@ class Transport:
 
     def recv(self, buf, source: int) -> None:
         if not self.staged:
-            self.comm.Recv([self.adapter.mpi_bytes(buf), MPI.BYTE], source, _TAG)
+            msg, dt = self._message(buf, False)
+            try:
+                self.comm.Recv(msg, source, _TAG)
+            finally:
+                if dt is not None:
+                    dt.Free()
             return
         hr = self._stage(1, self._nbytes(buf))
         self.comm.Recv([hr, MPI.BYTE], source, _TAG)

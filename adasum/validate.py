@@ -82,27 +82,28 @@ _OPS = {"adasum": 1, "sum": 2, "mean": 3}
 
 
 def agree(comm: MPI.Intracomm, op: str, descs: Sequence[TensorDesc] | None, error: Exception | None,
-          extra: tuple = (), digest: int | None = None) -> None:
+          extra: tuple = (), digest: int | None = None, vote: int = 0) -> int:
     """Meet the other ranks once; raise the same exception on every rank if any rank failed or differs.
 
     ``descs`` is this rank's description of its tensors (None if ``error`` is set). ``extra`` holds further
     settings that must agree (for example the hierarchical flag). ``digest``, if given, is
-    ``signature(op, descs, extra)`` computed earlier.
+    ``signature(op, descs, extra)`` computed earlier. ``vote`` (a non-negative int) rides along: the call
+    returns the largest vote of all ranks, so that the ranks can settle a choice in the same collective.
     """
     if comm.Get_size() == 1:
         if error is not None:
             raise error
-        return
+        return vote
     if error is not None:
         sig = 0
     else:
         sig = signature(op, descs, extra) if digest is None else digest
-    mine = np.array([sig, -sig, 1 if error is not None else 0], dtype=np.int64)
+    mine = np.array([sig, -sig, 1 if error is not None else 0, vote], dtype=np.int64)
     seen = np.empty_like(mine)
     _record("scalar_bytes", mine.nbytes)
     comm.Allreduce(mine, seen, op=MPI.MAX)
     if seen[2] == 0 and seen[0] == -seen[1]:
-        return
+        return int(seen[3])
     # The slow path, taken only when something is wrong: gather everyone's view to say exactly what.
     rank = comm.Get_rank()
     report = (op, extra, descs, None if error is None else (type(error), str(error)))

@@ -24,19 +24,98 @@ from .combine import coefficients
 from .fusion import Group, pieces, pooled
 from .transport import Transport, scalar_sendrecv
 
-__all__ = ["adasum_reduce", "fold_out"]
+__all__ = ["adasum_reduce", "fold_out", "home", "own"]
 
-def _own_parts(g: Group, lo: int, layers, spans) -> list:
-    """This rank's values of ``g.buffer[lo + s : lo + e]`` for each span, read from the caller's tensors."""
+def _pieces_of(g: Group, lo: int, layers, spans) -> list:
+    """``[lo + s, lo + e)`` of the fused index space for each span, as flat views of the caller's tensors."""
     b = g.bounds
     return [g.parts[i][lo + s - b[i]:lo + e - b[i]] for i, (s, e) in zip(layers, spans)]
 
 
-def _pack_range(g: Group, lo: int, hi: int) -> None:
-    """Copy ``[lo, hi)`` of the caller's tensors into ``g.buffer`` (the half this rank sends first)."""
-    layers, spans = pieces(g.bounds, lo, hi)
-    for part, (s, e) in zip(_own_parts(g, lo, layers, spans), spans):
-        g.buffer[lo + s:lo + e] = part
+def own(g: Group, lo: int, hi: int, layers=None, spans=None):
+    """This rank's current values of ``[lo, hi)``: a slice of ``g.buffer``, or (before they are packed or
+    when the result is written into the caller's tensors) the pieces of ``g.parts`` that hold them."""
+    if g.packed:
+        return g.buffer if lo == 0 and hi == g.size else g.buffer[lo:hi]
+    if layers is None:
+        layers, spans = pieces(g.bounds, lo, hi)
+    return _pieces_of(g, lo, layers, spans)
+
+
+def home(g: Group, lo: int, hi: int, layers=None, spans=None):
+    """Where the combined values of ``[lo, hi)`` go: ``g.buffer``, or the caller's tensors themselves."""
+    if not g.writes_parts:
+        return g.buffer if lo == 0 and hi == g.size else g.buffer[lo:hi]
+    if layers is None:
+        layers, spans = pieces(g.bounds, lo, hi)
+    return _pieces_of(g, lo, layers, spans)
+
+
+# With ``split``, a range travels as one message per layer piece of at least this many bytes, and one
+# per run of smaller consecutive pieces (packed by a sender that holds them apart).
+CHUNK_BYTES = 256 << 10
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def _cuts(g: Group, lo: int, hi: int) -> list[int]:
+    """Where layers start inside ``[lo, hi)``, relative to ``lo`` (without 0)."""
+    return [s for s, _ in pieces(g.bounds, lo, hi)[1] if s > 0]
+
+
+def _coalesce(g: Group, cuts: list[int], n: int) -> list[int]:
+    """Keeps the cuts around segments of at least CHUNK_BYTES; merges runs of shorter segments."""
+    small = max(1, CHUNK_BYTES // _ITEMSIZE.get(g.dtype, 1))
+    out, start, run = [], 0, False
+    for c in [*cuts, n]:
+        if c - start >= small:
+            if run:
+                out.append(start)
+            out.append(c)
+            run = False
+        else:
+            run = True
+            if c - (out[-1] if out else 0) >= small:
+                out.append(c)
+                run = False
+        start = c
+    if not out or out[-1] != n:
+        out.append(n)
+    return out
+
+
+def chunks(g: Group, lo: int, hi: int, split: bool) -> list[tuple[int, int]]:
+    """The messages that carry ``[lo, hi)`` one way: one, or with ``split`` one per layer piece of at
+    least CHUNK_BYTES and one per run of smaller pieces. A function of the layer table alone, so that
+    sender and receiver cut alike."""
+    if hi <= lo:
+        return []
+    if not split:
+        return [(lo, hi)]
+    ends = _coalesce(g, _cuts(g, lo, hi), hi - lo)
+    return [(lo + a, lo + b) for a, b in zip([0, *ends[:-1]], ends)]
+
+
+def paired_chunks(g: Group, slo: int, shi: int, rlo: int, rhi: int, split: bool):
+    """Messages for swapping ``[slo, shi)`` (sent) against ``[rlo, rhi)`` (received): with ``split``, both
+    ranges are cut at the layer starts of either, relative to their own start, so that message i is
+    about as long both ways (the ranges differ by one element at most) and every message lies inside one
+    layer piece on both sides, or is a run of short ones. The partner, swapping the same two ranges the
+    other way round, gets the mirror lists."""
+    if not split:
+        return chunks(g, slo, shi, False), chunks(g, rlo, rhi, False)
+    ns, nr = shi - slo, rhi - rlo
+    cuts = sorted(set(_cuts(g, slo, shi)) | set(_cuts(g, rlo, rhi)))
+    ends = _coalesce(g, [c for c in cuts if c < min(ns, nr)], max(ns, nr))
+    starts = [0, *ends[:-1]]
+    send = [(slo + min(a, ns), slo + min(b, ns)) for a, b in zip(starts, ends)]
+    recv = [(rlo + min(a, nr), rlo + min(b, nr)) for a, b in zip(starts, ends)]
+    return send, recv
+
+
+def exchange(t: Transport, partner: int, sends: list, recvs: list) -> None:
+    """Send ``sends`` to and receive ``recvs`` from ``partner``; the partner makes the mirror call (its
+    sends are our receives)."""
+    t.exchange(sends, partner, recvs, partner)
 
 
 def _layer_partials(groups, scratches, los, his, swap: bool):
@@ -46,11 +125,8 @@ def _layer_partials(groups, scratches, los, his, swap: bool):
         full = np.zeros((len(g.bounds) - 1, 3))
         layers, spans = pieces(g.bounds, lo, hi)
         if spans:
-            if g.parts is not None:
-                part = g.adapter.partial_dots_parts(_own_parts(g, lo, layers, spans), scr, spans)
-            else:
-                part = g.adapter.partial_dots(g.buffer[lo:hi], scr, spans)
-            if swap:  # this rank holds the right-hand vector in `buffer`
+            part = g.adapter.partial_dots(own(g, lo, hi, layers, spans), scr, spans)
+            if swap:  # this rank holds the right-hand vector
                 part = part[:, [0, 2, 1]]
             full[layers] = part
         out.append(full)
@@ -67,29 +143,27 @@ def _combine(groups, scratches, los, his, spans_by_group, sums, count_left, coun
     for g, scr, lo, hi, (layers, spans) in zip(groups, scratches, los, his, spans_by_group):
         if spans:
             idx = np.asarray(layers) + offset
-            if g.parts is not None:
-                g.adapter.scaled_add_parts(g.buffer[lo:hi], _own_parts(g, lo, layers, spans), scr, spans,
-                                           mine[idx], theirs[idx])
-            else:
-                g.adapter.scaled_add(g.buffer[lo:hi], scr, spans, mine[idx], theirs[idx])
-        g.parts = None  # from here on the buffer holds this rank's values
+            dst = home(g, lo, hi, layers, spans) if g.writes_parts or not g.packed else None  # None: in place
+            g.adapter.scaled_add(own(g, lo, hi, layers, spans), scr, spans, mine[idx], theirs[idx], dst=dst)
+        g.packed = not g.writes_parts  # from here on the values are where the result goes
         offset += len(g.bounds) - 1
 
 
-def fold_out(groups: Sequence[Group], transports: Sequence[Transport], rank: int, extra: int) -> bool:
+def fold_out(groups: Sequence[Group], transports: Sequence[Transport], rank: int, extra: int,
+             split: bool = False) -> bool:
     """The folded-out rank of a pair (SPEC §3): hands its vector to its even partner and receives the
     result. True if this rank is one (and has its result); False for every other rank."""
     if not (rank < 2 * extra and rank % 2 == 1):
         return False
     for g, t in zip(groups, transports):
-        t.send(g.buffer, rank - 1)
+        exchange(t, rank - 1, [own(g, a, b) for a, b in chunks(g, 0, g.size, split)], [])
     for g, t in zip(groups, transports):
-        t.recv(g.buffer, rank - 1)
+        exchange(t, rank - 1, [], [home(g, a, b) for a, b in chunks(g, 0, g.size, split)])
     return True
 
 
 def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Group], transports: Sequence[Transport], *,
-                  counts: Sequence[int] | None = None,
+                  counts: Sequence[int] | None = None, split: bool = False,
                   local_sum: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
     """Replace every group's buffer, in place and on every rank, by the Adasum of all ranks' buffers.
 
@@ -97,10 +171,12 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Group], transports: Sequ
     the hierarchical mode). ``local_sum``, if given, sums a rank's partial dot products with those of the
     ranks outside ``comm`` that hold the other pieces of the same vectors (the hierarchical mode).
 
-    A group whose ``parts`` are set has not been packed: its values are read from ``parts`` (flat views of
-    the caller's tensors) at the first level, which packs only the half it sends and writes the combined
-    half it keeps, so an out-of-place call copies its input once less. Only ranks that take part in the
-    first level of halving (not folded, P > 1) may be given such groups.
+    A group that is not ``packed`` is read from ``parts`` (flat views of the caller's tensors) until its
+    first combine: halves are sent from there without packing them. A group that ``writes_parts`` (an
+    in-place call on tensors that lie apart) is combined and gathered in the caller's tensors themselves,
+    with no fused buffer at all; otherwise the result is left in ``buffer``. ``split`` (the same on every
+    rank) cuts each exchange into the messages of :func:`chunks`; unpacked groups need it, since MPI sends
+    fastest from contiguous memory.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1 or not groups:
@@ -114,12 +190,12 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Group], transports: Sequ
         return 2 * u if u < extra else u + extra
 
     # --- fold the first `extra` adjacent pairs -----------------------------------------------------------
-    if fold_out(groups, transports, rank, extra):
+    if fold_out(groups, transports, rank, extra, split):
         return
     if rank < 2 * extra:
         scratches = [pooled(g, g.size, "recv") for g in groups]
         for g, t, scr in zip(groups, transports, scratches):
-            t.recv(scr, rank + 1)
+            exchange(t, rank + 1, [], [scr[a:b] for a, b in chunks(g, 0, g.size, split)])
         los, his = [0] * len(groups), [g.size for g in groups]
         partials, spans = _layer_partials(groups, scratches, los, his, swap=False)
         _combine(groups, scratches, los, his, spans, sum_local(partials), counts[rank], counts[rank + 1],
@@ -141,10 +217,9 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Group], transports: Sequ
         for g, t, lo, hi in zip(groups, transports, los, his):
             mid = lo + (hi - lo) // 2
             (klo, khi), (slo, shi) = ((mid, hi), (lo, mid)) if upper else ((lo, mid), (mid, hi))
-            if g.parts is not None:
-                _pack_range(g, slo, shi)
             scr = pooled(g, khi - klo, "recv")
-            t.sendrecv(g.buffer[slo:shi], partner, scr, partner)
+            sc, rc = paired_chunks(g, slo, shi, klo, khi, split)
+            exchange(t, partner, [own(g, a, b) for a, b in sc], [scr[a - klo:b - klo] for a, b in rc])
             new_los.append(klo)
             new_his.append(khi)
             scratches.append(scr)
@@ -167,9 +242,10 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Group], transports: Sequ
         plos, phis = history[level - 1]
         for g, t, lo, hi, plo, phi in zip(groups, transports, los, his, plos, phis):
             olo, ohi = (plo, lo) if v & d else (hi, phi)
-            t.sendrecv(g.buffer[lo:hi], partner, g.buffer[olo:ohi], partner)
+            sc, rc = paired_chunks(g, lo, hi, olo, ohi, split)
+            exchange(t, partner, [own(g, a, b) for a, b in sc], [own(g, a, b) for a, b in rc])
         los, his = plos, phis
 
     if rank < 2 * extra:
         for g, t in zip(groups, transports):
-            t.send(g.buffer, rank + 1)
+            exchange(t, rank + 1, [own(g, a, b) for a, b in chunks(g, 0, g.size, split)], [])

@@ -266,9 +266,18 @@ def test_inplace_on_views_of_one_buffer_needs_no_copy(comm, kind):
     assert_identical_across_ranks(comm, views)
 
 
-def test_unpacked_inputs_give_the_bits_of_the_packed_path(comm, algorithm):
-    """Ranks that start the halving read separate tensors directly instead of packing them first; the
-    result must be bitwise that of the packed path (views of one flat buffer, reduced in that buffer)."""
+@pytest.fixture(params=[256 << 10, 64])
+def chunk_bytes(request, monkeypatch):
+    """Halving on separate tensors sends one message per layer piece of at least this many bytes (and
+    per run of smaller ones); 64 bytes cuts the small layers below into many messages."""
+    monkeypatch.setattr(adasum.vhdd, "CHUNK_BYTES", request.param)
+    return request.param
+
+
+def test_unpacked_inputs_give_the_bits_of_the_packed_path(comm, algorithm, chunk_bytes):
+    """Separate tensors are read where they lie (out of place and in place) and, in place, combined and
+    gathered there too; the result must be bitwise that of the packed path (views of one flat buffer,
+    reduced in that buffer)."""
     rank = comm.Get_rank()
     rng = np.random.default_rng([11, rank])
     sizes = (1000, 3, 0, 4097, 77)
@@ -286,3 +295,33 @@ def test_unpacked_inputs_give_the_bits_of_the_packed_path(comm, algorithm):
         assert o.tobytes() == v.tobytes(), f"tensor {i}: out of place differs from the packed path"
         assert c.tobytes() == v.tobytes(), f"tensor {i}: in place differs from the packed path"
     assert_identical_across_ranks(comm, out)
+
+
+def test_ranks_may_hold_their_tensors_differently(comm, algorithm, chunk_bytes):
+    """Some ranks pass views of one buffer, some separate arrays, some non-contiguous ones: the messages
+    are cut the same way on every rank, and the bits are those of the all-views call."""
+    rank = comm.Get_rank()
+    rng = np.random.default_rng([12, rank])
+    sizes = (5000, 1, 0, 333, 20000, 64)
+    layers = [rng.standard_normal(n).astype(np.float64) for n in sizes]
+    views = np.split(np.concatenate(layers), np.cumsum(sizes)[:-1])
+    adasum.adasum_allreduce_inplace(views)
+    if rank % 3 == 0:
+        mine = np.split(np.concatenate(layers), np.cumsum(sizes)[:-1])
+    elif rank % 3 == 1:
+        mine = [t.copy() for t in layers]
+    else:
+        mine = [np.repeat(t, 2)[::2] for t in layers]  # non-contiguous: packed
+    adasum.adasum_allreduce_inplace(mine)
+    for i, (m, v) in enumerate(zip(mine, views)):
+        assert np.ascontiguousarray(m).tobytes() == v.tobytes(), f"rank {rank} tensor {i} differs"
+
+
+def test_in_place_on_overlapping_tensors_writes_each_result(comm, algorithm):
+    """The same tensor twice (or overlapping views) cannot be combined in place piece by piece: the call
+    packs them and writes each result back in order, as for any other in-place call."""
+    x = np.random.default_rng([13, comm.Get_rank()]).standard_normal(3000)
+    want = adasum.adasum_allreduce([x, x[1000:]])
+    adasum.adasum_allreduce_inplace([x, x[1000:]])
+    np.testing.assert_array_equal(x[:1000], want[0][:1000])
+    np.testing.assert_array_equal(x[1000:], want[1])

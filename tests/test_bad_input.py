@@ -97,6 +97,19 @@ def test_unsupported_dtype_on_one_rank_raises_type_error_everywhere(comm):
     _still_works(comm)
 
 
+@pytest.mark.parametrize("op", ["adasum", "sum"])
+def test_read_only_tensor_in_place_raises_everywhere_and_writes_nothing(comm, op):
+    tensors = _inputs(comm)
+    before = [t.copy() for t in tensors]
+    if comm.Get_rank() == _last(comm):
+        tensors[1].flags.writeable = False
+    with pytest.raises(ValueError, match=rf"rank {_last(comm)}: tensor 1 is read-only"):
+        adasum.adasum_allreduce_inplace(tensors, op=op)
+    for i, (t, b) in enumerate(zip(tensors, before)):
+        np.testing.assert_array_equal(t, b, err_msg=f"tensor {i} was written")
+    _still_works(comm)
+
+
 def test_unsupported_type_raises_type_error_everywhere(comm):
     tensors = _inputs(comm)
     if comm.Get_rank() == 0:

@@ -63,8 +63,10 @@ def test_bad_arguments_raise():
     out = np.empty((1, 3))
     with pytest.raises(TypeError, match="float32 or float64"):
         K.dots(np.ones(10, np.int32), np.ones(10, np.int32), np.array([[0, 10]]), out)
-    with pytest.raises(ValueError, match="same dtype and length"):
+    with pytest.raises(ValueError, match="same dtype"):
         K.dots(a, np.ones(10), np.array([[0, 10]]), out)
+    with pytest.raises(IndexError, match=r"span 0 = \(3, 2\) is not a range"):
+        K.dots(a, a, np.array([[3, 2]]), out)
     with pytest.raises(IndexError, match=r"span 0 = \(0, 11\)"):
         K.dots(a, a, np.array([[0, 11]]), out)
     with pytest.raises(ValueError, match="expected 48 bytes"):
@@ -130,20 +132,57 @@ def test_backend_selection():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_parts_variants_equal_the_packed_ones(dtype):
+def test_parts_operands_equal_the_packed_ones(dtype):
+    """Any operand may be a list of per-span buffers; the bits are those of the packed call."""
     a, b, spans = _data(dtype, seed=6)
-    parts = [a[s:e].copy() for s, e in spans]
+    a_parts = [a[s:e].copy() for s, e in spans]
+    b_parts = [b[s:e].copy() for s, e in spans]
     ca, cb = np.linspace(0.2, 1.1, len(spans)), np.linspace(0.9, -0.4, len(spans))
-    want_dots, got_dots = np.empty((len(spans), 3)), np.empty((len(spans), 3))
+    want_dots = np.empty((len(spans), 3))
     K.dots(a, b, spans, want_dots)
-    K.dots_parts(parts, b, spans, got_dots)
-    assert want_dots.tobytes() == got_dots.tobytes()
-    want, got = a.copy(), np.zeros_like(a)
+    for x, y in [(a_parts, b), (a, b_parts), (a_parts, b_parts)]:
+        got_dots = np.empty((len(spans), 3))
+        K.dots(x, y, spans, got_dots)
+        assert want_dots.tobytes() == got_dots.tobytes()
+    want = np.zeros_like(a)
     K.scaled_add(want, a, b, spans, ca, cb)
-    K.scaled_add_parts(got, parts, b, spans, ca, cb)
+    got = np.zeros_like(a)
+    K.scaled_add(got, a_parts, b, spans, ca, cb)
     assert want.tobytes() == got.tobytes()
+    dst_parts = [np.zeros(e - s, dtype) for s, e in spans]
+    K.scaled_add(dst_parts, a, b_parts, spans, ca, cb)
+    assert np.concatenate(dst_parts).tobytes() == want[spans[0, 0]:spans[-1, 1]].tobytes()
+    # dst may be b (the upper rank of a pair writes Adasum(left, right) over its own right vector)
+    b2 = [p.copy() for p in b_parts]
+    K.scaled_add(b2, a_parts, b2, spans, ca, cb)
+    assert np.concatenate(b2).tobytes() == want[spans[0, 0]:spans[-1, 1]].tobytes()
     with pytest.raises(ValueError, match="expected .* parts"):
-        K.dots_parts(parts[:-1], b, spans, got_dots)
+        K.dots(a_parts[:-1], b, spans, got_dots)
     with pytest.raises(ValueError, match="part 1: expected"):
-        K.dots_parts([parts[0], parts[1][:-1] if len(parts[1]) else np.ones(1, dtype), *parts[2:]], b, spans,
-                     got_dots)
+        K.dots([a_parts[0], a_parts[1][:-1] if len(a_parts[1]) else np.ones(1, dtype), *a_parts[2:]], b, spans,
+               got_dots)
+    with pytest.raises(ValueError, match="same dtype"):
+        K.dots([p.astype(np.float64 if dtype == "float32" else np.float32) for p in a_parts], b, spans, got_dots)
+    ro = [p.copy() for p in a_parts]
+    ro[-1].flags.writeable = False
+    with pytest.raises((BufferError, ValueError)):
+        K.scaled_add(ro, a, b, spans, ca, cb)
+
+
+def test_layout_tells_adjacent_disjoint_and_overlapping():
+    flat = np.zeros(100, np.float32)
+    assert K.layout([flat[:10], flat[10:10], flat[10:40].reshape(5, 6), flat[40:]], True) == 2
+    assert K.layout([flat[10:20], flat[:10]], True) == 1  # apart, out of order
+    assert K.layout([flat[:10], flat[11:20]], True) == 1  # a gap
+    assert K.layout([np.zeros(3), np.zeros(5)], True) == 1
+    assert K.layout([flat[:10], flat[5:20]], True) == 0
+    assert K.layout([flat[30:40], flat[:50]], True) == 0
+    assert K.layout([flat[:10], flat[:10]], True) == 0  # the same tensor twice
+    assert K.layout([], True) == 2
+    ro = np.zeros(4)
+    ro.flags.writeable = False
+    assert K.layout([ro], False) == 2
+    with pytest.raises((BufferError, ValueError)):
+        K.layout([ro], True)
+    with pytest.raises((BufferError, ValueError)):
+        K.layout([flat[::2]], False)

@@ -78,4 +78,4 @@ def test_small_messages_take_log_p_rounds_of_whole_vectors(comm, threshold):
     with adasum.count_traffic() as t:
         adasum.adasum_allreduce(layers)
     survivor = not (rank < 2 * extra and rank % 2 == 1)
-    assert (t.scalar_bytes > 8 * 3) == (survivor and size > 1)
+    assert (t.scalar_bytes > 8 * 4) == (survivor and size > 1)  # more than the agreement check
