@@ -4,6 +4,9 @@
  *   dots(a, b, spans, out)             out[i] = [a·b, a·a, b·b] over a[s:e], b[s:e] for spans[i] = (s, e)
  *   scaled_add(dst, a, b, spans, ca, cb)  dst[s:e] = ca[i]·a[s:e] + cb[i]·b[s:e]   (dst may be a or b)
  *
+ *   pair(left, right, dst, spans, nl, nr) dst[s:e] = Adasum(left[s:e], right[s:e]), one call per pair of vectors
+ *   copy(dst, src, spans)                 dst[s:e] = src[s:e]   (packing tensors into a buffer and back)
+ *
  * Any operand may also be a list of buffers, one per span: the caller's own tensors, read and written
  * where they lie instead of being packed into one buffer first. layout() tells whether tensors lie back
  * to back, apart, or overlapping.
@@ -434,6 +437,101 @@ release_spans:
     return result;
 }
 
+/*
+ * pair(left, right, dst, spans, count_left, count_right): dst = Adasum(left, right) span by span, where
+ * left and right stand for count_left and count_right ranks. The coefficients are those of
+ * adasum.combine.coefficients, computed with the same operations in the same order (so the same bits).
+ */
+static PyObject *
+k_pair(PyObject *self, PyObject *args)
+{
+    PyObject *oleft, *oright, *odst, *ospans;
+    long long count_left, count_right;
+    if (!PyArg_ParseTuple(args, "OOOOLL:pair", &oleft, &oright, &odst, &ospans, &count_left, &count_right))
+        return NULL;
+    if (count_left < 0 || count_right < 0 || count_left + count_right == 0) {
+        PyErr_SetString(PyExc_ValueError, "counts must be >= 0 and not both 0");
+        return NULL;
+    }
+    Py_buffer spans;
+    operand ops[3];
+    PyObject *result = NULL;
+    Py_ssize_t n = get_spans(ospans, &spans);
+    if (n < 0)
+        return NULL;
+    const int64_t *sp = (const int64_t *)spans.buf;
+    if (!get_operand(odst, &ops[0], 1, "dst", sp, n))
+        goto release_spans;
+    if (!get_operand(oleft, &ops[1], 0, "left", sp, n))
+        goto release_dst;
+    if (!get_operand(oright, &ops[2], 0, "right", sp, n))
+        goto release_left;
+    if (!same_type(ops, 3))
+        goto release_right;
+    double total = (double)(count_left + count_right);
+    double w_left = (double)count_left / total, w_right = (double)count_right / total;
+    int size = ops[0].itemsize;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        void *d = operand_at(&ops[0], sp, i);
+        const void *x = operand_at(&ops[1], sp, i), *y = operand_at(&ops[2], sp, i);
+        Py_ssize_t len = sp[2 * i + 1] - sp[2 * i];
+        double g[3];
+        (size == 4 ? dots_f32 : dots_f64)(x, y, len, g);
+        double q_left = g[1] != 0.0 ? g[0] / g[1] : 0.0, q_right = g[2] != 0.0 ? g[0] / g[2] : 0.0;
+        double c_left = 1.0 - w_left * q_left, c_right = 1.0 - w_right * q_right;
+        (size == 4 ? scaled_add_f32 : scaled_add_f64)(d, x, y, len, c_left, c_right);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+release_right:
+    release_operand(&ops[2]);
+release_left:
+    release_operand(&ops[1]);
+release_dst:
+    release_operand(&ops[0]);
+release_spans:
+    PyBuffer_Release(&spans);
+    Py_XINCREF(result);
+    return result;
+}
+
+/* copy(dst, src, spans): dst[s:e] = src[s:e] for each span (packing tensors into a buffer, or back). */
+static PyObject *
+k_copy(PyObject *self, PyObject *args)
+{
+    PyObject *odst, *osrc, *ospans;
+    if (!PyArg_ParseTuple(args, "OOO:copy", &odst, &osrc, &ospans))
+        return NULL;
+    Py_buffer spans;
+    operand ops[2];
+    PyObject *result = NULL;
+    Py_ssize_t n = get_spans(ospans, &spans);
+    if (n < 0)
+        return NULL;
+    const int64_t *sp = (const int64_t *)spans.buf;
+    if (!get_operand(odst, &ops[0], 1, "dst", sp, n))
+        goto release_spans;
+    if (!get_operand(osrc, &ops[1], 0, "src", sp, n))
+        goto release_dst;
+    if (!same_type(ops, 2))
+        goto release_src;
+    int size = ops[0].itemsize;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        memmove(operand_at(&ops[0], sp, i), operand_at(&ops[1], sp, i), (size_t)(sp[2 * i + 1] - sp[2 * i]) * size);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+release_src:
+    release_operand(&ops[1]);
+release_dst:
+    release_operand(&ops[0]);
+release_spans:
+    PyBuffer_Release(&spans);
+    Py_XINCREF(result);
+    return result;
+}
+
 typedef struct {
     uintptr_t start, end;
 } extent;
@@ -494,6 +592,18 @@ k_layout(PyObject *self, PyObject *args)
     return PyLong_FromLong(result);
 }
 
+/* address(obj): where the buffer's first element lies (to tell views of one allocation apart). */
+static PyObject *
+k_address(PyObject *self, PyObject *obj)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_RECORDS_RO) < 0)
+        return NULL;
+    PyObject *result = PyLong_FromVoidPtr(view.buf);
+    PyBuffer_Release(&view);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"dots", k_dots, METH_VARARGS,
      "dots(a, b, spans, out): out[i] = [a.b, a.a, b.b] over a[s:e], b[s:e] for spans[i] = (s, e), in "
@@ -503,6 +613,13 @@ static PyMethodDef methods[] = {
     {"scaled_add", k_scaled_add, METH_VARARGS,
      "scaled_add(dst, a, b, spans, ca, cb): dst[s:e] = ca[i]*a[s:e] + cb[i]*b[s:e] for spans[i] = (s, e), "
      "computed in float64 and rounded once to the dtype. Operands as for dots; dst may be a or b."},
+    {"pair", k_pair, METH_VARARGS,
+     "pair(left, right, dst, spans, count_left, count_right): dst[s:e] = Adasum(left[s:e], right[s:e]) "
+     "for each span, the left vector standing for count_left ranks and the right for count_right (SPEC §3): "
+     "dots, coefficients and combine in one call. Operands as for dots; dst may be left or right."},
+    {"copy", k_copy, METH_VARARGS,
+     "copy(dst, src, spans): dst[s:e] = src[s:e] for each span; operands as for dots."},
+    {"address", k_address, METH_O, "address(obj): the address of the first element of obj's buffer."},
     {"layout", k_layout, METH_VARARGS,
      "layout(arrays, writable): 2 if the non-empty C-contiguous buffers lie back to back in order, 1 if no "
      "two of them overlap, 0 if some do. A non-contiguous buffer, or a read-only one when writable is true, "

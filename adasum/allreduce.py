@@ -6,6 +6,7 @@ import enum
 import os
 from typing import Any, Sequence
 
+import numpy as np
 from mpi4py import MPI
 
 from . import transport as _transport
@@ -91,6 +92,8 @@ def adasum_allreduce_inplace(tensors, *, op: str | Op = "adasum", comm: MPI.Intr
 
 
 def _as_list(tensors) -> tuple[bool, list]:
+    if type(tensors) is list:
+        return False, tensors  # read only, never kept
     if adapter_for(tensors) is not None:
         return True, [tensors]
     if isinstance(tensors, (list, tuple)):
@@ -101,6 +104,8 @@ def _as_list(tensors) -> tuple[bool, list]:
 
 
 def _parse_op(op) -> str:
+    if op in _OP_NAMES and type(op) is str:
+        return op
     try:
         return Op(op).value
     except ValueError:
@@ -113,7 +118,7 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
         raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
     lcomm = library_comm(comm)
     rank = comm.Get_rank()
-    opname, single, items, plan, groups, layouts, error = str(op), False, [], None, [], [], None
+    opname, single, items, plan, groups, members, layouts, error = str(op), False, [], None, [], [], [], None
     try:
         single, items = _as_list(tensors)
         opname = _parse_op(op)
@@ -124,31 +129,31 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
             settings += (("small-message bytes", _small_message_bytes),)
         plan = _plan(items, opname, rank, settings)
         groups = plan.groups()
+        members = [[items[i] for i in g.indices] for g in groups]
         if inplace:  # where the tensors lie decides how the result gets into them; read-only ones fail here
-            layouts = [g.adapter.layout([items[i] for i in g.indices], g.indices, rank) for g in groups]
+            layouts = [g.adapter.layout(mine, g.indices, rank) for g, mine in zip(groups, members)]
     except (TypeError, ValueError) as exc:
         if not str(exc).startswith("rank "):
             exc = type(exc)(f"rank {rank}: {exc}")
         error = exc
         settings = (("hierarchical", bool(hierarchical)),)
-        groups = []
+        groups, members = [], []
 
     size = comm.Get_size()
     flat = opname == "adasum" and not hierarchical and size > 1
-    halving = flat and sum(g.size * _ITEMSIZE[g.dtype] for g in groups) > _small_message_bytes
+    halving = flat and plan is not None and plan.nbytes > _small_message_bytes
     # Flat Adasum may use the caller's tensors directly (see vhdd.adasum_reduce): halving reads them at
     # the first level instead of packing them, and an in-place call on tensors that lie apart is combined
     # in them (both schedules), so that nothing is written back at the end.
     direct = flat and _transport.get_gpu_transport() != "staged"
-    for gi, g in enumerate(groups):
-        members = [items[i] for i in g.indices]
-        where = layouts[gi] if inplace else None
-        view = g.adapter.fused_view(members) if inplace and where in (2, None) else None
-        if view is not None and len(view) == g.size:
-            g.buffer, g.aliased = view, True
-            continue
-        if direct and g.size > 0 and (not inplace or where == 1):
-            g.parts = g.adapter.direct_parts(members, g.dtype)
+    for g, mine, where in zip(groups, members, layouts if inplace else [None] * len(groups)):
+        if inplace and where in (2, None):
+            view = g.adapter.fused_view(mine, adjacent=where == 2)
+            if view is not None and len(view) == g.size:
+                g.buffer, g.aliased = view, True
+                continue
+        if direct and g.size > 0 and (not inplace or where in (1, 2)):
+            g.parts = g.adapter.direct_parts(mine, g.dtype, contiguous=where in (1, 2))
         g.writes_parts = inplace and g.parts is not None
         g.packed = not (halving and g.parts is not None)
     # Halves sent straight from the caller's tensors go as one message per large layer piece (MPI's
@@ -157,12 +162,12 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
                   digest=None if plan is None else plan.signature,
                   vote=int(any(not g.packed for g in groups)))
 
-    for g in groups:
+    for g, mine in zip(groups, members):
         if g.aliased or (g.writes_parts and not g.packed):
             continue  # halving in the caller's tensors (in place) needs no fused buffer at all
         g.buffer = pooled(g, g.size, "fused") if inplace else g.adapter.empty(g.size, g.dtype, g.device)
         if g.packed:
-            g.adapter.pack([items[i] for i in g.indices], g.buffer, g.bounds)
+            g.adapter.pack(mine, g.buffer, g.bounds, g.spans)
     active = [g for g in groups if g.size > 0]
 
     if active and size > 1:
@@ -171,7 +176,7 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
 
             hierarchical_reduce(lcomm, active)
         elif opname == "adasum":
-            transports = [_transport_for(lcomm, g) for g in active]
+            transports = plan.transports(lcomm, active)
             if halving:
                 adasum_reduce(lcomm, active, transports, split=bool(split))
             else:
@@ -180,9 +185,9 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
             _plain_reduce(lcomm, active, mean=opname == "mean")
 
     if inplace:
-        for g in active:
-            if not g.aliased and not g.writes_parts:
-                g.adapter.write_back([items[i] for i in g.indices], g.buffer, g.bounds)
+        for g, mine in zip(groups, members):
+            if g.size > 0 and not g.aliased and not g.writes_parts:
+                g.adapter.write_back(mine, g.buffer, g.bounds, g.spans)
         return tensors
     out: list[Any] = [None] * len(items)
     for g in groups:
@@ -191,24 +196,40 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
     return out[0] if single else out
 
 
+_OP_NAMES = frozenset(o.value for o in Op)
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
 class _Plan:
-    """What a call's tensors and settings determine: descriptions, the agreement signature, the groups'
-    layer tables. Kept for calls with the same shapes, dtypes and devices (a training loop's every step)."""
+    """What a call's tensors and settings determine: descriptions, the agreement signature, the groups
+    and their layer tables. Kept for calls with the same shapes, dtypes and devices (a training loop's
+    every step); a call resets the groups' per-call state (:meth:`groups`)."""
 
-    __slots__ = ("adapters", "descs", "signature", "_templates")
+    __slots__ = ("adapters", "descs", "signature", "nbytes", "_groups", "_transports")
 
     def __init__(self, items, op: str, rank: int, settings: tuple):
         self.adapters, self.descs = describe(items, op, rank)
         self.signature = signature(op, self.descs, settings)
-        self._templates = [(g.adapter, g.device, g.dtype, g.indices, g.shapes, g.bounds, layer_spans(g))
-                           for g in make_groups(items, self.adapters, self.descs)]
+        self._groups = make_groups(items, self.adapters, self.descs)
+        for g in self._groups:
+            layer_spans(g)
+        self.nbytes = sum(g.size * (_ITEMSIZE.get(g.dtype) or np.dtype(g.dtype).itemsize) for g in self._groups)
+        self._transports: tuple = (None, None, [])
 
     def groups(self) -> list[Group]:
-        return [Group(a, device, dtype, indices, shapes, bounds, spans=spans)
-                for a, device, dtype, indices, shapes, bounds, spans in self._templates]
+        for g in self._groups:
+            g.buffer, g.aliased, g.parts, g.packed, g.writes_parts = None, False, None, True, False
+        return self._groups
+
+    def transports(self, comm: MPI.Intracomm, groups: Sequence[Group]) -> list[Transport]:
+        """One :class:`Transport` per group, kept while the communicator and the device transport mode
+        stay the same (whether a group is staged depends on those and on its device only)."""
+        mode = _transport.get_gpu_transport()
+        if self._transports[0] is comm and self._transports[1] == mode:
+            return self._transports[2]
+        out = [_transport_for(comm, g) for g in groups]
+        self._transports = (comm, mode, out)
+        return out
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -217,7 +238,8 @@ _MAX_PLANS = 64
 
 def _plan(items, op: str, rank: int, settings: tuple) -> _Plan:
     try:
-        key = (op, settings, rank, tuple((type(t), t.shape, t.dtype, getattr(t, "device", None)) for t in items))
+        key = (op, settings, rank,
+               tuple([(type(t), t.shape, t.dtype, None if type(t) is np.ndarray else t.device) for t in items]))
         plan = _plans.get(key)
     except (AttributeError, TypeError):  # not an array, or unhashable: describe() says what is wrong
         return _Plan(items, op, rank, settings)

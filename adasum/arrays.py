@@ -17,6 +17,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .combine import coefficients
+
 __all__ = ["Adapter", "NumpyAdapter", "CupyAdapter", "TorchAdapter", "adapter_for", "FLOAT_DTYPES",
            "kernels_backend", "set_kernels_backend"]
 
@@ -69,21 +71,24 @@ class Adapter:
     def empty(self, n: int, dtype: str, device: str):
         raise NotImplementedError
 
-    def pack(self, tensors: Sequence[Any], buf, bounds: np.ndarray) -> None:
-        """Copy each tensor (any strides) into its slice ``buf[bounds[i]:bounds[i+1]]``."""
+    def pack(self, tensors: Sequence[Any], buf, bounds: np.ndarray, spans=None) -> None:
+        """Copy each tensor (any strides) into its slice ``buf[bounds[i]:bounds[i+1]]``. ``spans``, if
+        given, is :func:`adasum.fusion.layer_spans` of the group (what the compiled copy takes)."""
         raise NotImplementedError
 
     def views(self, buf, bounds: np.ndarray, shapes: Sequence[tuple[int, ...]]) -> list:
         """One view of ``buf`` per layer, in that layer's shape."""
         raise NotImplementedError
 
-    def write_back(self, tensors: Sequence[Any], buf, bounds: np.ndarray) -> None:
-        """Copy each layer of ``buf`` back into the user's tensor (which may be non-contiguous)."""
+    def write_back(self, tensors: Sequence[Any], buf, bounds: np.ndarray, spans=None) -> None:
+        """Copy each layer of ``buf`` back into the user's tensor (which may be non-contiguous); ``spans``
+        as for :meth:`pack`."""
         raise NotImplementedError
 
-    def fused_view(self, tensors: Sequence[Any]):
+    def fused_view(self, tensors: Sequence[Any], adjacent: bool = False):
         """A flat view over ``tensors`` if they lie back to back, in order, in one contiguous block of one
-        allocation (views of one flat buffer, a single contiguous tensor); otherwise None.
+        allocation (views of one flat buffer, a single contiguous tensor); otherwise None. ``adjacent``:
+        :meth:`layout` found them back to back.
 
         An in-place call on such tensors works on their memory directly, with no copy in or out.
         """
@@ -106,9 +111,18 @@ class Adapter:
         buffers are taken where :meth:`partial_dots` takes them."""
         raise NotImplementedError
 
-    def direct_parts(self, tensors: Sequence[Any], dtype: str):
-        """Flat views of ``tensors`` that the arithmetic and the transport can use in place of a packed
-        buffer, or None where this adapter (or this dtype, or a non-contiguous tensor) needs them packed."""
+    def pair(self, left, right, dst, pieces, span_array: np.ndarray, count_left: int, count_right: int) -> None:
+        """``dst[s:e] ← Adasum(left[s:e], right[s:e])`` per piece (SPEC §3), ``left`` standing for
+        ``count_left`` ranks and ``right`` for ``count_right``. ``span_array`` is ``pieces`` as an int64
+        (n, 2) array. ``dst`` may be ``left`` or ``right``; the other operand is scratch."""
+        d = self.partial_dots(left, right, pieces)
+        c_left, c_right = coefficients(d[:, 0], d[:, 1], d[:, 2], count_left, count_right)
+        self.scaled_add(left, right, pieces, c_left, c_right, dst=dst)
+
+    def direct_parts(self, tensors: Sequence[Any], dtype: str, contiguous: bool = False):
+        """``tensors`` (as a list) where the arithmetic and the transport can use them in place of a
+        packed buffer, or None where this adapter (or this dtype, or a non-contiguous tensor) needs them
+        packed. ``contiguous``: the caller has checked that every tensor is C-contiguous."""
         return None
 
     def layout(self, tensors: Sequence[Any], indices: Sequence[int], rank: int) -> int | None:
@@ -178,14 +192,14 @@ class _NumpyLike(Adapter):
     def dtype_name(self, t) -> str:
         return _dtype_name(t.dtype)
 
-    def pack(self, tensors, buf, bounds):
+    def pack(self, tensors, buf, bounds, spans=None):
         for t, s, e in zip(tensors, bounds[:-1], bounds[1:]):
             buf[s:e].reshape(t.shape)[...] = t
 
     def views(self, buf, bounds, shapes):
         return [buf[s:e].reshape(shape) for s, e, shape in zip(bounds[:-1], bounds[1:], shapes)]
 
-    def write_back(self, tensors, buf, bounds):
+    def write_back(self, tensors, buf, bounds, spans=None):
         for t, s, e in zip(tensors, bounds[:-1], bounds[1:]):
             t[...] = buf[s:e].reshape(t.shape)
 
@@ -213,12 +227,36 @@ class NumpyAdapter(_NumpyLike):
     def empty(self, n, dtype, device):
         return np.empty(n, dtype=dtype)
 
-    def pack(self, tensors, buf, bounds):
+    def pack(self, tensors, buf, bounds, spans=None):
+        if spans is not None and _c_kernels is not None and buf.dtype.char in "fd":
+            try:  # one memcpy per tensor; raises for a non-contiguous tensor
+                _c_kernels.copy(buf, _nonempty(tensors, spans[0]), spans[2])
+                return
+            except (BufferError, ValueError):
+                pass
         # one C loop over all tensors (reshape(-1) is a view for contiguous ones)
         np.concatenate([t.reshape(-1) for t in tensors], out=buf)
 
-    def fused_view(self, tensors):
+    def write_back(self, tensors, buf, bounds, spans=None):
+        if spans is not None and _c_kernels is not None and buf.dtype.char in "fd":
+            try:
+                _c_kernels.copy(_nonempty(tensors, spans[0]), buf, spans[2])
+                return
+            except (BufferError, ValueError):
+                pass
+        super().write_back(tensors, buf, bounds)
+
+    def fused_view(self, tensors, adjacent=False):
         live = [t for t in tensors if t.size]
+        if adjacent and live and _c_kernels is not None:
+            # Back to back, contiguous and writable already: cut the view from the array that owns the
+            # memory, if it is one contiguous array that holds them all.
+            root = _numpy_root(live[0])
+            if isinstance(root, np.ndarray) and root.flags.c_contiguous and root.flags.writeable:
+                start = _c_kernels.address(live[0]) - _c_kernels.address(root)
+                nbytes = sum(t.nbytes for t in live)
+                if 0 <= start and start + nbytes <= root.nbytes:
+                    return root.reshape(-1).view(np.uint8)[start:start + nbytes].view(live[0].dtype)
         if not live or not all(t.flags.c_contiguous and t.flags.writeable for t in live):
             return None
         if len(live) > 1 and live[0].base is None:
@@ -234,13 +272,16 @@ class NumpyAdapter(_NumpyLike):
         return np.lib.stride_tricks.as_strided(first, shape=(total,), strides=(first.itemsize,))
 
     def layout(self, tensors, indices, rank):
+        if _c_kernels is not None:
+            try:  # raises for a read-only or a non-contiguous tensor
+                return _c_kernels.layout(tensors, True)
+            except (BufferError, ValueError):
+                pass
         for i, t in zip(indices, tensors):
             if not t.flags.writeable:
                 raise ValueError(f"rank {rank}: tensor {i} is read-only; adasum_allreduce_inplace writes the "
                                  "result into its tensors")
-        if _c_kernels is None or not all(t.flags.c_contiguous for t in tensors):
-            return None
-        return _c_kernels.layout(tensors, True)
+        return None
 
     def _block_scratch(self, name, dtype):
         buf = self._scratch.get(name)
@@ -273,10 +314,18 @@ class NumpyAdapter(_NumpyLike):
         if dst is not a:
             dst[...] = a
 
-    def direct_parts(self, tensors, dtype):
-        if not _use_c or dtype not in ("float32", "float64") or not all(t.flags.c_contiguous for t in tensors):
+    def pair(self, left, right, dst, pieces, span_array, count_left, count_right):
+        if self._compiled(left, right, dst):
+            _c_kernels.pair(left, right, dst, span_array, count_left, count_right)
+            return
+        super().pair(left, right, dst, pieces, span_array, count_left, count_right)
+
+    def direct_parts(self, tensors, dtype, contiguous=False):
+        if not _use_c or dtype not in ("float32", "float64"):
             return None
-        return [t.reshape(-1) for t in tensors]
+        if not contiguous and not all(t.flags.c_contiguous for t in tensors):
+            return None
+        return list(tensors)
 
     def divide(self, buf, divisor):
         np.divide(buf, divisor, out=buf)
@@ -322,7 +371,7 @@ class CupyAdapter(_NumpyLike):
         with self._on(device):
             return self.xp.empty(n, dtype=dtype)
 
-    def fused_view(self, tensors):
+    def fused_view(self, tensors, adjacent=False):
         if len(tensors) == 1 and tensors[0].flags.c_contiguous:
             return tensors[0].reshape(-1)
         return None
@@ -423,7 +472,7 @@ class TorchAdapter(Adapter):
     def empty(self, n, dtype, device):
         return self.torch.empty(n, dtype=self._dtype(dtype), device=device)
 
-    def pack(self, tensors, buf, bounds):
+    def pack(self, tensors, buf, bounds, spans=None):
         with self.torch.no_grad():
             for t, s, e in zip(tensors, bounds[:-1], bounds[1:]):
                 buf[s:e].view(t.shape).copy_(t)
@@ -431,12 +480,12 @@ class TorchAdapter(Adapter):
     def views(self, buf, bounds, shapes):
         return [buf[s:e].view(shape) for s, e, shape in zip(bounds[:-1], bounds[1:], shapes)]
 
-    def write_back(self, tensors, buf, bounds):
+    def write_back(self, tensors, buf, bounds, spans=None):
         with self.torch.no_grad():
             for t, s, e in zip(tensors, bounds[:-1], bounds[1:]):
                 t.copy_(buf[s:e].view(t.shape))
 
-    def fused_view(self, tensors):
+    def fused_view(self, tensors, adjacent=False):
         live = [t for t in tensors if t.numel()]
         if not live or not all(t.is_contiguous() for t in live):
             return None
@@ -482,6 +531,12 @@ class TorchAdapter(Adapter):
                 row[1] += torch.dot(x, x)
                 row[2] += torch.dot(y, y)
         return out.cpu().numpy()
+
+    def pair(self, left, right, dst, pieces, span_array, count_left, count_right):
+        if left.device.type == "cpu" and left.dtype != self.torch.bfloat16:
+            _NUMPY.pair(left.numpy(), right.numpy(), dst.numpy(), pieces, span_array, count_left, count_right)
+            return
+        super().pair(left, right, dst, pieces, span_array, count_left, count_right)
 
     def scaled_add(self, a, b, pieces, ca, cb, dst=None):
         torch = self.torch
@@ -552,6 +607,11 @@ def _dtype_name(dtype) -> str:
     if name is None:
         name = _DTYPE_NAMES[dtype] = np.dtype(dtype).name
     return name
+
+
+def _nonempty(tensors, layers):
+    """The tensors of the non-empty ``layers`` (all of them, as they mostly are)."""
+    return tensors if len(layers) == len(tensors) else [tensors[i] for i in layers]
 
 
 def _numpy_root(t):

@@ -12,14 +12,15 @@ P = 2^k + r folds the first r adjacent pairs exactly as :mod:`adasum.vhdd` does.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 from mpi4py import MPI
 
-from .combine import coefficients
+from .arrays import _nonempty
 from .fusion import Group, layer_spans, pooled
 from .transport import Transport
-from .vhdd import fold_out, home
+from .vhdd import fold_out
 
 __all__ = ["adasum_reduce_doubling"]
 
@@ -27,15 +28,38 @@ __all__ = ["adasum_reduce_doubling"]
 def _combine_pair(groups, spans, scratches, count_left: int, count_right: int, upper: bool, last: bool) -> None:
     """``Adasum(left, right)`` into the buffer (or, at the ``last`` level, where the result goes), where this
     rank's buffer holds the right vector if ``upper``."""
-    for g, (layers, sp), scr in zip(groups, spans, scratches):
+    for g, (layers, sp, sp_array), scr in zip(groups, spans, scratches):
         if not sp:
             continue
         left, right = (scr, g.buffer) if upper else (g.buffer, scr)
-        d = g.adapter.partial_dots(left, right, sp)
-        c_left, c_right = coefficients(d[:, 0], d[:, 1], d[:, 2], count_left, count_right)
-        # Both partners make the same kernel call (left first), so they hold the same bits.
-        dst = home(g, 0, g.size, layers, sp) if last else g.buffer
-        g.adapter.scaled_add(left, right, sp, c_left, c_right, dst=dst)
+        # Both partners make the same call (left first), so they hold the same bits.
+        dst = (g.buffer if not g.writes_parts else _nonempty(g.parts, layers)) if last else g.buffer
+        g.adapter.pair(left, right, dst, sp, sp_array, count_left, count_right)
+
+
+@functools.lru_cache(maxsize=256)
+def schedule(size: int, rank: int, counts: tuple[int, ...] | None = None):
+    """What ``rank`` does, as plain numbers: ``("out", partner)`` for a folded-out rank (SPEC §3), else
+    ``(fold, levels)`` with ``fold = (partner, count_self, count_partner)`` or None and one
+    ``(partner, count_left, count_right, upper)`` per level of the tree."""
+    counts = counts if counts is not None else (1,) * size
+    k = size.bit_length() - 1
+    extra = size - (1 << k)
+
+    def real(u: int) -> int:
+        return 2 * u if u < extra else u + extra
+
+    if rank < 2 * extra and rank % 2 == 1:
+        return "out", rank - 1
+    fold = (rank + 1, counts[rank], counts[rank + 1]) if rank < 2 * extra else None
+    v = rank // 2 if rank < 2 * extra else rank - extra
+    vcounts = [counts[2 * u] + counts[2 * u + 1] if u < extra else counts[u + extra] for u in range(1 << k)]
+    levels = []
+    for level in range(1, k + 1):
+        d = 1 << (level - 1)
+        base = (v >> level) << level
+        levels.append((real(v ^ d), sum(vcounts[base:base + d]), sum(vcounts[base + d:base + 2 * d]), bool(v & d)))
+    return fold, tuple(levels)
 
 
 def adasum_reduce_doubling(comm: MPI.Intracomm, groups: Sequence[Group], transports: Sequence[Transport], *,
@@ -48,36 +72,21 @@ def adasum_reduce_doubling(comm: MPI.Intracomm, groups: Sequence[Group], transpo
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1 or not groups:
         return
-    counts = list(counts) if counts is not None else [1] * size
-    k = size.bit_length() - 1
-    extra = size - (1 << k)
-
-    def real(u: int) -> int:
-        return 2 * u if u < extra else u + extra
-
+    plan = schedule(size, rank, None if counts is None else tuple(counts))
+    if plan[0] == "out":
+        fold_out(groups, transports, rank, size - (1 << (size.bit_length() - 1)))
+        return
+    fold, levels = plan
     spans = [layer_spans(g) for g in groups]
     scratches = [pooled(g, g.size, "recv") for g in groups]
-
-    if fold_out(groups, transports, rank, extra):
-        return
-    if rank < 2 * extra:
-        for g, t, scr in zip(groups, transports, scratches):
-            t.recv(scr, rank + 1)
-        _combine_pair(groups, spans, scratches, counts[rank], counts[rank + 1], upper=False, last=False)
-        v = rank // 2
-    else:
-        v = rank - extra
-    vcounts = [counts[2 * u] + counts[2 * u + 1] if u < extra else counts[u + extra] for u in range(1 << k)]
-
-    for level in range(1, k + 1):
-        d = 1 << (level - 1)
-        partner = real(v ^ d)
+    if fold is not None:
+        for t, scr in zip(transports, scratches):
+            t.recv(scr, fold[0])
+        _combine_pair(groups, spans, scratches, fold[1], fold[2], upper=False, last=False)
+    for i, (partner, count_left, count_right, upper) in enumerate(levels):
         for g, t, scr in zip(groups, transports, scratches):
             t.sendrecv(g.buffer, partner, scr, partner)
-        base = (v >> level) << level
-        _combine_pair(groups, spans, scratches, sum(vcounts[base:base + d]), sum(vcounts[base + d:base + 2 * d]),
-                      upper=bool(v & d), last=level == k)
-
-    if rank < 2 * extra:
-        for g, t in zip(groups, transports):
-            t.send(home(g, 0, g.size), rank + 1)
+        _combine_pair(groups, spans, scratches, count_left, count_right, upper, last=i == len(levels) - 1)
+    if fold is not None:
+        for g, t, (layers, _, _) in zip(groups, transports, spans):
+            t.send(g.buffer if not g.writes_parts else _nonempty(g.parts, layers), fold[0])

@@ -62,12 +62,14 @@ def make_groups(tensors: Sequence[Any], adapters: Sequence[Adapter], descs) -> l
     return list(groups.values())
 
 
-def layer_spans(g: Group) -> tuple[np.ndarray, list[tuple[int, int]]]:
-    """The group's non-empty layers and their ``(start, end)`` in the fused buffer."""
+def layer_spans(g: Group) -> tuple[list[int], list[tuple[int, int]], np.ndarray]:
+    """The group's non-empty layers, their ``(start, end)`` in the fused buffer, and the same spans as
+    an int64 (n, 2) array (what the compiled kernels take)."""
     if g.spans is None:
         b = g.bounds
-        layers = np.flatnonzero(b[1:] > b[:-1])
-        g.spans = layers, [(int(b[i]), int(b[i + 1])) for i in layers]
+        layers = np.flatnonzero(b[1:] > b[:-1]).tolist()
+        spans = [(int(b[i]), int(b[i + 1])) for i in layers]
+        g.spans = layers, spans, np.array(spans, dtype=np.int64).reshape(-1, 2)
     return g.spans
 
 

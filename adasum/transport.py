@@ -108,6 +108,8 @@ class Transport:
         return buf[:nbytes]
 
     def _nbytes(self, buf) -> int:
+        if type(buf) is np.ndarray:
+            return buf.nbytes
         if type(buf) is list:
             return sum(int(p.nbytes) for p in buf)
         return int(buf.numel() * buf.element_size()) if hasattr(buf, "element_size") else int(buf.nbytes)
@@ -120,6 +122,8 @@ class Transport:
         they are first packed into a host buffer: MPI's fast paths for large messages read contiguous
         memory only (an hindexed send runs several times slower).
         """
+        if type(buf) is np.ndarray:
+            return [buf, MPI.BYTE], None  # mpi4py counts the bytes of the buffer
         if type(buf) is not list:
             if not self.adapter.is_host(buf):
                 self.adapter.synchronize(self.device)
@@ -136,6 +140,10 @@ class Transport:
         return [MPI.BOTTOM, 1, dtype], dtype
 
     def sendrecv(self, send, dest: int, recv, source: int) -> None:
+        if type(send) is np.ndarray and type(recv) is np.ndarray and not self.staged:
+            _record("sent_bytes", send.nbytes, 1)
+            self.comm.Sendrecv([send, MPI.BYTE], dest, _TAG, [recv, MPI.BYTE], source, _TAG)
+            return
         sbytes, rbytes = self._nbytes(send), self._nbytes(recv)
         _record("sent_bytes", sbytes, 1)
         if not self.staged:

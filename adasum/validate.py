@@ -79,6 +79,7 @@ def signature(op: str, descs: Sequence[TensorDesc], extra: tuple) -> int:
 
 
 _OPS = {"adasum": 1, "sum": 2, "mean": 3}
+_AGREE = (np.empty(4, dtype=np.int64), np.empty(4, dtype=np.int64))  # what this rank sends, what all saw
 
 
 def agree(comm: MPI.Intracomm, op: str, descs: Sequence[TensorDesc] | None, error: Exception | None,
@@ -98,8 +99,8 @@ def agree(comm: MPI.Intracomm, op: str, descs: Sequence[TensorDesc] | None, erro
         sig = 0
     else:
         sig = signature(op, descs, extra) if digest is None else digest
-    mine = np.array([sig, -sig, 1 if error is not None else 0, vote], dtype=np.int64)
-    seen = np.empty_like(mine)
+    mine, seen = _AGREE
+    mine[0], mine[1], mine[2], mine[3] = sig, -sig, 1 if error is not None else 0, vote
     _record("scalar_bytes", mine.nbytes)
     comm.Allreduce(mine, seen, op=MPI.MAX)
     if seen[2] == 0 and seen[0] == -seen[1]:

@@ -29,7 +29,7 @@ __all__ = ["adasum_reduce", "fold_out", "home", "own"]
 def _pieces_of(g: Group, lo: int, layers, spans) -> list:
     """``[lo + s, lo + e)`` of the fused index space for each span, as flat views of the caller's tensors."""
     b = g.bounds
-    return [g.parts[i][lo + s - b[i]:lo + e - b[i]] for i, (s, e) in zip(layers, spans)]
+    return [g.parts[i].reshape(-1)[lo + s - b[i]:lo + e - b[i]] for i, (s, e) in zip(layers, spans)]
 
 
 def own(g: Group, lo: int, hi: int, layers=None, spans=None):
