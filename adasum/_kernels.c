@@ -168,9 +168,77 @@ scaled_add_f64_avx2(double *dst, const double *a, const double *b, Py_ssize_t n,
     }
     scaled_add_f64_portable(dst + i, a + i, b + i, n - i, ca, cb);
 }
+
+/* AVX-512F: one register holds the 8 lanes, so the summation order is the same again. */
+#define AVX512 __attribute__((target("avx512f")))
+
+AVX512 static void
+finish_avx512(__m512d ab, __m512d aa, __m512d bb, double *out)
+{
+    double l_ab[8], l_aa[8], l_bb[8];
+    _mm512_storeu_pd(l_ab, ab);
+    _mm512_storeu_pd(l_aa, aa);
+    _mm512_storeu_pd(l_bb, bb);
+    finish(l_ab, l_aa, l_bb, out);
+}
+
+AVX512 static void
+dots_f32_avx512(const float *a, const float *b, Py_ssize_t n, double *out)
+{
+    __m512d ab = _mm512_setzero_pd(), aa = ab, bb = ab;
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m512d x = _mm512_cvtps_pd(_mm256_loadu_ps(a + i)), y = _mm512_cvtps_pd(_mm256_loadu_ps(b + i));
+        ab = _mm512_add_pd(ab, _mm512_mul_pd(x, y));
+        aa = _mm512_add_pd(aa, _mm512_mul_pd(x, x));
+        bb = _mm512_add_pd(bb, _mm512_mul_pd(y, y));
+    }
+    finish_avx512(ab, aa, bb, out);
+    tail_f32(a + i, b + i, n - i, out);
+}
+
+AVX512 static void
+dots_f64_avx512(const double *a, const double *b, Py_ssize_t n, double *out)
+{
+    __m512d ab = _mm512_setzero_pd(), aa = ab, bb = ab;
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m512d x = _mm512_loadu_pd(a + i), y = _mm512_loadu_pd(b + i);
+        ab = _mm512_add_pd(ab, _mm512_mul_pd(x, y));
+        aa = _mm512_add_pd(aa, _mm512_mul_pd(x, x));
+        bb = _mm512_add_pd(bb, _mm512_mul_pd(y, y));
+    }
+    finish_avx512(ab, aa, bb, out);
+    tail_f64(a + i, b + i, n - i, out);
+}
+
+AVX512 static void
+scaled_add_f32_avx512(float *dst, const float *a, const float *b, Py_ssize_t n, double ca, double cb)
+{
+    __m512d p = _mm512_set1_pd(ca), q = _mm512_set1_pd(cb);
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m512d x = _mm512_cvtps_pd(_mm256_loadu_ps(a + i)), y = _mm512_cvtps_pd(_mm256_loadu_ps(b + i));
+        _mm256_storeu_ps(dst + i, _mm512_cvtpd_ps(_mm512_add_pd(_mm512_mul_pd(p, x), _mm512_mul_pd(q, y))));
+    }
+    scaled_add_f32_portable(dst + i, a + i, b + i, n - i, ca, cb);
+}
+
+AVX512 static void
+scaled_add_f64_avx512(double *dst, const double *a, const double *b, Py_ssize_t n, double ca, double cb)
+{
+    __m512d p = _mm512_set1_pd(ca), q = _mm512_set1_pd(cb);
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m512d x = _mm512_loadu_pd(a + i), y = _mm512_loadu_pd(b + i);
+        _mm512_storeu_pd(dst + i, _mm512_add_pd(_mm512_mul_pd(p, x), _mm512_mul_pd(q, y)));
+    }
+    scaled_add_f64_portable(dst + i, a + i, b + i, n - i, ca, cb);
+}
 #endif
 
-/* Picks the AVX2 loops where the CPU has them (ADASUM_KERNELS_ISA=portable forces the portable ones). */
+/* Picks the widest loops the CPU has (AVX-512F, then AVX2); ADASUM_KERNELS_ISA=portable or =avx2 caps the
+ * choice (all of them give the same bits). */
 static void
 select_isa(void)
 {
@@ -179,7 +247,13 @@ select_isa(void)
     if (env && strcmp(env, "portable") == 0)
         return;
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2")) {
+    if (__builtin_cpu_supports("avx512f") && !(env && strcmp(env, "avx2") == 0)) {
+        dots_f32 = (dots_fn)dots_f32_avx512;
+        dots_f64 = (dots_fn)dots_f64_avx512;
+        scaled_add_f32 = (scaled_add_fn)scaled_add_f32_avx512;
+        scaled_add_f64 = (scaled_add_fn)scaled_add_f64_avx512;
+        isa = "avx512f";
+    } else if (__builtin_cpu_supports("avx2")) {
         dots_f32 = (dots_fn)dots_f32_avx2;
         dots_f64 = (dots_fn)dots_f64_avx2;
         scaled_add_f32 = (scaled_add_fn)scaled_add_f32_avx2;
@@ -604,6 +678,42 @@ k_address(PyObject *self, PyObject *obj)
     return result;
 }
 
+/* key(items): tuple((type(t), t.shape, t.dtype, getattr(t, "device", None)) for t in items). */
+static PyObject *
+k_key(PyObject *self, PyObject *items)
+{
+    static PyObject *s_shape, *s_dtype, *s_device;
+    if (!s_shape && (!(s_shape = PyUnicode_InternFromString("shape")) ||
+                     !(s_dtype = PyUnicode_InternFromString("dtype")) ||
+                     !(s_device = PyUnicode_InternFromString("device"))))
+        return NULL;
+    PyObject *seq = PySequence_Fast(items, "key needs a sequence");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyTuple_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *shape = PyObject_GetAttr(t, s_shape), *dtype = shape ? PyObject_GetAttr(t, s_dtype) : NULL;
+        PyObject *device = NULL;
+        if (dtype && !(device = PyObject_GetAttr(t, s_device)) && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            device = Py_NewRef(Py_None);
+        }
+        PyObject *entry = device ? PyTuple_Pack(4, (PyObject *)Py_TYPE(t), shape, dtype, device) : NULL;
+        Py_XDECREF(shape);
+        Py_XDECREF(dtype);
+        Py_XDECREF(device);
+        if (!entry) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyTuple_SET_ITEM(out, i, entry);
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"dots", k_dots, METH_VARARGS,
      "dots(a, b, spans, out): out[i] = [a.b, a.a, b.b] over a[s:e], b[s:e] for spans[i] = (s, e), in "
@@ -620,6 +730,9 @@ static PyMethodDef methods[] = {
     {"copy", k_copy, METH_VARARGS,
      "copy(dst, src, spans): dst[s:e] = src[s:e] for each span; operands as for dots."},
     {"address", k_address, METH_O, "address(obj): the address of the first element of obj's buffer."},
+    {"key", k_key, METH_O,
+     "key(items): tuple((type(t), t.shape, t.dtype, getattr(t, 'device', None)) for t in items), the part "
+     "of a call's plan key that its tensors give."},
     {"layout", k_layout, METH_VARARGS,
      "layout(arrays, writable): 2 if the non-empty C-contiguous buffers lie back to back in order, 1 if no "
      "two of them overlap, 0 if some do. A non-contiguous buffer, or a read-only one when writable is true, "

@@ -10,10 +10,20 @@ import numpy as np
 from mpi4py import MPI
 
 from . import transport as _transport
-from .arrays import adapter_for
-from .doubling import adasum_reduce_doubling
+from .arrays import _nonempty, adapter_for, kernels_backend
+from .doubling import SmallCall, adasum_reduce_doubling
 from .fusion import Group, layer_spans, make_groups, pooled
 from .transport import Transport, library_comm
+
+try:
+    from . import _kernels
+except ImportError:  # pragma: no cover - a build without a C compiler
+    _kernels = None
+
+
+def _use_compiled() -> bool:
+    return _kernels is not None and kernels_backend() == "c"
+
 from .validate import agree, describe, signature
 from .vhdd import adasum_reduce
 
@@ -38,10 +48,21 @@ def set_small_message_bytes(nbytes: int) -> None:
     if int(nbytes) < 0:
         raise ValueError(f"small message threshold must be >= 0 bytes, got {nbytes}")
     _small_message_bytes = int(nbytes)
+    _settings.update(_settings_for(_small_message_bytes))
 
 
 def get_small_message_bytes() -> int:
     return _small_message_bytes
+
+
+def _settings_for(small_message_bytes: int) -> dict[str, tuple]:
+    """What the ranks must agree on besides the tensors, per kind of call (part of the digest)."""
+    adasum = (("hierarchical", False), ("small-message bytes", small_message_bytes))
+    return {"adasum": adasum, "hierarchical": (("hierarchical", True), adasum[1]),
+            "sum": (("hierarchical", False),), "mean": (("hierarchical", False),)}
+
+
+_settings = _settings_for(_small_message_bytes)
 
 
 class Op(str, enum.Enum):
@@ -114,6 +135,10 @@ def _parse_op(op) -> str:
 
 def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
     comm = MPI.COMM_WORLD if comm is None else comm
+    if op == "adasum" and not hierarchical and type(tensors) is list and type(comm) is MPI.Intracomm:
+        done = _small_adasum(tensors, comm, inplace)
+        if done is not None:
+            return done
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
     lcomm = library_comm(comm)
@@ -124,12 +149,10 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
         opname = _parse_op(op)
         if hierarchical and opname != "adasum":
             raise ValueError(f"hierarchical=True needs op 'adasum', got '{opname}'")
-        settings = (("hierarchical", bool(hierarchical)),)
-        if opname == "adasum":
-            settings += (("small-message bytes", _small_message_bytes),)
+        settings = _settings[opname if not hierarchical else "hierarchical"]
         plan = _plan(items, opname, rank, settings)
         groups = plan.groups()
-        members = [[items[i] for i in g.indices] for g in groups]
+        members = [items] if plan.one_group else [[items[i] for i in g.indices] for g in groups]
         if inplace:  # where the tensors lie decides how the result gets into them; read-only ones fail here
             layouts = [g.adapter.layout(mine, g.indices, rank) for g, mine in zip(groups, members)]
     except (TypeError, ValueError) as exc:
@@ -145,7 +168,7 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
     # Flat Adasum may use the caller's tensors directly (see vhdd.adasum_reduce): halving reads them at
     # the first level instead of packing them, and an in-place call on tensors that lie apart is combined
     # in them (both schedules), so that nothing is written back at the end.
-    direct = flat and _transport.get_gpu_transport() != "staged"
+    direct = flat and _transport._mode != "staged"
     for g, mine, where in zip(groups, members, layouts if inplace else [None] * len(groups)):
         if inplace and where in (2, None):
             view = g.adapter.fused_view(mine, adjacent=where == 2)
@@ -168,7 +191,7 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
         g.buffer = pooled(g, g.size, "fused") if inplace else g.adapter.empty(g.size, g.dtype, g.device)
         if g.packed:
             g.adapter.pack(mine, g.buffer, g.bounds, g.spans)
-    active = [g for g in groups if g.size > 0]
+    active = plan.active if plan is not None else []
 
     if active and size > 1:
         if opname == "adasum" and hierarchical:
@@ -186,7 +209,9 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
 
     if inplace:
         for g, mine in zip(groups, members):
-            if g.size > 0 and not g.aliased and not g.writes_parts:
+            if g.writes_parts:
+                g.adapter.wrote_parts(mine)
+            elif g.size > 0 and not g.aliased:
                 g.adapter.write_back(mine, g.buffer, g.bounds, g.spans)
         return tensors
     out: list[Any] = [None] * len(items)
@@ -194,6 +219,40 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
         for i, view in zip(g.indices, g.adapter.views(g.buffer, g.bounds, g.shapes)):
             out[i] = view
     return out[0] if single else out
+
+
+def _small_adasum(items: list, comm: MPI.Intracomm, inplace: bool):
+    """Adasum of a small call on contiguous float32/float64 numpy arrays, done with the fewest Python
+    steps: what the general path does for such a call (the same collective, messages and kernels, so
+    ranks may take either path), for the calls where Python's own cost would dominate. Returns None when
+    the call is not one of those (or some check fails: the general path then reports it)."""
+    if _transport._mode == "staged" or not _use_compiled():
+        return None
+    try:
+        plan = _plans.get(_plan_key(items, "adasum", comm.Get_rank(), _settings["adasum"]))
+    except (AttributeError, TypeError):
+        return None
+    if plan is None or plan.small is None:
+        return None
+    call = plan.small
+    if call.comm is not comm:
+        if comm.Get_size() == 1:
+            return None
+        call = plan.small = SmallCall(comm, library_comm(comm), *call.group_data)
+    live = call.live(items)
+    try:
+        where = _kernels.layout(live, inplace)  # contiguous (and writable, in place), or it raises
+    except (BufferError, ValueError):
+        return None
+    if where == 0:
+        return None  # overlapping tensors: the general path writes each result back in turn
+    agree(call.lcomm, "adasum", plan.descs, None, extra=_settings["adasum"], digest=plan.signature)
+    if inplace:
+        call(live, live)
+        return items
+    out = np.empty(call.group.size, call.group.dtype)
+    call(live, out)
+    return call.group.adapter.views(out, call.group.bounds, call.group.shapes)
 
 
 _OP_NAMES = frozenset(o.value for o in Op)
@@ -205,7 +264,8 @@ class _Plan:
     and their layer tables. Kept for calls with the same shapes, dtypes and devices (a training loop's
     every step); a call resets the groups' per-call state (:meth:`groups`)."""
 
-    __slots__ = ("adapters", "descs", "signature", "nbytes", "_groups", "_transports")
+    __slots__ = ("adapters", "descs", "signature", "nbytes", "one_group", "active", "small", "_groups",
+                 "_transports")
 
     def __init__(self, items, op: str, rank: int, settings: tuple):
         self.adapters, self.descs = describe(items, op, rank)
@@ -214,6 +274,16 @@ class _Plan:
         for g in self._groups:
             layer_spans(g)
         self.nbytes = sum(g.size * (_ITEMSIZE.get(g.dtype) or np.dtype(g.dtype).itemsize) for g in self._groups)
+        # one group holding every tensor in order: the call's list is the group's members
+        self.one_group = len(self._groups) == 1 and self._groups[0].indices == list(range(len(items)))
+        self.active = [g for g in self._groups if g.size > 0]  # the groups with any elements
+        # (group, non-empty layers, their spans) where _small_adasum may take the call
+        self.small = None
+        if (op == "adasum" and dict(settings).get("small-message bytes", -1) >= self.nbytes and self.one_group
+                and len(self.active) == 1 and self.active[0].adapter.kind == "numpy"
+                and self.active[0].dtype in ("float32", "float64")):
+            g = self.active[0]
+            self.small = SmallCall(None, None, g, g.spans[0], g.spans[2], len(items))
         self._transports: tuple = (None, None, [])
 
     def groups(self) -> list[Group]:
@@ -236,10 +306,17 @@ _plans: dict[tuple, _Plan] = {}
 _MAX_PLANS = 64
 
 
+def _plan_key(items, op: str, rank: int, settings: tuple) -> tuple:
+    if _kernels is not None:
+        return op, settings, rank, _kernels.key(items)
+    return op, settings, rank, tuple([(type(t), t.shape, t.dtype, getattr(t, "device", None)) for t in items])
+
+
+
+
 def _plan(items, op: str, rank: int, settings: tuple) -> _Plan:
     try:
-        key = (op, settings, rank,
-               tuple([(type(t), t.shape, t.dtype, None if type(t) is np.ndarray else t.device) for t in items]))
+        key = _plan_key(items, op, rank, settings)
         plan = _plans.get(key)
     except (AttributeError, TypeError):  # not an array, or unhashable: describe() says what is wrong
         return _Plan(items, op, rank, settings)
@@ -252,8 +329,9 @@ def _plan(items, op: str, rank: int, settings: tuple) -> _Plan:
 
 
 def _transport_for(comm: MPI.Intracomm, g: Group) -> Transport:
-    buf = g.buffer if g.buffer is not None else g.parts[0]
-    return Transport(comm, g.adapter, g.device, staged=_transport.use_staging(g.adapter, buf))
+    if g.buffer is None:  # combined in the caller's tensors: host memory (direct_parts gives no other)
+        return Transport(comm, g.adapter, g.device, staged=False)
+    return Transport(comm, g.adapter, g.device, staged=_transport.use_staging(g.adapter, g.buffer))
 
 
 def _plain_reduce(comm: MPI.Intracomm, groups: Sequence[Group], mean: bool) -> None:

@@ -125,6 +125,9 @@ class Adapter:
         packed. ``contiguous``: the caller has checked that every tensor is C-contiguous."""
         return None
 
+    def wrote_parts(self, tensors: Sequence[Any]) -> None:
+        """The result of a call was written into ``tensors`` through the views :meth:`direct_parts` gave."""
+
     def layout(self, tensors: Sequence[Any], indices: Sequence[int], rank: int) -> int | None:
         """Where an in-place call's ``tensors`` lie: 2 back to back, in order, in one block; 1 apart; 0
         overlapping; None where this adapter does not tell. ``indices`` are the tensors' places in the call.
@@ -509,11 +512,37 @@ class TorchAdapter(Adapter):
     def _block(self, like) -> int:
         return BLOCK if like.device.type == "cpu" else DEVICE_BLOCK
 
+    def _numpy_path(self, x) -> bool:
+        """Whether an operand is computed on by the numpy adapter: host memory of a dtype numpy has (lists
+        are flat numpy views of the caller's CPU tensors, from :meth:`direct_parts`)."""
+        return type(x) is list or (x.device.type == "cpu" and x.dtype != self.torch.bfloat16)
+
+    def layout(self, tensors, indices, rank):
+        views = self._host_views(tensors)
+        return None if views is None else _NUMPY.layout(views, indices, rank)
+
+    def direct_parts(self, tensors, dtype, contiguous=False):
+        if not contiguous and not all(t.is_contiguous() for t in tensors):
+            return None
+        views = self._host_views(tensors)
+        return None if views is None else _NUMPY.direct_parts(views, dtype, contiguous=True)
+
+    def _host_views(self, tensors):
+        """numpy views of CPU float32/float64 tensors (their own memory), else None."""
+        torch = self.torch
+        if not tensors or tensors[0].device.type != "cpu" or tensors[0].dtype not in (torch.float32, torch.float64):
+            return None
+        return [t.detach().numpy() for t in tensors]
+
+    def wrote_parts(self, tensors) -> None:
+        # The result went into the tensors' memory through numpy: tell autograd they changed in place.
+        self.torch.autograd.graph.increment_version(tensors)
+
     def partial_dots(self, a, b, pieces):
         torch = self.torch
-        if a.device.type == "cpu" and a.dtype != torch.bfloat16:
+        if self._numpy_path(a):
             # numpy's kernels, on the same memory: they vectorise over many small layers
-            return _NUMPY.partial_dots(a.numpy(), b.numpy(), pieces)
+            return _NUMPY.partial_dots(_host(a), _host(b), pieces)
         out = torch.zeros((len(pieces), 3), dtype=torch.float64, device=a.device)
         native = a.dtype == torch.float64
         if not native:
@@ -533,15 +562,15 @@ class TorchAdapter(Adapter):
         return out.cpu().numpy()
 
     def pair(self, left, right, dst, pieces, span_array, count_left, count_right):
-        if left.device.type == "cpu" and left.dtype != self.torch.bfloat16:
-            _NUMPY.pair(left.numpy(), right.numpy(), dst.numpy(), pieces, span_array, count_left, count_right)
+        if self._numpy_path(left):
+            _NUMPY.pair(_host(left), _host(right), _host(dst), pieces, span_array, count_left, count_right)
             return
         super().pair(left, right, dst, pieces, span_array, count_left, count_right)
 
     def scaled_add(self, a, b, pieces, ca, cb, dst=None):
         torch = self.torch
-        if a.device.type == "cpu" and a.dtype != torch.bfloat16:
-            _NUMPY.scaled_add(a.numpy(), b.numpy(), pieces, ca, cb, None if dst is None else dst.numpy())
+        if self._numpy_path(a):
+            _NUMPY.scaled_add(_host(a), _host(b), pieces, ca, cb, None if dst is None else _host(dst))
             return
         if dst is not None and dst is not a:
             self.scaled_add(a, b, pieces, ca, cb)
@@ -607,6 +636,11 @@ def _dtype_name(dtype) -> str:
     if name is None:
         name = _DTYPE_NAMES[dtype] = np.dtype(dtype).name
     return name
+
+
+def _host(x):
+    """A CPU operand for the numpy adapter: a tensor's memory as numpy, or a list of numpy pieces."""
+    return x if type(x) is list else x.numpy()
 
 
 def _nonempty(tensors, layers):

@@ -22,6 +22,11 @@ from .fusion import Group, layer_spans, pooled
 from .transport import Transport
 from .vhdd import fold_out
 
+try:
+    from . import _kernels
+except ImportError:  # pragma: no cover - a build without a C compiler (SmallCall is then never made)
+    _kernels = None
+
 __all__ = ["adasum_reduce_doubling"]
 
 
@@ -90,3 +95,43 @@ def adasum_reduce_doubling(comm: MPI.Intracomm, groups: Sequence[Group], transpo
     if fold is not None:
         for g, t, (layers, _, _) in zip(groups, transports, spans):
             t.send(g.buffer if not g.writes_parts else _nonempty(g.parts, layers), fold[0])
+
+
+class SmallCall:
+    """:func:`adasum_reduce_doubling` of one plan's single packed host group (float32/float64, compiled
+    kernels) on one communicator, with all that stays the same between calls worked out once: the
+    schedule, the transport, the layers. Calling it packs the non-empty tensors ``live``, runs the same
+    messages and kernel calls as the general schedule, and writes the result into ``dst`` (the tensors
+    themselves, or an output buffer)."""
+
+    def __init__(self, comm, lcomm, group: Group, layers: list[int], span_array, count: int):
+        self.comm, self.lcomm, self.group = comm, lcomm, group
+        self.group_data = (group, layers, span_array, count)
+        self.layers, self.span_array = layers, span_array
+        self.all_live = len(layers) == count
+        if lcomm is not None:
+            self.role = schedule(lcomm.Get_size(), lcomm.Get_rank())
+            self.transport = Transport(lcomm, group.adapter, group.device, staged=False)
+
+    def live(self, items: list) -> list:
+        return items if self.all_live else [items[i] for i in self.layers]
+
+    def __call__(self, live: list, dst) -> None:
+        g, t, sp = self.group, self.transport, self.span_array
+        buf, scr = pooled(g, g.size, "fused"), pooled(g, g.size, "recv")
+        _kernels.copy(buf, live, sp)
+        if self.role[0] == "out":
+            t.send(buf, self.role[1])
+            t.recv(dst, self.role[1])
+            return
+        fold, levels = self.role
+        if fold is not None:
+            t.recv(scr, fold[0])
+            _kernels.pair(buf, scr, buf, sp, fold[1], fold[2])
+        last = len(levels) - 1
+        for i, (partner, count_left, count_right, upper) in enumerate(levels):
+            t.sendrecv(buf, partner, scr, partner)
+            _kernels.pair(scr if upper else buf, buf if upper else scr, dst if i == last else buf, sp,
+                          count_left, count_right)
+        if fold is not None:
+            t.send(dst, fold[0])

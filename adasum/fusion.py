@@ -103,6 +103,8 @@ def pooled(g: Group, n: int, slot: str):
     """
     key = (slot, g.adapter.kind, g.device, g.dtype)
     buf = _pool.get(key)
+    if buf is not None and len(buf) == n:
+        return buf
     if buf is None or len(buf) < n:
         _pool.pop(key, None)
         buf = _pool[key] = g.adapter.empty(max(n, 1), g.dtype, g.device)

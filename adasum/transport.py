@@ -130,10 +130,10 @@ class Transport:
             return [self.adapter.mpi_bytes(buf), MPI.BYTE], None
         live = [p for p in buf if p.nbytes]
         if len(live) <= 1:
-            return [live[0].view(np.uint8) if live else np.empty(0, np.uint8), MPI.BYTE], None
+            return [live[0].reshape(-1).view(np.uint8) if live else np.empty(0, np.uint8), MPI.BYTE], None
         if sending:
             packed = self._stage(0, sum(p.nbytes for p in live))
-            np.concatenate([p.view(np.uint8) for p in live], out=packed)
+            np.concatenate([p.reshape(-1).view(np.uint8) for p in live], out=packed)
             return [packed, MPI.BYTE], None
         dtype = MPI.BYTE.Create_hindexed([p.nbytes for p in live], [MPI.Get_address(p) for p in live])
         dtype.Commit()
@@ -190,7 +190,7 @@ class Transport:
                 if live is not None and len(live) > 1:
                     n = sum(p.nbytes for p in live)
                     region = packed[offset:offset + n]
-                    np.concatenate([p.view(np.uint8) for p in live], out=region)
+                    np.concatenate([p.reshape(-1).view(np.uint8) for p in live], out=region)
                     offset += n
                     msg = [region, MPI.BYTE]
                 else:

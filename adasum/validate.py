@@ -49,6 +49,9 @@ def describe(tensors: Sequence[Any], op: str, rank: int):
                                 "take; integers are allowed for op 'sum' only")
             raise TypeError(f"rank {rank}: tensor {i} has unsupported dtype {dtype}; supported are float16, "
                             "bfloat16 (torch), float32, float64, and integers for op 'sum'")
+        if not getattr(t.dtype, "isnative", True):
+            raise TypeError(f"rank {rank}: tensor {i} has non-native byte order ({t.dtype.str}); adasum takes "
+                            "arrays in the machine's byte order (convert with .astype(t.dtype.newbyteorder('=')))")
         device = adapter.device(t)
         if device not in devices:
             devices[device] = i

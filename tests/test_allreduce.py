@@ -325,3 +325,23 @@ def test_in_place_on_overlapping_tensors_writes_each_result(comm, algorithm):
     adasum.adasum_allreduce_inplace([x, x[1000:]])
     np.testing.assert_array_equal(x[:1000], want[0][:1000])
     np.testing.assert_array_equal(x[1000:], want[1])
+
+
+def test_torch_cpu_tensors_apart_are_combined_where_they_lie(comm, algorithm, chunk_bytes):
+    """In place on separate CPU tensors (2-D ones too): the bits of the packed path, and autograd sees the
+    tensors as modified in place."""
+    rank = comm.Get_rank()
+    rng = np.random.default_rng([14, rank])
+    shapes = [(30, 7), (1,), (0, 3), (5000,), (64, 65)]
+    layers = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    flat = np.concatenate([x.ravel() for x in layers])
+    tensors = [torch.from_numpy(x.copy()) for x in layers]
+    versions = [t._version for t in tensors]
+    adasum.adasum_allreduce_inplace(tensors)
+    got = np.concatenate([t.numpy().ravel() for t in tensors])
+    # the packed path: the same layers as views of one buffer, reduced in that buffer
+    views = np.split(flat.copy(), np.cumsum([x.size for x in layers])[:-1])
+    adasum.adasum_allreduce_inplace(views)
+    assert got.tobytes() == np.concatenate(views).tobytes()
+    if comm.Get_size() > 1:
+        assert all(t._version > v for t, v in zip(tensors, versions))

@@ -94,14 +94,16 @@ sys.stdout.write(K.ISA + " " + out.tobytes().hex() + " " + a.tobytes().hex())
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_instruction_sets_agree_bitwise(dtype):
-    """Ranks on CPUs with and without AVX2 must compute the same bits."""
+    """Ranks on CPUs with AVX-512, with AVX2 only and with neither must compute the same bits."""
     runs = {}
-    for isa in ("default", "portable"):
+    for isa in ("default", "avx2", "portable"):
         env = dict(os.environ, ADASUM_KERNELS_ISA=isa)
         runs[isa] = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, dtype], env=env, check=True,
                                    capture_output=True, text=True).stdout.split()
     assert runs["portable"][0] == "portable"
+    assert runs["avx2"][0] in ("avx2", "portable")  # capped at AVX2 (portable on a CPU without it)
     assert runs["default"][1:] == runs["portable"][1:]
+    assert runs["avx2"][1:] == runs["portable"][1:]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
