@@ -183,7 +183,7 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
     # fast path needs a contiguous send buffer): every rank must then cut its messages the same way.
     split = agree(lcomm, opname, None if plan is None else plan.descs, error, extra=settings,
                   digest=None if plan is None else plan.signature,
-                  vote=int(any(not g.packed for g in groups)))
+                  vote=int(plan is not None and plan.nbytes >= SPLIT_MIN_BYTES and any(not g.packed for g in groups)))
 
     for g, mine in zip(groups, members):
         if g.aliased or (g.writes_parts and not g.packed):
@@ -256,6 +256,9 @@ def _small_adasum(items: list, comm: MPI.Intracomm, inplace: bool):
 
 
 _OP_NAMES = frozenset(o.value for o in Op)
+# Halving on tensors that lie apart cuts its exchanges into messages per layer piece from this many bytes
+# per call on (below, each exchange is one message: what is sent from the tensors is packed first).
+SPLIT_MIN_BYTES = 8 << 20
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 

@@ -266,11 +266,15 @@ def test_inplace_on_views_of_one_buffer_needs_no_copy(comm, kind):
     assert_identical_across_ranks(comm, views)
 
 
-@pytest.fixture(params=[256 << 10, 64])
+@pytest.fixture(params=["one message", "split"])
 def chunk_bytes(request, monkeypatch):
-    """Halving on separate tensors sends one message per layer piece of at least this many bytes (and
-    per run of smaller ones); 64 bytes cuts the small layers below into many messages."""
-    monkeypatch.setattr(adasum.vhdd, "CHUNK_BYTES", request.param)
+    """Halving on separate tensors of a large call (from adasum.allreduce.SPLIT_MIN_BYTES) sends one
+    message per layer piece of at least CHUNK_BYTES and per run of smaller ones; a small call sends one
+    message per exchange. "split" makes every call large and cuts the small layers below into many
+    messages."""
+    if request.param == "split":
+        monkeypatch.setattr(adasum.allreduce, "SPLIT_MIN_BYTES", 0)
+        monkeypatch.setattr(adasum.vhdd, "CHUNK_BYTES", 64)
     return request.param
 
 
