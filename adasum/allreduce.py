@@ -222,7 +222,8 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
 
 
 def _small_adasum(items: list, comm: MPI.Intracomm, inplace: bool):
-    """Adasum of a small call on contiguous float32/float64 numpy arrays, done with the fewest Python
+    """Adasum of a small call on contiguous float32/float64 host arrays (numpy, or torch CPU tensors through
+    numpy views of their memory), done with the fewest Python
     steps: what the general path does for such a call (the same collective, messages and kernels, so
     ranks may take either path), for the calls where Python's own cost would dominate. Returns None when
     the call is not one of those (or some check fails: the general path then reports it)."""
@@ -240,19 +241,23 @@ def _small_adasum(items: list, comm: MPI.Intracomm, inplace: bool):
             return None
         call = plan.small = SmallCall(comm, library_comm(comm), *call.group_data)
     live = call.live(items)
+    g = call.group
+    host = live if g.adapter.kind == "numpy" else [t.detach().numpy() for t in live]  # torch: same memory
     try:
-        where = _kernels.layout(live, inplace)  # contiguous (and writable, in place), or it raises
+        where = _kernels.layout(host, inplace)  # contiguous (and writable, in place), or it raises
     except (BufferError, ValueError):
         return None
     if where == 0:
         return None  # overlapping tensors: the general path writes each result back in turn
     agree(call.lcomm, "adasum", plan.descs, None, extra=_settings["adasum"], digest=plan.signature)
     if inplace:
-        call(live, live)
+        call(host, host)
+        if host is not live:
+            g.adapter.wrote_parts(items)
         return items
-    out = np.empty(call.group.size, call.group.dtype)
-    call(live, out)
-    return call.group.adapter.views(out, call.group.bounds, call.group.shapes)
+    out = g.adapter.empty(g.size, g.dtype, g.device)
+    call(host, out if type(out) is np.ndarray else out.numpy())
+    return g.adapter.views(out, g.bounds, g.shapes)
 
 
 _OP_NAMES = frozenset(o.value for o in Op)
@@ -283,8 +288,8 @@ class _Plan:
         # (group, non-empty layers, their spans) where _small_adasum may take the call
         self.small = None
         if (op == "adasum" and dict(settings).get("small-message bytes", -1) >= self.nbytes and self.one_group
-                and len(self.active) == 1 and self.active[0].adapter.kind == "numpy"
-                and self.active[0].dtype in ("float32", "float64")):
+                and len(self.active) == 1 and self.active[0].dtype in ("float32", "float64")
+                and (self.active[0].adapter.kind, self.active[0].device) in (("numpy", "cpu"), ("torch", "cpu"))):
             g = self.active[0]
             self.small = SmallCall(None, None, g, g.spans[0], g.spans[2], len(items))
         self._transports: tuple = (None, None, [])

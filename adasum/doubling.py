@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from typing import Sequence
 
+import numpy as np
 from mpi4py import MPI
 
 from .arrays import _nonempty
@@ -99,7 +100,7 @@ def adasum_reduce_doubling(comm: MPI.Intracomm, groups: Sequence[Group], transpo
 
 class SmallCall:
     """:func:`adasum_reduce_doubling` of one plan's single packed host group (float32/float64, compiled
-    kernels) on one communicator, with all that stays the same between calls worked out once: the
+    kernels; ``live`` and ``dst`` are numpy arrays) on one communicator, with all that stays the same between calls worked out once: the
     schedule, the transport, the layers. Calling it packs the non-empty tensors ``live``, runs the same
     messages and kernel calls as the general schedule, and writes the result into ``dst`` (the tensors
     themselves, or an output buffer)."""
@@ -119,6 +120,8 @@ class SmallCall:
     def __call__(self, live: list, dst) -> None:
         g, t, sp = self.group, self.transport, self.span_array
         buf, scr = pooled(g, g.size, "fused"), pooled(g, g.size, "recv")
+        if type(buf) is not np.ndarray:  # torch CPU tensors: work on numpy views of the same memory
+            buf, scr = buf.numpy(), scr.numpy()
         _kernels.copy(buf, live, sp)
         if self.role[0] == "out":
             t.send(buf, self.role[1])
