@@ -31,33 +31,56 @@ __all__ = ["Op", "adasum_allreduce", "adasum_allreduce_inplace", "get_small_mess
            "set_small_message_bytes"]
 
 # Calls whose fused buffers hold at most this many bytes in all use recursive doubling of whole vectors
-# (log2 P rounds); larger ones recursive halving (bandwidth-optimal). See benchmarks/README.md.
-_DEFAULT_SMALL_MESSAGE_BYTES = 64 << 10
-_small_message_bytes = int(os.environ.get("ADASUM_SMALL_MESSAGE_BYTES", _DEFAULT_SMALL_MESSAGE_BYTES))
+# (log2 P rounds); larger ones recursive halving (bandwidth-optimal). None: chosen from P (see
+# small_message_limit and benchmarks/README.md).
+_AUTO_SMALL_MESSAGE_BYTES = 1 << 20
 
 
-def set_small_message_bytes(nbytes: int) -> None:
+def _threshold_from_env() -> int | None:
+    text = os.environ.get("ADASUM_SMALL_MESSAGE_BYTES", "auto").strip().lower()
+    return None if text in ("", "auto") else int(text)
+
+
+_small_message_bytes = _threshold_from_env()
+
+
+def set_small_message_bytes(nbytes: int | None) -> None:
     """Adasum calls of at most ``nbytes`` (all tensors together) exchange whole vectors by recursive
     doubling, in log2(P) message rounds; larger calls use recursive halving, which sends about 2·N bytes
-    per rank instead of log2(P)·N. ``0`` always uses halving. Default 64 KiB; the environment variable
-    ``ADASUM_SMALL_MESSAGE_BYTES`` sets it at start-up.
+    per rank instead of log2(P)·N but makes about three times the rounds. ``0`` always uses halving.
 
-    Every rank must use the same value: a call on ranks that differ raises AdasumMismatchError.
+    ``None`` (the default; ``ADASUM_SMALL_MESSAGE_BYTES=auto``) picks the threshold from the world size:
+    1 MiB up to 7 ranks, 1 MiB / (log2 P − 1) from 8 on, where doubling's extra bytes start to cost more
+    than halving's extra rounds over a network. The environment variable ``ADASUM_SMALL_MESSAGE_BYTES``
+    sets it at start-up.
+
+    Every rank must use the same setting: a call on ranks that differ raises AdasumMismatchError.
     """
     global _small_message_bytes
-    if int(nbytes) < 0:
+    if nbytes is not None and int(nbytes) < 0:
         raise ValueError(f"small message threshold must be >= 0 bytes, got {nbytes}")
-    _small_message_bytes = int(nbytes)
+    _small_message_bytes = None if nbytes is None else int(nbytes)
     _settings.update(_settings_for(_small_message_bytes))
 
 
-def get_small_message_bytes() -> int:
+def get_small_message_bytes() -> int | None:
+    """The threshold set with :func:`set_small_message_bytes` (None: chosen from the world size)."""
     return _small_message_bytes
 
 
-def _settings_for(small_message_bytes: int) -> dict[str, tuple]:
-    """What the ranks must agree on besides the tensors, per kind of call (part of the digest)."""
-    adasum = (("hierarchical", False), ("small-message bytes", small_message_bytes))
+def small_message_limit(size: int) -> int:
+    """The threshold in effect for a communicator of ``size`` ranks."""
+    if _small_message_bytes is not None:
+        return _small_message_bytes
+    k = size.bit_length() - 1
+    return _AUTO_SMALL_MESSAGE_BYTES // max(1, k - 1)
+
+
+def _settings_for(small_message_bytes: int | None) -> dict[str, tuple]:
+    """What the ranks must agree on besides the tensors, per kind of call (part of the digest; -1 stands
+    for the automatic threshold)."""
+    adasum = (("hierarchical", False),
+              ("small-message bytes", -1 if small_message_bytes is None else small_message_bytes))
     return {"adasum": adasum, "hierarchical": (("hierarchical", True), adasum[1]),
             "sum": (("hierarchical", False),), "mean": (("hierarchical", False),)}
 
@@ -164,18 +187,19 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
 
     size = comm.Get_size()
     flat = opname == "adasum" and not hierarchical and size > 1
-    halving = flat and plan is not None and plan.nbytes > _small_message_bytes
+    halving = flat and plan is not None and plan.nbytes > small_message_limit(size)
     # Flat Adasum may use the caller's tensors directly (see vhdd.adasum_reduce): halving reads them at
     # the first level instead of packing them, and an in-place call on tensors that lie apart is combined
     # in them (both schedules), so that nothing is written back at the end.
     direct = flat and _transport._mode != "staged"
+    big = plan is not None and plan.nbytes >= DIRECT_MIN_BYTES
     for g, mine, where in zip(groups, members, layouts if inplace else [None] * len(groups)):
         if inplace and where in (2, None):
             view = g.adapter.fused_view(mine, adjacent=where == 2)
             if view is not None and len(view) == g.size:
                 g.buffer, g.aliased = view, True
                 continue
-        if direct and g.size > 0 and (not inplace or where in (1, 2)):
+        if direct and g.size > 0 and (not inplace or where in (1, 2)) and (not halving or big):
             g.parts = g.adapter.direct_parts(mine, g.dtype, contiguous=where in (1, 2))
         g.writes_parts = inplace and g.parts is not None
         g.packed = not (halving and g.parts is not None)
@@ -237,7 +261,7 @@ def _small_adasum(items: list, comm: MPI.Intracomm, inplace: bool):
         return None
     call = plan.small
     if call.comm is not comm:
-        if comm.Get_size() == 1:
+        if comm.Get_size() == 1 or plan.nbytes > small_message_limit(comm.Get_size()):
             return None
         call = plan.small = SmallCall(comm, library_comm(comm), *call.group_data)
     live = call.live(items)
@@ -261,8 +285,11 @@ def _small_adasum(items: list, comm: MPI.Intracomm, inplace: bool):
 
 
 _OP_NAMES = frozenset(o.value for o in Op)
-# Halving on tensors that lie apart cuts its exchanges into messages per layer piece from this many bytes
-# per call on (below, each exchange is one message: what is sent from the tensors is packed first).
+# Halving works on tensors that lie apart where they lie from this many bytes per call on (below, packing
+# them and writing the result back costs less than the extra steps per layer piece)...
+DIRECT_MIN_BYTES = 4 << 20
+# ... and from this many on cuts its exchanges into messages per layer piece (below, each exchange is one
+# message: what is sent from the tensors is packed first).
 SPLIT_MIN_BYTES = 8 << 20
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
@@ -287,7 +314,7 @@ class _Plan:
         self.active = [g for g in self._groups if g.size > 0]  # the groups with any elements
         # (group, non-empty layers, their spans) where _small_adasum may take the call
         self.small = None
-        if (op == "adasum" and dict(settings).get("small-message bytes", -1) >= self.nbytes and self.one_group
+        if (op == "adasum" and self.one_group
                 and len(self.active) == 1 and self.active[0].dtype in ("float32", "float64")
                 and (self.active[0].adapter.kind, self.active[0].device) in (("numpy", "cpu"), ("torch", "cpu"))):
             g = self.active[0]

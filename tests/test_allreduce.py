@@ -266,12 +266,14 @@ def test_inplace_on_views_of_one_buffer_needs_no_copy(comm, kind):
     assert_identical_across_ranks(comm, views)
 
 
-@pytest.fixture(params=["one message", "split"])
+@pytest.fixture(params=["packed", "direct", "split"])
 def chunk_bytes(request, monkeypatch):
-    """Halving on separate tensors of a large call (from adasum.allreduce.SPLIT_MIN_BYTES) sends one
-    message per layer piece of at least CHUNK_BYTES and per run of smaller ones; a small call sends one
-    message per exchange. "split" makes every call large and cuts the small layers below into many
-    messages."""
+    """How halving treats separate tensors, by call size (adasum.allreduce.DIRECT_MIN_BYTES and
+    SPLIT_MIN_BYTES): "packed" as small calls (packed, written back), "direct" as mid-size ones (read and
+    combined where they lie, what is sent packed first), "split" as large ones (one message per layer
+    piece of at least CHUNK_BYTES, here 64, and per run of smaller pieces)."""
+    if request.param in ("direct", "split"):
+        monkeypatch.setattr(adasum.allreduce, "DIRECT_MIN_BYTES", 0)
     if request.param == "split":
         monkeypatch.setattr(adasum.allreduce, "SPLIT_MIN_BYTES", 0)
         monkeypatch.setattr(adasum.vhdd, "CHUNK_BYTES", 64)
