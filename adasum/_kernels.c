@@ -117,6 +117,35 @@ finish_avx2(__m256d ab0, __m256d ab1, __m256d aa0, __m256d aa1, __m256d bb0, __m
         bb1 = _mm256_add_pd(bb1, _mm256_mul_pd(y1, y1));                                            \
     } while (0)
 
+/*
+ * dst = ca·a + cb·b with W doubles per register: the same loop for AVX2 (W = 4) and AVX-512 (W = 8), over
+ * float32 (widened on load, rounded once on store) and float64; the tail goes to the portable loop.
+ */
+#define DEFINE_SCALED_ADD(ATTR, ISA, W, VD, SET1, CVT_UP, LOAD_F, CVT_DOWN, STORE_F, LOAD_D, STORE_D, MUL, ADD) \
+    ATTR static void scaled_add_f32_##ISA(float *dst, const float *a, const float *b, Py_ssize_t n, double ca, \
+                                          double cb)                                                     \
+    {                                                                                                    \
+        VD p = SET1(ca), q = SET1(cb);                                                                   \
+        Py_ssize_t i = 0;                                                                                \
+        for (; i + W <= n; i += W) {                                                                     \
+            VD x = CVT_UP(LOAD_F(a + i)), y = CVT_UP(LOAD_F(b + i));                                     \
+            STORE_F(dst + i, CVT_DOWN(ADD(MUL(p, x), MUL(q, y))));                                       \
+        }                                                                                                \
+        scaled_add_f32_portable(dst + i, a + i, b + i, n - i, ca, cb);                                   \
+    }                                                                                                    \
+                                                                                                         \
+    ATTR static void scaled_add_f64_##ISA(double *dst, const double *a, const double *b, Py_ssize_t n,     \
+                                          double ca, double cb)                                          \
+    {                                                                                                    \
+        VD p = SET1(ca), q = SET1(cb);                                                                   \
+        Py_ssize_t i = 0;                                                                                \
+        for (; i + W <= n; i += W) {                                                                     \
+            VD x = LOAD_D(a + i), y = LOAD_D(b + i);                                                     \
+            STORE_D(dst + i, ADD(MUL(p, x), MUL(q, y)));                                                 \
+        }                                                                                                \
+        scaled_add_f64_portable(dst + i, a + i, b + i, n - i, ca, cb);                                   \
+    }
+
 AVX2 static void
 dots_f32_avx2(const float *a, const float *b, Py_ssize_t n, double *out)
 {
@@ -145,29 +174,8 @@ dots_f64_avx2(const double *a, const double *b, Py_ssize_t n, double *out)
     tail_f64(a + i, b + i, n - i, out);
 }
 
-AVX2 static void
-scaled_add_f32_avx2(float *dst, const float *a, const float *b, Py_ssize_t n, double ca, double cb)
-{
-    __m256d p = _mm256_set1_pd(ca), q = _mm256_set1_pd(cb);
-    Py_ssize_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        __m256d x = _mm256_cvtps_pd(_mm_loadu_ps(a + i)), y = _mm256_cvtps_pd(_mm_loadu_ps(b + i));
-        _mm_storeu_ps(dst + i, _mm256_cvtpd_ps(_mm256_add_pd(_mm256_mul_pd(p, x), _mm256_mul_pd(q, y))));
-    }
-    scaled_add_f32_portable(dst + i, a + i, b + i, n - i, ca, cb);
-}
-
-AVX2 static void
-scaled_add_f64_avx2(double *dst, const double *a, const double *b, Py_ssize_t n, double ca, double cb)
-{
-    __m256d p = _mm256_set1_pd(ca), q = _mm256_set1_pd(cb);
-    Py_ssize_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        __m256d x = _mm256_loadu_pd(a + i), y = _mm256_loadu_pd(b + i);
-        _mm256_storeu_pd(dst + i, _mm256_add_pd(_mm256_mul_pd(p, x), _mm256_mul_pd(q, y)));
-    }
-    scaled_add_f64_portable(dst + i, a + i, b + i, n - i, ca, cb);
-}
+DEFINE_SCALED_ADD(AVX2, avx2, 4, __m256d, _mm256_set1_pd, _mm256_cvtps_pd, _mm_loadu_ps, _mm256_cvtpd_ps,
+                  _mm_storeu_ps, _mm256_loadu_pd, _mm256_storeu_pd, _mm256_mul_pd, _mm256_add_pd)
 
 /* AVX-512F: one register holds the 8 lanes, so the summation order is the same again. */
 #define AVX512 __attribute__((target("avx512f")))
@@ -182,59 +190,26 @@ finish_avx512(__m512d ab, __m512d aa, __m512d bb, double *out)
     finish(l_ab, l_aa, l_bb, out);
 }
 
-AVX512 static void
-dots_f32_avx512(const float *a, const float *b, Py_ssize_t n, double *out)
-{
-    __m512d ab = _mm512_setzero_pd(), aa = ab, bb = ab;
-    Py_ssize_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m512d x = _mm512_cvtps_pd(_mm256_loadu_ps(a + i)), y = _mm512_cvtps_pd(_mm256_loadu_ps(b + i));
-        ab = _mm512_add_pd(ab, _mm512_mul_pd(x, y));
-        aa = _mm512_add_pd(aa, _mm512_mul_pd(x, x));
-        bb = _mm512_add_pd(bb, _mm512_mul_pd(y, y));
+#define DEFINE_DOTS_AVX512(T, NAME, LOAD)                                                             \
+    AVX512 static void dots_##NAME##_avx512(const T *a, const T *b, Py_ssize_t n, double *out)        \
+    {                                                                                               \
+        __m512d ab = _mm512_setzero_pd(), aa = ab, bb = ab;                                         \
+        Py_ssize_t i = 0;                                                                           \
+        for (; i + 8 <= n; i += 8) {                                                                \
+            __m512d x = LOAD(a + i), y = LOAD(b + i);                                               \
+            ab = _mm512_add_pd(ab, _mm512_mul_pd(x, y));                                            \
+            aa = _mm512_add_pd(aa, _mm512_mul_pd(x, x));                                            \
+            bb = _mm512_add_pd(bb, _mm512_mul_pd(y, y));                                            \
+        }                                                                                           \
+        finish_avx512(ab, aa, bb, out);                                                             \
+        tail_##NAME(a + i, b + i, n - i, out);                                                      \
     }
-    finish_avx512(ab, aa, bb, out);
-    tail_f32(a + i, b + i, n - i, out);
-}
 
-AVX512 static void
-dots_f64_avx512(const double *a, const double *b, Py_ssize_t n, double *out)
-{
-    __m512d ab = _mm512_setzero_pd(), aa = ab, bb = ab;
-    Py_ssize_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m512d x = _mm512_loadu_pd(a + i), y = _mm512_loadu_pd(b + i);
-        ab = _mm512_add_pd(ab, _mm512_mul_pd(x, y));
-        aa = _mm512_add_pd(aa, _mm512_mul_pd(x, x));
-        bb = _mm512_add_pd(bb, _mm512_mul_pd(y, y));
-    }
-    finish_avx512(ab, aa, bb, out);
-    tail_f64(a + i, b + i, n - i, out);
-}
-
-AVX512 static void
-scaled_add_f32_avx512(float *dst, const float *a, const float *b, Py_ssize_t n, double ca, double cb)
-{
-    __m512d p = _mm512_set1_pd(ca), q = _mm512_set1_pd(cb);
-    Py_ssize_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m512d x = _mm512_cvtps_pd(_mm256_loadu_ps(a + i)), y = _mm512_cvtps_pd(_mm256_loadu_ps(b + i));
-        _mm256_storeu_ps(dst + i, _mm512_cvtpd_ps(_mm512_add_pd(_mm512_mul_pd(p, x), _mm512_mul_pd(q, y))));
-    }
-    scaled_add_f32_portable(dst + i, a + i, b + i, n - i, ca, cb);
-}
-
-AVX512 static void
-scaled_add_f64_avx512(double *dst, const double *a, const double *b, Py_ssize_t n, double ca, double cb)
-{
-    __m512d p = _mm512_set1_pd(ca), q = _mm512_set1_pd(cb);
-    Py_ssize_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m512d x = _mm512_loadu_pd(a + i), y = _mm512_loadu_pd(b + i);
-        _mm512_storeu_pd(dst + i, _mm512_add_pd(_mm512_mul_pd(p, x), _mm512_mul_pd(q, y)));
-    }
-    scaled_add_f64_portable(dst + i, a + i, b + i, n - i, ca, cb);
-}
+#define LOAD_F32_AS_F64_512(p) _mm512_cvtps_pd(_mm256_loadu_ps(p))
+DEFINE_DOTS_AVX512(float, f32, LOAD_F32_AS_F64_512)
+DEFINE_DOTS_AVX512(double, f64, _mm512_loadu_pd)
+DEFINE_SCALED_ADD(AVX512, avx512, 8, __m512d, _mm512_set1_pd, _mm512_cvtps_pd, _mm256_loadu_ps, _mm512_cvtpd_ps,
+                  _mm256_storeu_ps, _mm512_loadu_pd, _mm512_storeu_pd, _mm512_mul_pd, _mm512_add_pd)
 #endif
 
 /* Picks the widest loops the CPU has (AVX-512F, then AVX2); ADASUM_KERNELS_ISA=portable or =avx2 caps the
@@ -424,91 +399,104 @@ same_type(const operand *ops, int count)
     return 1;
 }
 
+/* The spans and the operands of one kernel call, acquired together and released together. */
+typedef struct {
+    Py_buffer spans;
+    const int64_t *sp;
+    Py_ssize_t n;
+    operand ops[3];
+    int count;
+} call_args;
+
+static void
+release_call(call_args *c)
+{
+    while (c->count > 0)
+        release_operand(&c->ops[--c->count]);
+    PyBuffer_Release(&c->spans);
+}
+
+/* Acquires the spans and `count` operands (operand 0 writable if `first_writable`) of one dtype; 1 on
+ * success, 0 with an exception set and nothing held. */
+static int
+acquire_call(call_args *c, PyObject *ospans, PyObject **objs, const char **names, int count, int first_writable)
+{
+    c->count = 0;
+    if ((c->n = get_spans(ospans, &c->spans)) < 0)
+        return 0;
+    c->sp = (const int64_t *)c->spans.buf;
+    for (; c->count < count; c->count++) {
+        if (!get_operand(objs[c->count], &c->ops[c->count], first_writable && c->count == 0, names[c->count],
+                         c->sp, c->n)) {
+            release_call(c);
+            return 0;
+        }
+    }
+    if (!same_type(c->ops, count)) {
+        release_call(c);
+        return 0;
+    }
+    return 1;
+}
+
 static PyObject *
 k_dots(PyObject *self, PyObject *args)
 {
-    PyObject *oa, *ob, *ospans, *oout;
-    if (!PyArg_ParseTuple(args, "OOOO:dots", &oa, &ob, &ospans, &oout))
+    PyObject *objs[2], *ospans, *oout;
+    static const char *names[] = {"a", "b"};
+    if (!PyArg_ParseTuple(args, "OOOO:dots", &objs[0], &objs[1], &ospans, &oout))
         return NULL;
-    Py_buffer spans, out;
-    operand ops[2];
-    PyObject *result = NULL;
-    Py_ssize_t n = get_spans(ospans, &spans);
-    if (n < 0)
+    call_args c;
+    Py_buffer out;
+    if (!acquire_call(&c, ospans, objs, names, 2, 0))
         return NULL;
-    const int64_t *sp = (const int64_t *)spans.buf;
-    if (!get_operand(oa, &ops[0], 0, "a", sp, n))
-        goto release_spans;
-    if (!get_operand(ob, &ops[1], 0, "b", sp, n))
-        goto release_a;
-    if (!same_type(ops, 2) || !typed_buffer(oout, &out, 1, 3 * sizeof(double), n, "out"))
-        goto release_b;
-    double *o = (double *)out.buf;
-    int size = ops[0].itemsize;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const void *x = operand_at(&ops[0], sp, i), *y = operand_at(&ops[1], sp, i);
-        (size == 4 ? dots_f32 : dots_f64)(x, y, sp[2 * i + 1] - sp[2 * i], o + 3 * i);
+    if (!typed_buffer(oout, &out, 1, 3 * sizeof(double), c.n, "out")) {
+        release_call(&c);
+        return NULL;
     }
+    double *o = (double *)out.buf;
+    dots_fn dots = c.ops[0].itemsize == 4 ? dots_f32 : dots_f64;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < c.n; i++)
+        dots(operand_at(&c.ops[0], c.sp, i), operand_at(&c.ops[1], c.sp, i), c.sp[2 * i + 1] - c.sp[2 * i],
+             o + 3 * i);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&out);
-    result = Py_None;
-release_b:
-    release_operand(&ops[1]);
-release_a:
-    release_operand(&ops[0]);
-release_spans:
-    PyBuffer_Release(&spans);
-    Py_XINCREF(result);
-    return result;
+    release_call(&c);
+    Py_RETURN_NONE;
 }
 
 static PyObject *
 k_scaled_add(PyObject *self, PyObject *args)
 {
-    PyObject *odst, *oa, *ob, *ospans, *oca, *ocb;
-    if (!PyArg_ParseTuple(args, "OOOOOO:scaled_add", &odst, &oa, &ob, &ospans, &oca, &ocb))
+    PyObject *objs[3], *ospans, *oca, *ocb;
+    static const char *names[] = {"dst", "a", "b"};
+    if (!PyArg_ParseTuple(args, "OOOOOO:scaled_add", &objs[0], &objs[1], &objs[2], &ospans, &oca, &ocb))
         return NULL;
-    Py_buffer spans, ca, cb;
-    operand ops[3];
-    PyObject *result = NULL;
-    Py_ssize_t n = get_spans(ospans, &spans);
-    if (n < 0)
+    call_args c;
+    Py_buffer ca, cb;
+    if (!acquire_call(&c, ospans, objs, names, 3, 1))
         return NULL;
-    const int64_t *sp = (const int64_t *)spans.buf;
-    if (!get_operand(odst, &ops[0], 1, "dst", sp, n))
-        goto release_spans;
-    if (!get_operand(oa, &ops[1], 0, "a", sp, n))
-        goto release_dst;
-    if (!get_operand(ob, &ops[2], 0, "b", sp, n))
-        goto release_a;
-    if (!same_type(ops, 3) || !typed_buffer(oca, &ca, 0, sizeof(double), n, "ca"))
-        goto release_b;
-    if (!typed_buffer(ocb, &cb, 0, sizeof(double), n, "cb"))
-        goto release_ca;
-    const double *p = (const double *)ca.buf, *q = (const double *)cb.buf;
-    int size = ops[0].itemsize;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        void *d = operand_at(&ops[0], sp, i);
-        const void *x = operand_at(&ops[1], sp, i), *y = operand_at(&ops[2], sp, i);
-        (size == 4 ? scaled_add_f32 : scaled_add_f64)(d, x, y, sp[2 * i + 1] - sp[2 * i], p[i], q[i]);
+    if (!typed_buffer(oca, &ca, 0, sizeof(double), c.n, "ca")) {
+        release_call(&c);
+        return NULL;
     }
+    if (!typed_buffer(ocb, &cb, 0, sizeof(double), c.n, "cb")) {
+        PyBuffer_Release(&ca);
+        release_call(&c);
+        return NULL;
+    }
+    const double *p = (const double *)ca.buf, *q = (const double *)cb.buf;
+    scaled_add_fn scaled_add = c.ops[0].itemsize == 4 ? scaled_add_f32 : scaled_add_f64;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < c.n; i++)
+        scaled_add(operand_at(&c.ops[0], c.sp, i), operand_at(&c.ops[1], c.sp, i), operand_at(&c.ops[2], c.sp, i),
+                   c.sp[2 * i + 1] - c.sp[2 * i], p[i], q[i]);
     Py_END_ALLOW_THREADS
-    result = Py_None;
     PyBuffer_Release(&cb);
-release_ca:
     PyBuffer_Release(&ca);
-release_b:
-    release_operand(&ops[2]);
-release_a:
-    release_operand(&ops[1]);
-release_dst:
-    release_operand(&ops[0]);
-release_spans:
-    PyBuffer_Release(&spans);
-    Py_XINCREF(result);
-    return result;
+    release_call(&c);
+    Py_RETURN_NONE;
 }
 
 /*
@@ -519,91 +507,56 @@ release_spans:
 static PyObject *
 k_pair(PyObject *self, PyObject *args)
 {
-    PyObject *oleft, *oright, *odst, *ospans;
+    PyObject *objs[3], *ospans;
+    static const char *names[] = {"dst", "left", "right"};
     long long count_left, count_right;
-    if (!PyArg_ParseTuple(args, "OOOOLL:pair", &oleft, &oright, &odst, &ospans, &count_left, &count_right))
+    if (!PyArg_ParseTuple(args, "OOOOLL:pair", &objs[1], &objs[2], &objs[0], &ospans, &count_left, &count_right))
         return NULL;
     if (count_left < 0 || count_right < 0 || count_left + count_right == 0) {
         PyErr_SetString(PyExc_ValueError, "counts must be >= 0 and not both 0");
         return NULL;
     }
-    Py_buffer spans;
-    operand ops[3];
-    PyObject *result = NULL;
-    Py_ssize_t n = get_spans(ospans, &spans);
-    if (n < 0)
+    call_args c;
+    if (!acquire_call(&c, ospans, objs, names, 3, 1))
         return NULL;
-    const int64_t *sp = (const int64_t *)spans.buf;
-    if (!get_operand(odst, &ops[0], 1, "dst", sp, n))
-        goto release_spans;
-    if (!get_operand(oleft, &ops[1], 0, "left", sp, n))
-        goto release_dst;
-    if (!get_operand(oright, &ops[2], 0, "right", sp, n))
-        goto release_left;
-    if (!same_type(ops, 3))
-        goto release_right;
     double total = (double)(count_left + count_right);
     double w_left = (double)count_left / total, w_right = (double)count_right / total;
-    int size = ops[0].itemsize;
+    dots_fn dots = c.ops[0].itemsize == 4 ? dots_f32 : dots_f64;
+    scaled_add_fn scaled_add = c.ops[0].itemsize == 4 ? scaled_add_f32 : scaled_add_f64;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        void *d = operand_at(&ops[0], sp, i);
-        const void *x = operand_at(&ops[1], sp, i), *y = operand_at(&ops[2], sp, i);
-        Py_ssize_t len = sp[2 * i + 1] - sp[2 * i];
+    for (Py_ssize_t i = 0; i < c.n; i++) {
+        void *d = operand_at(&c.ops[0], c.sp, i);
+        const void *x = operand_at(&c.ops[1], c.sp, i), *y = operand_at(&c.ops[2], c.sp, i);
+        Py_ssize_t len = c.sp[2 * i + 1] - c.sp[2 * i];
         double g[3];
-        (size == 4 ? dots_f32 : dots_f64)(x, y, len, g);
+        dots(x, y, len, g);
         double q_left = g[1] != 0.0 ? g[0] / g[1] : 0.0, q_right = g[2] != 0.0 ? g[0] / g[2] : 0.0;
-        double c_left = 1.0 - w_left * q_left, c_right = 1.0 - w_right * q_right;
-        (size == 4 ? scaled_add_f32 : scaled_add_f64)(d, x, y, len, c_left, c_right);
+        scaled_add(d, x, y, len, 1.0 - w_left * q_left, 1.0 - w_right * q_right);
     }
     Py_END_ALLOW_THREADS
-    result = Py_None;
-release_right:
-    release_operand(&ops[2]);
-release_left:
-    release_operand(&ops[1]);
-release_dst:
-    release_operand(&ops[0]);
-release_spans:
-    PyBuffer_Release(&spans);
-    Py_XINCREF(result);
-    return result;
+    release_call(&c);
+    Py_RETURN_NONE;
 }
 
 /* copy(dst, src, spans): dst[s:e] = src[s:e] for each span (packing tensors into a buffer, or back). */
 static PyObject *
 k_copy(PyObject *self, PyObject *args)
 {
-    PyObject *odst, *osrc, *ospans;
-    if (!PyArg_ParseTuple(args, "OOO:copy", &odst, &osrc, &ospans))
+    PyObject *objs[2], *ospans;
+    static const char *names[] = {"dst", "src"};
+    if (!PyArg_ParseTuple(args, "OOO:copy", &objs[0], &objs[1], &ospans))
         return NULL;
-    Py_buffer spans;
-    operand ops[2];
-    PyObject *result = NULL;
-    Py_ssize_t n = get_spans(ospans, &spans);
-    if (n < 0)
+    call_args c;
+    if (!acquire_call(&c, ospans, objs, names, 2, 1))
         return NULL;
-    const int64_t *sp = (const int64_t *)spans.buf;
-    if (!get_operand(odst, &ops[0], 1, "dst", sp, n))
-        goto release_spans;
-    if (!get_operand(osrc, &ops[1], 0, "src", sp, n))
-        goto release_dst;
-    if (!same_type(ops, 2))
-        goto release_src;
-    int size = ops[0].itemsize;
+    size_t size = (size_t)c.ops[0].itemsize;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++)
-        memmove(operand_at(&ops[0], sp, i), operand_at(&ops[1], sp, i), (size_t)(sp[2 * i + 1] - sp[2 * i]) * size);
+    for (Py_ssize_t i = 0; i < c.n; i++)
+        memmove(operand_at(&c.ops[0], c.sp, i), operand_at(&c.ops[1], c.sp, i),
+                (size_t)(c.sp[2 * i + 1] - c.sp[2 * i]) * size);
     Py_END_ALLOW_THREADS
-    result = Py_None;
-release_src:
-    release_operand(&ops[1]);
-release_dst:
-    release_operand(&ops[0]);
-release_spans:
-    PyBuffer_Release(&spans);
-    Py_XINCREF(result);
-    return result;
+    release_call(&c);
+    Py_RETURN_NONE;
 }
 
 typedef struct {

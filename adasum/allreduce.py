@@ -207,7 +207,8 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
     # fast path needs a contiguous send buffer): every rank must then cut its messages the same way.
     split = agree(lcomm, opname, None if plan is None else plan.descs, error, extra=settings,
                   digest=None if plan is None else plan.signature,
-                  vote=int(plan is not None and plan.nbytes >= SPLIT_MIN_BYTES and any(not g.packed for g in groups)))
+                  vote=int(plan is not None and plan.nbytes >= SPLIT_MIN_BYTES
+                           and any(not g.packed for g in groups)))
 
     for g, mine in zip(groups, members):
         if g.aliased or (g.writes_parts and not g.packed):

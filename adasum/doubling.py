@@ -99,11 +99,11 @@ def adasum_reduce_doubling(comm: MPI.Intracomm, groups: Sequence[Group], transpo
 
 
 class SmallCall:
-    """:func:`adasum_reduce_doubling` of one plan's single packed host group (float32/float64, compiled
-    kernels; ``live`` and ``dst`` are numpy arrays) on one communicator, with all that stays the same between calls worked out once: the
-    schedule, the transport, the layers. Calling it packs the non-empty tensors ``live``, runs the same
+    """:func:`adasum_reduce_doubling` of one plan's single host group (float32/float64, compiled kernels)
+    on one communicator, with all that stays the same between calls worked out once: the schedule, the
+    transport, the layers. Calling it packs the non-empty tensors ``live`` (numpy arrays), runs the same
     messages and kernel calls as the general schedule, and writes the result into ``dst`` (the tensors
-    themselves, or an output buffer)."""
+    themselves, or a numpy output buffer)."""
 
     def __init__(self, comm, lcomm, group: Group, layers: list[int], span_array, count: int):
         self.comm, self.lcomm, self.group = comm, lcomm, group

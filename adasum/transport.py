@@ -147,13 +147,8 @@ class Transport:
         sbytes, rbytes = self._nbytes(send), self._nbytes(recv)
         _record("sent_bytes", sbytes, 1)
         if not self.staged:
-            (smsg, sdt), (rmsg, rdt) = self._message(send, True), self._message(recv, False)
-            try:
+            with self._described(send, True) as smsg, self._described(recv, False) as rmsg:
                 self.comm.Sendrecv(smsg, dest, _TAG, rmsg, source, _TAG)
-            finally:
-                for dt in (sdt, rdt):
-                    if dt is not None:
-                        dt.Free()
             return
         hs, hr = self._stage(0, sbytes), self._stage(1, rbytes)
         self.adapter.to_host(send, hs)
@@ -162,44 +157,15 @@ class Transport:
 
     def exchange(self, sends: list, dest: int, recvs: list, source: int) -> None:
         """Send each of ``sends`` to ``dest`` and receive each of ``recvs`` from ``source``, as separate
-        messages in list order: pairwise where the lists are as long, else all in flight at once. Items
-        are buffers or lists of flat host pieces, as in :meth:`sendrecv`."""
-        if self.staged or len(sends) == len(recvs) or (len(sends) <= 1 and len(recvs) <= 1):
-            # message i goes both ways at once (full duplex); uneven lists finish one way
-            for i in range(max(len(sends), len(recvs))):
-                if i < len(sends) and i < len(recvs):
-                    self.sendrecv(sends[i], dest, recvs[i], source)
-                elif i < len(sends):
-                    self.send(sends[i], dest)
-                else:
-                    self.recv(recvs[i], source)
-            return
-        for buf in sends:
-            _record("sent_bytes", self._nbytes(buf), 1)
-        runs = [[p for p in buf if p.nbytes] for buf in sends if type(buf) is list]
-        packed = self._stage(0, sum(p.nbytes for run in runs if len(run) > 1 for p in run))
-        requests, dtypes, offset = [], [], 0
-        try:
-            for buf in recvs:
-                msg, dt = self._message(buf, False)
-                if dt is not None:
-                    dtypes.append(dt)
-                requests.append(self.comm.Irecv(msg, source, _TAG))
-            for buf in sends:
-                live = [p for p in buf if p.nbytes] if type(buf) is list else None
-                if live is not None and len(live) > 1:
-                    n = sum(p.nbytes for p in live)
-                    region = packed[offset:offset + n]
-                    np.concatenate([p.reshape(-1).view(np.uint8) for p in live], out=region)
-                    offset += n
-                    msg = [region, MPI.BYTE]
-                else:
-                    msg, _ = self._message(buf, True)
-                requests.append(self.comm.Isend(msg, dest, _TAG))
-            MPI.Request.Waitall(requests)
-        finally:
-            for dt in dtypes:
-                dt.Free()
+        messages in list order, message i both ways at once (full duplex); uneven lists finish one way.
+        Items are buffers or lists of flat host pieces, as in :meth:`sendrecv`."""
+        for i in range(max(len(sends), len(recvs))):
+            if i < len(sends) and i < len(recvs):
+                self.sendrecv(sends[i], dest, recvs[i], source)
+            elif i < len(sends):
+                self.send(sends[i], dest)
+            else:
+                self.recv(recvs[i], source)
 
     def allreduce_sum(self, buf) -> None:
         """``MPI_Allreduce(SUM)`` of a flat buffer, in place (MPI's own algorithm and datatypes)."""
@@ -218,16 +184,22 @@ class Transport:
         self.comm.Allreduce(MPI.IN_PLACE, typed, op=MPI.SUM)
         self.adapter.from_host(host, buf)
 
+    @contextlib.contextmanager
+    def _described(self, buf, sending: bool):
+        """:meth:`_message` for one MPI call, its datatype freed afterwards."""
+        msg, dtype = self._message(buf, sending)
+        try:
+            yield msg
+        finally:
+            if dtype is not None:
+                dtype.Free()
+
     def send(self, buf, dest: int) -> None:
         nbytes = self._nbytes(buf)
         _record("sent_bytes", nbytes, 1)
         if not self.staged:
-            msg, dt = self._message(buf, True)
-            try:
+            with self._described(buf, True) as msg:
                 self.comm.Send(msg, dest, _TAG)
-            finally:
-                if dt is not None:
-                    dt.Free()
             return
         hs = self._stage(0, nbytes)
         self.adapter.to_host(buf, hs)
@@ -235,12 +207,8 @@ class Transport:
 
     def recv(self, buf, source: int) -> None:
         if not self.staged:
-            msg, dt = self._message(buf, False)
-            try:
+            with self._described(buf, False) as msg:
                 self.comm.Recv(msg, source, _TAG)
-            finally:
-                if dt is not None:
-                    dt.Free()
             return
         hr = self._stage(1, self._nbytes(buf))
         self.comm.Recv([hr, MPI.BYTE], source, _TAG)
