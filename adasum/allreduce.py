@@ -14,18 +14,13 @@ from .arrays import _nonempty, adapter_for, kernels_backend
 from .doubling import SmallCall, adasum_reduce_doubling
 from .fusion import Group, layer_spans, make_groups, pooled
 from .transport import Transport, library_comm
+from .validate import agree, describe, signature
+from .vhdd import adasum_reduce
 
 try:
     from . import _kernels
 except ImportError:  # pragma: no cover - a build without a C compiler
     _kernels = None
-
-
-def _use_compiled() -> bool:
-    return _kernels is not None and kernels_backend() == "c"
-
-from .validate import agree, describe, signature
-from .vhdd import adasum_reduce
 
 __all__ = ["Op", "adasum_allreduce", "adasum_allreduce_inplace", "get_small_message_bytes",
            "set_small_message_bytes"]
@@ -188,9 +183,9 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
     size = comm.Get_size()
     flat = opname == "adasum" and not hierarchical and size > 1
     halving = flat and plan is not None and plan.nbytes > small_message_limit(size)
-    # Flat Adasum may use the caller's tensors directly (see vhdd.adasum_reduce): halving reads them at
-    # the first level instead of packing them, and an in-place call on tensors that lie apart is combined
-    # in them (both schedules), so that nothing is written back at the end.
+    # Flat Adasum may use the caller's tensors directly: an in-place call on tensors that lie apart is
+    # combined in them, so that nothing is written back at the end (doubling at any size, halving from
+    # DIRECT_MIN_BYTES, where it also reads them without packing them first: see vhdd.adasum_reduce).
     direct = flat and _transport._mode != "staged"
     big = plan is not None and plan.nbytes >= DIRECT_MIN_BYTES
     for g, mine, where in zip(groups, members, layouts if inplace else [None] * len(groups)):
@@ -247,11 +242,11 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
 
 
 def _small_adasum(items: list, comm: MPI.Intracomm, inplace: bool):
-    """Adasum of a small call on contiguous float32/float64 host arrays (numpy, or torch CPU tensors through
-    numpy views of their memory), done with the fewest Python
-    steps: what the general path does for such a call (the same collective, messages and kernels, so
-    ranks may take either path), for the calls where Python's own cost would dominate. Returns None when
-    the call is not one of those (or some check fails: the general path then reports it)."""
+    """Adasum of a doubling call on contiguous float32/float64 host arrays (numpy, or torch CPU tensors
+    through numpy views of their memory) with the fewest Python steps: what the general path does for such
+    a call (the same collective, messages and kernels, so ranks may take either path), where Python's own
+    cost would dominate. Returns None when the call is not one of those (or some check fails: the general
+    path then reports it)."""
     if _transport._mode == "staged" or not _use_compiled():
         return None
     try:
@@ -283,6 +278,10 @@ def _small_adasum(items: list, comm: MPI.Intracomm, inplace: bool):
     out = g.adapter.empty(g.size, g.dtype, g.device)
     call(host, out if type(out) is np.ndarray else out.numpy())
     return g.adapter.views(out, g.bounds, g.shapes)
+
+
+def _use_compiled() -> bool:
+    return _kernels is not None and kernels_backend() == "c"
 
 
 _OP_NAMES = frozenset(o.value for o in Op)
