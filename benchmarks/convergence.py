@@ -431,15 +431,9 @@ def plot_accuracy(records: list[dict], settings: dict, path: str) -> None:
             ax.axhline(100 * settings["target"], color="gray", ls=":", lw=1)
             ax.set_title(f"×{m:g} (lr {settings['base_lr'] * m:g}), accum. {k}", fontsize=9)
             ax.set_ylim(0, 100)
-            ax.grid(alpha=0.3)
-            if i == len(ks) - 1:
-                ax.set_xlabel("epoch")
-            if j == 0:
-                ax.set_ylabel("test accuracy (%)")
     fig.suptitle(f"MNIST-1D: test accuracy at {p} ranks and at 1 rank, same learning rate; x: diverged; "
                  f"dotted: target {100 * settings['target']:g} %", fontsize=10)
-    _finish(fig, axes, path)
-    plt.close(fig)
+    _finish(fig, axes, path, "epoch", "test accuracy (%)")
 
 
 def plot_lr(records: list[dict], settings: dict, path: str) -> None:
@@ -470,16 +464,11 @@ def plot_lr(records: list[dict], settings: dict, path: str) -> None:
             ax.set_xticks(mults)
             ax.set_xticklabels([f"×{m:g}" for m in mults])
             ax.set_ylim(0, 100)
-            ax.grid(alpha=0.3)
             ax.set_title(f"{p} ranks, accum. {k}", fontsize=9)
-            if i == len(ks) - 1:
-                ax.set_xlabel(f"learning-rate multiplier (base {settings['base_lr']:g})")
-            if j == 0:
-                ax.set_ylabel("final test accuracy (%)")
     fig.suptitle(f"Final test accuracy after {settings['epochs']} epochs against the learning rate "
                  "(x: diverged, at its last accuracy)", fontsize=10)
-    _finish(fig, axes, path)
-    plt.close(fig)
+    _finish(fig, axes, path, f"learning-rate multiplier (base {settings['base_lr']:g})",
+            "final test accuracy (%)")
 
 
 def plot_epochs(records: list[dict], settings: dict, path: str) -> None:
@@ -527,18 +516,20 @@ def plot_epochs(records: list[dict], settings: dict, path: str) -> None:
             ax.set_xticklabels([str(p) for p in sizes])
             ax.set_ylim(0, top + 0.05 * epochs + 2)
             ax.set_title(f"to {100 * level:g} %, accum. {k}", fontsize=9)
-            ax.grid(alpha=0.3)
-            if i == len(ks) - 1:
-                ax.set_xlabel("ranks")
-            if j == 0:
-                ax.set_ylabel("epochs")
     fig.suptitle(f"Epochs to reach a test accuracy at the unscaled learning rate (×1 = {settings['base_lr']:g}); "
                  f"budget {epochs}; x: diverged", fontsize=10)
-    _finish(fig, axes, path)
+    _finish(fig, axes, path, "ranks", "epochs")
 
 
-def _finish(fig, axes, path: str) -> None:
-    """One legend under the panels (the labels of all of them, once each), then save small."""
+def _finish(fig, axes, path: str, xlabel: str, ylabel: str) -> None:
+    """Grids, axis labels on the outer panels, one legend under the panels (the labels of all of them,
+    once each), then save small and close."""
+    for row in axes:
+        row[0].set_ylabel(ylabel)
+        for ax in row:
+            ax.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel(xlabel)
     seen: dict[str, object] = {}
     for ax in (a for row in axes for a in row):
         for h, label in zip(*ax.get_legend_handles_labels()):
