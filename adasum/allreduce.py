@@ -153,8 +153,9 @@ def _parse_op(op) -> str:
 
 def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
     comm = MPI.COMM_WORLD if comm is None else comm
+    known = None  # the plan of this call, where the small-call path looked it up already
     if op == "adasum" and not hierarchical and type(tensors) is list and type(comm) is MPI.Intracomm:
-        done = _small_adasum(tensors, comm, inplace)
+        done, known = _small_adasum(tensors, comm, inplace)
         if done is not None:
             return done
     if not isinstance(comm, MPI.Intracomm):
@@ -168,7 +169,7 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
         if hierarchical and opname != "adasum":
             raise ValueError(f"hierarchical=True needs op 'adasum', got '{opname}'")
         settings = _settings[opname if not hierarchical else "hierarchical"]
-        plan = _plan(items, opname, rank, settings)
+        plan = known if known is not None else _plan(items, opname, rank, settings)
         groups = plan.groups()
         members = [items] if plan.one_group else [[items[i] for i in g.indices] for g in groups]
         if inplace:  # where the tensors lie decides how the result gets into them; read-only ones fail here
@@ -245,39 +246,39 @@ def _small_adasum(items: list, comm: MPI.Intracomm, inplace: bool):
     """Adasum of a doubling call on contiguous float32/float64 host arrays (numpy, or torch CPU tensors
     through numpy views of their memory) with the fewest Python steps: what the general path does for such
     a call (the same collective, messages and kernels, so ranks may take either path), where Python's own
-    cost would dominate. Returns None when the call is not one of those (or some check fails: the general
-    path then reports it)."""
+    cost would dominate. Returns ``(result, plan)``: the result None when the call is not one of those (or
+    some check fails: the general path then reports it), with the call's kept plan if it found one."""
     if _transport._mode == "staged" or not _use_compiled():
-        return None
+        return None, None
     try:
         plan = _plans.get(_plan_key(items, "adasum", comm.Get_rank(), _settings["adasum"]))
     except (AttributeError, TypeError):
-        return None
+        return None, None
     if plan is None or plan.small is None:
-        return None
+        return None, plan
     call = plan.small
     if call.comm is not comm:
         if comm.Get_size() == 1 or plan.nbytes > small_message_limit(comm.Get_size()):
-            return None
-        call = plan.small = SmallCall(comm, library_comm(comm), *call.group_data)
+            return None, plan
+        call = plan.small = call.on(comm, library_comm(comm))
     live = call.live(items)
     g = call.group
     host = live if g.adapter.kind == "numpy" else [t.detach().numpy() for t in live]  # torch: same memory
     try:
         where = _kernels.layout(host, inplace)  # contiguous (and writable, in place), or it raises
     except (BufferError, ValueError):
-        return None
+        return None, plan
     if where == 0:
-        return None  # overlapping tensors: the general path writes each result back in turn
+        return None, plan  # overlapping tensors: the general path writes each result back in turn
     agree(call.lcomm, "adasum", plan.descs, None, extra=_settings["adasum"], digest=plan.signature)
     if inplace:
         call(host, host)
         if host is not live:
             g.adapter.wrote_parts(items)
-        return items
+        return items, plan
     out = g.adapter.empty(g.size, g.dtype, g.device)
     call(host, out if type(out) is np.ndarray else out.numpy())
-    return g.adapter.views(out, g.bounds, g.shapes)
+    return g.adapter.views(out, g.bounds, g.shapes), plan
 
 
 def _use_compiled() -> bool:

@@ -107,15 +107,17 @@ class SmallCall:
 
     def __init__(self, comm, lcomm, group: Group, layers: list[int], span_array, count: int):
         self.comm, self.lcomm, self.group = comm, lcomm, group
-        self.group_data = (group, layers, span_array, count)
-        self.layers, self.span_array = layers, span_array
-        self.all_live = len(layers) == count
+        self.layers, self.span_array, self.count = layers, span_array, count
         if lcomm is not None:
             self.role = schedule(lcomm.Get_size(), lcomm.Get_rank())
             self.transport = Transport(lcomm, group.adapter, group.device, staged=False)
 
+    def on(self, comm, lcomm) -> "SmallCall":
+        """The same call on another communicator (``lcomm``: the library's duplicate of ``comm``)."""
+        return SmallCall(comm, lcomm, self.group, self.layers, self.span_array, self.count)
+
     def live(self, items: list) -> list:
-        return items if self.all_live else [items[i] for i in self.layers]
+        return items if len(self.layers) == self.count else [items[i] for i in self.layers]
 
     def __call__(self, live: list, dst) -> None:
         g, t, sp = self.group, self.transport, self.span_array

@@ -26,29 +26,27 @@ from .transport import Transport, scalar_sendrecv
 
 __all__ = ["adasum_reduce", "fold_out", "home", "own"]
 
-def _pieces_of(g: Group, lo: int, layers, spans) -> list:
-    """``[lo + s, lo + e)`` of the fused index space for each span, as flat views of the caller's tensors."""
+def _range(g: Group, lo: int, hi: int, in_parts: bool, layers=None, spans=None):
+    """``[lo, hi)`` of the fused index space: a slice of ``g.buffer`` or, ``in_parts``, flat views of the
+    pieces of the caller's tensors (``g.parts``) that hold it (``layers``/``spans`` as :func:`pieces`
+    gives them, if known)."""
+    if not in_parts:
+        return g.buffer if lo == 0 and hi == g.size else g.buffer[lo:hi]
+    if layers is None:
+        layers, spans = pieces(g.bounds, lo, hi)
     b = g.bounds
     return [g.parts[i].reshape(-1)[lo + s - b[i]:lo + e - b[i]] for i, (s, e) in zip(layers, spans)]
 
 
 def own(g: Group, lo: int, hi: int, layers=None, spans=None):
-    """This rank's current values of ``[lo, hi)``: a slice of ``g.buffer``, or (before they are packed or
-    when the result is written into the caller's tensors) the pieces of ``g.parts`` that hold them."""
-    if g.packed:
-        return g.buffer if lo == 0 and hi == g.size else g.buffer[lo:hi]
-    if layers is None:
-        layers, spans = pieces(g.bounds, lo, hi)
-    return _pieces_of(g, lo, layers, spans)
+    """This rank's current values of ``[lo, hi)``: in ``g.buffer``, or in the caller's tensors before they
+    are packed or when the result is written there."""
+    return _range(g, lo, hi, not g.packed, layers, spans)
 
 
 def home(g: Group, lo: int, hi: int, layers=None, spans=None):
     """Where the combined values of ``[lo, hi)`` go: ``g.buffer``, or the caller's tensors themselves."""
-    if not g.writes_parts:
-        return g.buffer if lo == 0 and hi == g.size else g.buffer[lo:hi]
-    if layers is None:
-        layers, spans = pieces(g.bounds, lo, hi)
-    return _pieces_of(g, lo, layers, spans)
+    return _range(g, lo, hi, g.writes_parts, layers, spans)
 
 
 # With ``split``, a range travels as one message per layer piece of at least this many bytes, and one
