@@ -15,10 +15,10 @@
  * (a product of two floats is exact in double), so the dot products need no float64 copy of the buffer
  * and the combine rounds once to the buffer's type.
  *
- * The results do not depend on the instruction set: the AVX2 loops (chosen at import where the CPU has
- * them) and the portable loops add in the same fixed order, and neither fuses a multiply with an add
- * (the build turns floating-point contraction off), so every rank of a job computes bitwise the same
- * numbers from the same data even when its CPUs differ.
+ * The results do not depend on the instruction set: the AVX-512 and AVX2 loops (chosen at import where
+ * the CPU has them) and the portable loops add in the same fixed order, and none fuses a multiply with an
+ * add where that could change a rounding (the build turns floating-point contraction off), so every rank
+ * of a job computes bitwise the same numbers from the same data even when its CPUs differ.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -27,15 +27,34 @@
 #include <string.h>
 
 /*
- * The summation order, fixed for every build: element i goes to lane i mod 8 while at least 8 elements
- * remain; at the end lane j and lane j + 4 are added (j = 0..3), then ((l0 + l1) + l2) + l3, then the last
- * n mod 8 elements in order. The portable loops below and the AVX2 loops follow it exactly.
+ * The summation order, fixed for every build, over one span:
+ *   1. while at least 32 elements remain, element i goes to lane i mod 32 (32 independent sums keep the
+ *      adders and the memory system busy on long spans);
+ *   2. the lanes fold to eight: v[j] = (l[j] + l[j + 8]) + (l[j + 16] + l[j + 24]);
+ *   3. while at least 8 elements remain, element i goes to v[i mod 8] (short spans stay vectorised);
+ *   4. out = (((v0 + v4) + (v1 + v5)) + (v2 + v6)) + (v3 + v7), then the last n mod 8 elements in order.
+ * The portable, AVX2 and AVX-512 loops all follow it exactly.
+ *
+ * For float32 inputs the SIMD loops may fuse a product with its sum (FMA): the product of two floats is
+ * exact in double, so a fused multiply-add rounds exactly where the separate multiply and add do.
  */
+#define LANES 32
 #define DEFINE_PORTABLE(T, NAME)                                                                      \
     static void dots_##NAME##_portable(const T *a, const T *b, Py_ssize_t n, double *out)            \
     {                                                                                               \
-        double ab[8] = {0}, aa[8] = {0}, bb[8] = {0};                                               \
+        double ab[LANES] = {0}, aa[LANES] = {0}, bb[LANES] = {0};                                   \
         Py_ssize_t i = 0;                                                                           \
+        for (; i + LANES <= n; i += LANES) {                                                        \
+            for (int j = 0; j < LANES; j++) {                                                       \
+                double x = (double)a[i + j], y = (double)b[i + j];                                  \
+                ab[j] += x * y;                                                                     \
+                aa[j] += x * x;                                                                     \
+                bb[j] += y * y;                                                                     \
+            }                                                                                       \
+        }                                                                                           \
+        fold(ab);                                                                                   \
+        fold(aa);                                                                                   \
+        fold(bb);                                                                                   \
         for (; i + 8 <= n; i += 8) {                                                                \
             for (int j = 0; j < 8; j++) {                                                           \
                 double x = (double)a[i + j], y = (double)b[i + j];                                  \
@@ -55,12 +74,21 @@
             dst[i] = (T)(ca * (double)a[i] + cb * (double)b[i]);                                    \
     }
 
+/* Step 2 of the order: lanes 0..31 to lanes 0..7. */
 static void
-finish(double *ab, double *aa, double *bb, double *out)
+fold(double *l)
 {
-    double *acc[3] = {ab, aa, bb};
+    for (int j = 0; j < 8; j++)
+        l[j] = (l[j] + l[j + 8]) + (l[j + 16] + l[j + 24]);
+}
+
+/* Step 4 of the order (before the tail): 8 lanes per sum into out[0..2]. */
+static void
+finish(const double *ab, const double *aa, const double *bb, double *out)
+{
+    const double *acc[3] = {ab, aa, bb};
     for (int k = 0; k < 3; k++) {
-        double *l = acc[k];
+        const double *l = acc[k];
         out[k] = (((l[0] + l[4]) + (l[1] + l[5])) + (l[2] + l[6])) + (l[3] + l[7]);
     }
 }
@@ -93,29 +121,55 @@ static const char *isa = "portable";
 #include <immintrin.h>
 #define HAVE_AVX2_PATH 1
 #define AVX2 __attribute__((target("avx2")))
+#define AVX2_FMA_TARGET __attribute__((target("avx2,fma")))
 
-AVX2 static void
-finish_avx2(__m256d ab0, __m256d ab1, __m256d aa0, __m256d aa1, __m256d bb0, __m256d bb1, double *out)
-{
-    double ab[8], aa[8], bb[8];
-    _mm256_storeu_pd(ab, ab0);
-    _mm256_storeu_pd(ab + 4, ab1);
-    _mm256_storeu_pd(aa, aa0);
-    _mm256_storeu_pd(aa + 4, aa1);
-    _mm256_storeu_pd(bb, bb0);
-    _mm256_storeu_pd(bb + 4, bb1);
-    finish(ab, aa, bb, out);
-}
+/* Step 1: lanes 4m .. 4m + 3 of a sum in register m (m = 0..7); steps 2-3: lanes 0..3 in register 0 and
+ * 4..7 in register 1. */
+#define DEFINE_DOTS_AVX2(T, NAME, ATTR, SUFFIX, LOAD, ACC)                                             \
+    ATTR static void dots_##NAME##_##SUFFIX(const T *a, const T *b, Py_ssize_t n, double *out)        \
+    {                                                                                               \
+        __m256d ab[8], aa[8], bb[8];                                                                \
+        for (int m = 0; m < 8; m++)                                                                 \
+            ab[m] = aa[m] = bb[m] = _mm256_setzero_pd();                                            \
+        Py_ssize_t i = 0;                                                                           \
+        for (; i + LANES <= n; i += LANES) {                                                        \
+            for (int m = 0; m < 8; m++) {                                                           \
+                __m256d x = LOAD(a + i + 4 * m), y = LOAD(b + i + 4 * m);                           \
+                ab[m] = ACC(x, y, ab[m]);                                                           \
+                aa[m] = ACC(x, x, aa[m]);                                                           \
+                bb[m] = ACC(y, y, bb[m]);                                                           \
+            }                                                                                       \
+        }                                                                                           \
+        __m256d *sums[3] = {ab, aa, bb};                                                            \
+        for (int k = 0; k < 3; k++) {                                                               \
+            __m256d *l = sums[k];                                                                   \
+            l[0] = _mm256_add_pd(_mm256_add_pd(l[0], l[2]), _mm256_add_pd(l[4], l[6]));             \
+            l[1] = _mm256_add_pd(_mm256_add_pd(l[1], l[3]), _mm256_add_pd(l[5], l[7]));             \
+        }                                                                                           \
+        for (; i + 8 <= n; i += 8) {                                                                \
+            for (int m = 0; m < 2; m++) {                                                           \
+                __m256d x = LOAD(a + i + 4 * m), y = LOAD(b + i + 4 * m);                           \
+                ab[m] = ACC(x, y, ab[m]);                                                           \
+                aa[m] = ACC(x, x, aa[m]);                                                           \
+                bb[m] = ACC(y, y, bb[m]);                                                           \
+            }                                                                                       \
+        }                                                                                           \
+        double l_ab[8], l_aa[8], l_bb[8];                                                           \
+        for (int m = 0; m < 2; m++) {                                                               \
+            _mm256_storeu_pd(l_ab + 4 * m, ab[m]);                                                  \
+            _mm256_storeu_pd(l_aa + 4 * m, aa[m]);                                                  \
+            _mm256_storeu_pd(l_bb + 4 * m, bb[m]);                                                  \
+        }                                                                                           \
+        finish(l_ab, l_aa, l_bb, out);                                                              \
+        tail_##NAME(a + i, b + i, n - i, out);                                                      \
+    }
 
-#define ACCUMULATE(x0, x1, y0, y1)                                                                    \
-    do {                                                                                            \
-        ab0 = _mm256_add_pd(ab0, _mm256_mul_pd(x0, y0));                                            \
-        ab1 = _mm256_add_pd(ab1, _mm256_mul_pd(x1, y1));                                            \
-        aa0 = _mm256_add_pd(aa0, _mm256_mul_pd(x0, x0));                                            \
-        aa1 = _mm256_add_pd(aa1, _mm256_mul_pd(x1, x1));                                            \
-        bb0 = _mm256_add_pd(bb0, _mm256_mul_pd(y0, y0));                                            \
-        bb1 = _mm256_add_pd(bb1, _mm256_mul_pd(y1, y1));                                            \
-    } while (0)
+#define AVX2_F32(p) _mm256_cvtps_pd(_mm_loadu_ps(p))
+#define AVX2_MUL_ADD(x, y, acc) _mm256_add_pd(acc, _mm256_mul_pd(x, y))
+#define AVX2_FMA(x, y, acc) _mm256_fmadd_pd(x, y, acc)
+DEFINE_DOTS_AVX2(float, f32, AVX2, avx2, AVX2_F32, AVX2_MUL_ADD)
+DEFINE_DOTS_AVX2(float, f32, AVX2_FMA_TARGET, avx2fma, AVX2_F32, AVX2_FMA)
+DEFINE_DOTS_AVX2(double, f64, AVX2, avx2, _mm256_loadu_pd, AVX2_MUL_ADD)
 
 /*
  * dst = ca·a + cb·b with W doubles per register: the same loop for AVX2 (W = 4) and AVX-512 (W = 8), over
@@ -146,68 +200,49 @@ finish_avx2(__m256d ab0, __m256d ab1, __m256d aa0, __m256d aa1, __m256d bb0, __m
         scaled_add_f64_portable(dst + i, a + i, b + i, n - i, ca, cb);                                   \
     }
 
-AVX2 static void
-dots_f32_avx2(const float *a, const float *b, Py_ssize_t n, double *out)
-{
-    __m256d ab0 = _mm256_setzero_pd(), ab1 = ab0, aa0 = ab0, aa1 = ab0, bb0 = ab0, bb1 = ab0;
-    Py_ssize_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256d x0 = _mm256_cvtps_pd(_mm_loadu_ps(a + i)), x1 = _mm256_cvtps_pd(_mm_loadu_ps(a + i + 4));
-        __m256d y0 = _mm256_cvtps_pd(_mm_loadu_ps(b + i)), y1 = _mm256_cvtps_pd(_mm_loadu_ps(b + i + 4));
-        ACCUMULATE(x0, x1, y0, y1);
-    }
-    finish_avx2(ab0, ab1, aa0, aa1, bb0, bb1, out);
-    tail_f32(a + i, b + i, n - i, out);
-}
-
-AVX2 static void
-dots_f64_avx2(const double *a, const double *b, Py_ssize_t n, double *out)
-{
-    __m256d ab0 = _mm256_setzero_pd(), ab1 = ab0, aa0 = ab0, aa1 = ab0, bb0 = ab0, bb1 = ab0;
-    Py_ssize_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256d x0 = _mm256_loadu_pd(a + i), x1 = _mm256_loadu_pd(a + i + 4);
-        __m256d y0 = _mm256_loadu_pd(b + i), y1 = _mm256_loadu_pd(b + i + 4);
-        ACCUMULATE(x0, x1, y0, y1);
-    }
-    finish_avx2(ab0, ab1, aa0, aa1, bb0, bb1, out);
-    tail_f64(a + i, b + i, n - i, out);
-}
-
 DEFINE_SCALED_ADD(AVX2, avx2, 4, __m256d, _mm256_set1_pd, _mm256_cvtps_pd, _mm_loadu_ps, _mm256_cvtpd_ps,
                   _mm_storeu_ps, _mm256_loadu_pd, _mm256_storeu_pd, _mm256_mul_pd, _mm256_add_pd)
 
 /* AVX-512F: one register holds the 8 lanes, so the summation order is the same again. */
 #define AVX512 __attribute__((target("avx512f")))
 
-AVX512 static void
-finish_avx512(__m512d ab, __m512d aa, __m512d bb, double *out)
-{
-    double l_ab[8], l_aa[8], l_bb[8];
-    _mm512_storeu_pd(l_ab, ab);
-    _mm512_storeu_pd(l_aa, aa);
-    _mm512_storeu_pd(l_bb, bb);
-    finish(l_ab, l_aa, l_bb, out);
-}
-
-#define DEFINE_DOTS_AVX512(T, NAME, LOAD)                                                             \
+/* Step 1: lanes 8k .. 8k + 7 of a sum in register k (k = 0..3); steps 2-3: all in register 0. */
+#define DEFINE_DOTS_AVX512(T, NAME, LOAD, ACC)                                                        \
     AVX512 static void dots_##NAME##_avx512(const T *a, const T *b, Py_ssize_t n, double *out)        \
     {                                                                                               \
-        __m512d ab = _mm512_setzero_pd(), aa = ab, bb = ab;                                         \
+        __m512d ab[4], aa[4], bb[4];                                                                \
+        for (int k = 0; k < 4; k++)                                                                 \
+            ab[k] = aa[k] = bb[k] = _mm512_setzero_pd();                                            \
         Py_ssize_t i = 0;                                                                           \
+        for (; i + LANES <= n; i += LANES) {                                                        \
+            for (int k = 0; k < 4; k++) {                                                           \
+                __m512d x = LOAD(a + i + 8 * k), y = LOAD(b + i + 8 * k);                           \
+                ab[k] = ACC(x, y, ab[k]);                                                           \
+                aa[k] = ACC(x, x, aa[k]);                                                           \
+                bb[k] = ACC(y, y, bb[k]);                                                           \
+            }                                                                                       \
+        }                                                                                           \
+        __m512d vab = _mm512_add_pd(_mm512_add_pd(ab[0], ab[1]), _mm512_add_pd(ab[2], ab[3]));      \
+        __m512d vaa = _mm512_add_pd(_mm512_add_pd(aa[0], aa[1]), _mm512_add_pd(aa[2], aa[3]));      \
+        __m512d vbb = _mm512_add_pd(_mm512_add_pd(bb[0], bb[1]), _mm512_add_pd(bb[2], bb[3]));      \
         for (; i + 8 <= n; i += 8) {                                                                \
             __m512d x = LOAD(a + i), y = LOAD(b + i);                                               \
-            ab = _mm512_add_pd(ab, _mm512_mul_pd(x, y));                                            \
-            aa = _mm512_add_pd(aa, _mm512_mul_pd(x, x));                                            \
-            bb = _mm512_add_pd(bb, _mm512_mul_pd(y, y));                                            \
+            vab = ACC(x, y, vab);                                                                   \
+            vaa = ACC(x, x, vaa);                                                                   \
+            vbb = ACC(y, y, vbb);                                                                   \
         }                                                                                           \
-        finish_avx512(ab, aa, bb, out);                                                             \
+        double l_ab[8], l_aa[8], l_bb[8];                                                           \
+        _mm512_storeu_pd(l_ab, vab);                                                                \
+        _mm512_storeu_pd(l_aa, vaa);                                                                \
+        _mm512_storeu_pd(l_bb, vbb);                                                                \
+        finish(l_ab, l_aa, l_bb, out);                                                              \
         tail_##NAME(a + i, b + i, n - i, out);                                                      \
     }
 
 #define LOAD_F32_AS_F64_512(p) _mm512_cvtps_pd(_mm256_loadu_ps(p))
-DEFINE_DOTS_AVX512(float, f32, LOAD_F32_AS_F64_512)
-DEFINE_DOTS_AVX512(double, f64, _mm512_loadu_pd)
+#define AVX512_MUL_ADD(x, y, acc) _mm512_add_pd(acc, _mm512_mul_pd(x, y))
+DEFINE_DOTS_AVX512(float, f32, LOAD_F32_AS_F64_512, _mm512_fmadd_pd)  /* exact products: FMA gives the same bits */
+DEFINE_DOTS_AVX512(double, f64, _mm512_loadu_pd, AVX512_MUL_ADD)
 DEFINE_SCALED_ADD(AVX512, avx512, 8, __m512d, _mm512_set1_pd, _mm512_cvtps_pd, _mm256_loadu_ps, _mm512_cvtpd_ps,
                   _mm256_storeu_ps, _mm512_loadu_pd, _mm512_storeu_pd, _mm512_mul_pd, _mm512_add_pd)
 #endif
@@ -229,7 +264,7 @@ select_isa(void)
         scaled_add_f64 = (scaled_add_fn)scaled_add_f64_avx512;
         isa = "avx512f";
     } else if (__builtin_cpu_supports("avx2")) {
-        dots_f32 = (dots_fn)dots_f32_avx2;
+        dots_f32 = __builtin_cpu_supports("fma") ? (dots_fn)dots_f32_avx2fma : (dots_fn)dots_f32_avx2;
         dots_f64 = (dots_fn)dots_f64_avx2;
         scaled_add_f32 = (scaled_add_fn)scaled_add_f32_avx2;
         scaled_add_f64 = (scaled_add_fn)scaled_add_f64_avx2;

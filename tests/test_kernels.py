@@ -17,10 +17,11 @@ if K is None:
 
 
 def _spans(n: int, rng) -> np.ndarray:
-    """Consecutive spans over [0, n) of lengths 0 … 40 (every tail length of the 8-lane loops) and larger."""
+    """Consecutive spans over [0, n) of lengths 0 … 72 (around every step of the 32- and 8-lane loops) and
+    larger."""
     cuts = [0]
     while cuts[-1] < n:
-        cuts.append(min(n, cuts[-1] + int(rng.choice([0, 1, 7, 8, 9, 15, 16, 17, 40, 1000]))))
+        cuts.append(min(n, cuts[-1] + int(rng.choice([0, 1, 7, 8, 9, 15, 31, 32, 33, 40, 63, 72, 1000]))))
     return np.array(list(zip(cuts[:-1], cuts[1:])), dtype=np.int64).reshape(-1, 2)
 
 
@@ -41,6 +42,41 @@ def test_dots_match_float64(dtype):
         want = [x[s:e] @ y[s:e], x[s:e] @ x[s:e], y[s:e] @ y[s:e]]
         scale = [np.abs(x[s:e]) @ np.abs(y[s:e]), want[1], want[2]]
         np.testing.assert_array_less(np.abs(got - want), 1e-14 * np.asarray(scale) + 1e-300)
+
+
+def _dots_in_the_documented_order(x: np.ndarray, y: np.ndarray) -> list[float]:
+    """[x·y, x·x, y·y] summed in the order _kernels.c fixes, one float64 operation at a time."""
+    x, y = x.astype(np.float64).tolist(), y.astype(np.float64).tolist()
+    n, out = len(x), []
+    for u, v in [(x, y), (x, x), (y, y)]:
+        lanes, i = [0.0] * 32, 0
+        while i + 32 <= n:  # 1. lane i mod 32
+            for j in range(32):
+                lanes[j] += u[i + j] * v[i + j]
+            i += 32
+        f = [(lanes[j] + lanes[j + 8]) + (lanes[j + 16] + lanes[j + 24]) for j in range(8)]  # 2. fold to 8
+        while i + 8 <= n:  # 3. lane i mod 8
+            for j in range(8):
+                f[j] += u[i + j] * v[i + j]
+            i += 8
+        total = (((f[0] + f[4]) + (f[1] + f[5])) + (f[2] + f[6])) + (f[3] + f[7])  # 4. to one, then the tail
+        for k in range(i, n):
+            total += u[k] * v[k]
+        out.append(total)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_dots_follow_the_fixed_summation_order(dtype):
+    """Bit for bit the order the kernels document, whatever instruction set runs them: every rank of a job
+    gets the same coefficients from the same data."""
+    rng = np.random.default_rng(8)
+    for n in [0, 1, 7, 8, 31, 32, 33, 39, 40, 63, 64, 65, 100, 1000, 4099]:
+        a = (rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 3, n)).astype(dtype)
+        b = (rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 3, n)).astype(dtype)
+        out = np.empty((1, 3))
+        K.dots(a, b, np.array([[0, n]]), out)
+        assert out[0].tolist() == _dots_in_the_documented_order(a, b), n
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
