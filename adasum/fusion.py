@@ -11,7 +11,7 @@ import numpy as np
 
 from .arrays import Adapter
 
-__all__ = ["Group", "layer_spans", "make_groups", "pieces", "pooled", "release_buffers"]
+__all__ = ["Group", "group_pieces", "layer_spans", "make_groups", "pieces", "pooled", "release_buffers"]
 
 
 @dataclass
@@ -39,6 +39,9 @@ class Group:
     packed: bool = True
     # True when the result goes into `parts` (an in-place call on tensors that lie apart), not `buffer`
     writes_parts: bool = False
+    # What the schedules derive from the layer table alone (layer pieces of a range, message cuts), kept
+    # with the plan: the same ranges come back on every call
+    memo: dict = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -71,6 +74,15 @@ def layer_spans(g: Group) -> tuple[list[int], list[tuple[int, int]], np.ndarray]
         spans = [(int(b[i]), int(b[i + 1])) for i in layers]
         g.spans = layers, spans, np.array(spans, dtype=np.int64).reshape(-1, 2)
     return g.spans
+
+
+def group_pieces(g: Group, lo: int, hi: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """:func:`pieces` of ``g``'s layer table, kept in ``g.memo`` (the lists are shared: do not modify)."""
+    key = ("pieces", lo, hi)
+    out = g.memo.get(key)
+    if out is None:
+        out = g.memo[key] = pieces(g.bounds, lo, hi)
+    return out
 
 
 def pieces(bounds: np.ndarray, lo: int, hi: int) -> tuple[list[int], list[tuple[int, int]]]:

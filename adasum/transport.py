@@ -158,7 +158,12 @@ class Transport:
     def exchange(self, sends: list, dest: int, recvs: list, source: int) -> None:
         """Send each of ``sends`` to ``dest`` and receive each of ``recvs`` from ``source``, as separate
         messages in list order, message i both ways at once (full duplex); uneven lists finish one way.
-        Items are buffers or lists of flat host pieces, as in :meth:`sendrecv`."""
+        Items are buffers or lists of flat host pieces, as in :meth:`sendrecv`. Several messages are all
+        posted at once, so that their hand-shakes overlap."""
+        if (len(sends) > 1 or len(recvs) > 1) and not self.staged and all(
+                type(b) in (np.ndarray, list) for b in (*sends, *recvs)):
+            self._post_all(sends, dest, recvs, source)
+            return
         for i in range(max(len(sends), len(recvs))):
             if i < len(sends) and i < len(recvs):
                 self.sendrecv(sends[i], dest, recvs[i], source)
@@ -166,6 +171,34 @@ class Transport:
                 self.send(sends[i], dest)
             else:
                 self.recv(recvs[i], source)
+
+    def _post_all(self, sends: list, dest: int, recvs: list, source: int) -> None:
+        """:meth:`exchange` of host messages as nonblocking requests: the receives first, then the sends
+        (lists of pieces packed side by side into one staging buffer), then one wait for all."""
+        dtypes, reqs = [], []
+        try:
+            for buf in recvs:
+                msg, dtype = self._message(buf, sending=False)
+                if dtype is not None:
+                    dtypes.append(dtype)
+                reqs.append(self.comm.Irecv(msg, source, _TAG))
+            packed = sum(sum(p.nbytes for p in b) for b in sends if type(b) is list and len(b) > 1)
+            stage, at = (self._stage(0, packed) if packed else None), 0
+            for buf in sends:
+                if type(buf) is list:
+                    live = [p.reshape(-1).view(np.uint8) for p in buf if p.nbytes]
+                    if len(live) > 1:
+                        n = sum(p.nbytes for p in live)
+                        np.concatenate(live, out=stage[at:at + n])
+                        buf, at = stage[at:at + n], at + n
+                    else:
+                        buf = live[0] if live else np.empty(0, np.uint8)
+                _record("sent_bytes", buf.nbytes, 1)
+                reqs.append(self.comm.Isend([buf, MPI.BYTE], dest, _TAG))
+            MPI.Request.Waitall(reqs)
+        finally:
+            for dtype in dtypes:
+                dtype.Free()
 
     def allreduce_sum(self, buf) -> None:
         """``MPI_Allreduce(SUM)`` of a flat buffer, in place (MPI's own algorithm and datatypes)."""

@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .combine import coefficients
-from .fusion import Group, pieces, pooled
+from .fusion import Group, group_pieces, pooled
 from .transport import Transport, scalar_sendrecv
 
 __all__ = ["adasum_reduce", "fold_out", "home", "own"]
@@ -33,7 +33,7 @@ def _range(g: Group, lo: int, hi: int, in_parts: bool, layers=None, spans=None):
     if not in_parts:
         return g.buffer if lo == 0 and hi == g.size else g.buffer[lo:hi]
     if layers is None:
-        layers, spans = pieces(g.bounds, lo, hi)
+        layers, spans = group_pieces(g, lo, hi)
     b = g.bounds
     return [g.parts[i].reshape(-1)[lo + s - b[i]:lo + e - b[i]] for i, (s, e) in zip(layers, spans)]
 
@@ -57,7 +57,7 @@ _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 def _cuts(g: Group, lo: int, hi: int) -> list[int]:
     """Where layers start inside ``[lo, hi)``, relative to ``lo`` (without 0)."""
-    return [s for s, _ in pieces(g.bounds, lo, hi)[1] if s > 0]
+    return [s for s, _ in group_pieces(g, lo, hi)[1] if s > 0]
 
 
 def _coalesce(g: Group, cuts: list[int], n: int) -> list[int]:
@@ -101,6 +101,14 @@ def paired_chunks(g: Group, slo: int, shi: int, rlo: int, rhi: int, split: bool)
     other way round, gets the mirror lists."""
     if not split:
         return chunks(g, slo, shi, False), chunks(g, rlo, rhi, False)
+    key = ("paired", slo, shi, rlo, rhi)
+    out = g.memo.get(key)
+    if out is None:
+        out = g.memo[key] = _paired_chunks(g, slo, shi, rlo, rhi)
+    return out
+
+
+def _paired_chunks(g: Group, slo: int, shi: int, rlo: int, rhi: int):
     ns, nr = shi - slo, rhi - rlo
     cuts = sorted(set(_cuts(g, slo, shi)) | set(_cuts(g, rlo, rhi)))
     ends = _coalesce(g, [c for c in cuts if c < min(ns, nr)], max(ns, nr))
@@ -121,7 +129,7 @@ def _layer_partials(groups, scratches, los, his, swap: bool):
     out, spans_by_group = [], []
     for g, scr, lo, hi in zip(groups, scratches, los, his):
         full = np.zeros((len(g.bounds) - 1, 3))
-        layers, spans = pieces(g.bounds, lo, hi)
+        layers, spans = group_pieces(g, lo, hi)
         if spans:
             part = g.adapter.partial_dots(own(g, lo, hi, layers, spans), scr, spans)
             if swap:  # this rank holds the right-hand vector
