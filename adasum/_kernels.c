@@ -439,7 +439,7 @@ typedef struct {
     Py_buffer spans;
     const int64_t *sp;
     Py_ssize_t n;
-    operand ops[3];
+    operand ops[4];
     int count;
 } call_args;
 
@@ -534,6 +534,26 @@ k_scaled_add(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* dst = Adasum(left, right) span by span (the loop of pair(), below). */
+static void
+pair_spans(const operand *left, const operand *right, const operand *dst, const int64_t *sp, Py_ssize_t n,
+           long long count_left, long long count_right)
+{
+    double total = (double)(count_left + count_right);
+    double w_left = (double)count_left / total, w_right = (double)count_right / total;
+    dots_fn dots = dst->itemsize == 4 ? dots_f32 : dots_f64;
+    scaled_add_fn scaled_add = dst->itemsize == 4 ? scaled_add_f32 : scaled_add_f64;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        void *d = operand_at(dst, sp, i);
+        const void *x = operand_at(left, sp, i), *y = operand_at(right, sp, i);
+        Py_ssize_t len = sp[2 * i + 1] - sp[2 * i];
+        double g[3];
+        dots(x, y, len, g);
+        double q_left = g[1] != 0.0 ? g[0] / g[1] : 0.0, q_right = g[2] != 0.0 ? g[0] / g[2] : 0.0;
+        scaled_add(d, x, y, len, 1.0 - w_left * q_left, 1.0 - w_right * q_right);
+    }
+}
+
 /*
  * pair(left, right, dst, spans, count_left, count_right): dst = Adasum(left, right) span by span, where
  * left and right stand for count_left and count_right ranks. The coefficients are those of
@@ -554,23 +574,168 @@ k_pair(PyObject *self, PyObject *args)
     call_args c;
     if (!acquire_call(&c, ospans, objs, names, 3, 1))
         return NULL;
-    double total = (double)(count_left + count_right);
-    double w_left = (double)count_left / total, w_right = (double)count_right / total;
-    dots_fn dots = c.ops[0].itemsize == 4 ? dots_f32 : dots_f64;
-    scaled_add_fn scaled_add = c.ops[0].itemsize == 4 ? scaled_add_f32 : scaled_add_f64;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < c.n; i++) {
-        void *d = operand_at(&c.ops[0], c.sp, i);
-        const void *x = operand_at(&c.ops[1], c.sp, i), *y = operand_at(&c.ops[2], c.sp, i);
-        Py_ssize_t len = c.sp[2 * i + 1] - c.sp[2 * i];
-        double g[3];
-        dots(x, y, len, g);
-        double q_left = g[1] != 0.0 ? g[0] / g[1] : 0.0, q_right = g[2] != 0.0 ? g[0] / g[2] : 0.0;
-        scaled_add(d, x, y, len, 1.0 - w_left * q_left, 1.0 - w_right * q_right);
-    }
+    pair_spans(&c.ops[1], &c.ops[2], &c.ops[0], c.sp, c.n, count_left, count_right);
     Py_END_ALLOW_THREADS
     release_call(&c);
     Py_RETURN_NONE;
+}
+
+static void
+copy_spans(const operand *dst, const operand *src, const int64_t *sp, Py_ssize_t n)
+{
+    size_t size = (size_t)dst->itemsize;
+    for (Py_ssize_t i = 0; i < n; i++)
+        memmove(operand_at(dst, sp, i), operand_at(src, sp, i), (size_t)(sp[2 * i + 1] - sp[2 * i]) * size);
+}
+
+/*
+ * The MPI library of the process (the one mpi4py loaded), called directly by small_doubling(). Handles
+ * (communicators, datatypes, ops) are passed as integers the width of a pointer: MPICH's are ints and
+ * Open MPI's pointers, and on the 64-bit ABIs this module binds on (x86-64, AArch64) an int argument is
+ * the low half of the register or stack slot it travels in, so one prototype serves both.
+ */
+typedef int (*mpi_allreduce_fn)(const void *, void *, int, intptr_t, intptr_t, intptr_t);
+typedef int (*mpi_sendrecv_fn)(const void *, int, intptr_t, int, int, void *, int, intptr_t, int, int, intptr_t,
+                               void *);
+typedef int (*mpi_send_fn)(const void *, int, intptr_t, int, int, intptr_t);
+typedef int (*mpi_recv_fn)(void *, int, intptr_t, int, int, intptr_t, void *);
+static struct {
+    mpi_allreduce_fn allreduce;
+    mpi_sendrecv_fn sendrecv;
+    mpi_send_fn send;
+    mpi_recv_fn recv;
+} mpi;
+
+static PyObject *
+k_bind_mpi(PyObject *self, PyObject *args)
+{
+    unsigned long long allreduce, sendrecv, send, recv;
+    if (!PyArg_ParseTuple(args, "KKKK:bind_mpi", &allreduce, &sendrecv, &send, &recv))
+        return NULL;
+#if (defined(__x86_64__) || defined(__aarch64__)) && UINTPTR_MAX == 0xffffffffffffffffULL
+    mpi.allreduce = (mpi_allreduce_fn)(uintptr_t)allreduce;
+    mpi.sendrecv = (mpi_sendrecv_fn)(uintptr_t)sendrecv;
+    mpi.send = (mpi_send_fn)(uintptr_t)send;
+    mpi.recv = (mpi_recv_fn)(uintptr_t)recv;
+    Py_RETURN_TRUE;
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
+/* The fields of small_doubling()'s program (int64), then four per level: partner, count_left,
+ * count_right, upper. */
+enum { P_COMM, P_BYTE, P_INT64, P_MAX, P_TAG, P_NBYTES, P_OUT, P_FOLD, P_FOLD_SELF, P_FOLD_OTHER, P_LEVELS,
+       P_FIELDS };
+
+static int
+run_small(const int64_t *prog, long long digest, const operand *buf, const operand *scr, const operand *src,
+          const operand *dst, const int64_t *sp, Py_ssize_t n)
+{
+    intptr_t comm = (intptr_t)prog[P_COMM], byte = (intptr_t)prog[P_BYTE];
+    int tag = (int)prog[P_TAG], count = (int)prog[P_NBYTES];
+    long long status[16] = {0};
+    int64_t mine[4] = {digest, -digest, 0, 0}, seen[4];
+    int rc = mpi.allreduce(mine, seen, 4, (intptr_t)prog[P_INT64], (intptr_t)prog[P_MAX], comm);
+    if (rc)
+        return rc;
+    if (!(seen[2] == 0 && seen[0] == -seen[1]))
+        return -1;
+    copy_spans(buf, src, sp, n);
+    void *b = buf->whole.buf, *r = scr->whole.buf;
+    if (prog[P_OUT] >= 0) { /* folded out: hand the vector over, get the result back */
+        if ((rc = mpi.send(b, count, byte, (int)prog[P_OUT], tag, comm)) ||
+            (rc = mpi.recv(b, count, byte, (int)prog[P_OUT], tag, comm, status)))
+            return rc;
+        copy_spans(dst, buf, sp, n);
+        return 0;
+    }
+    int fold = prog[P_FOLD] >= 0;
+    if (fold) {
+        if ((rc = mpi.recv(r, count, byte, (int)prog[P_FOLD], tag, comm, status)))
+            return rc;
+        pair_spans(buf, scr, buf, sp, n, prog[P_FOLD_SELF], prog[P_FOLD_OTHER]);
+    }
+    long long levels = prog[P_LEVELS];
+    for (long long i = 0; i < levels; i++) {
+        const int64_t *lv = prog + P_FIELDS + 4 * i;
+        if ((rc = mpi.sendrecv(b, count, byte, (int)lv[0], tag, r, count, byte, (int)lv[0], tag, comm, status)))
+            return rc;
+        const operand *out = i == levels - 1 && !fold ? dst : buf;
+        pair_spans(lv[3] ? scr : buf, lv[3] ? buf : scr, out, sp, n, lv[1], lv[2]);
+    }
+    if (fold) {
+        if ((rc = mpi.send(b, count, byte, (int)prog[P_FOLD], tag, comm)))
+            return rc;
+    }
+    if (fold || levels == 0)
+        copy_spans(dst, buf, sp, n);
+    return 0;
+}
+
+/*
+ * small_doubling(buf, scr, src, dst, spans, program, digest): the whole of a small Adasum call by
+ * recursive doubling, as adasum.doubling.SmallCall makes it (the same collective, messages and kernel
+ * calls, so ranks may mix the two), with no Python in between: the agreement allreduce of
+ * [digest, -digest, 0, 0], packing src into buf, the fold, one exchange and pair() per level, the result
+ * into dst. Returns 0, -1 if the ranks disagree (nothing was sent; the caller explains), or MPI's error
+ * code.
+ */
+static PyObject *
+k_small_doubling(PyObject *self, PyObject *args)
+{
+    PyObject *objs[4], *ospans, *oprog;
+    long long digest;
+    static const char *names[] = {"buf", "scr", "dst", "src"};
+    if (!PyArg_ParseTuple(args, "OOOOOOL:small_doubling", &objs[0], &objs[1], &objs[3], &objs[2], &ospans,
+                          &oprog, &digest))
+        return NULL;
+    if (!mpi.allreduce) {
+        PyErr_SetString(PyExc_RuntimeError, "small_doubling: bind_mpi() was not called");
+        return NULL;
+    }
+    Py_buffer prog;
+    if (PyObject_GetBuffer(oprog, &prog, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    const int64_t *p = (const int64_t *)prog.buf;
+    Py_ssize_t fields = prog.len / (Py_ssize_t)sizeof(int64_t);
+    if (fields < P_FIELDS || fields != P_FIELDS + 4 * p[P_LEVELS]) {
+        PyBuffer_Release(&prog);
+        PyErr_SetString(PyExc_ValueError, "small_doubling: malformed program");
+        return NULL;
+    }
+    call_args c;
+    if (!acquire_call(&c, ospans, objs, names, 1, 1)) {
+        PyBuffer_Release(&prog);
+        return NULL;
+    }
+    /* scr and dst (written), src (read) complete the operands */
+    int ok = 1;
+    for (int k = 1; ok && k < 4; k++) {
+        ok = get_operand(objs[k], &c.ops[k], k < 3, names[k], c.sp, c.n);
+        if (ok)
+            c.count = k + 1;
+    }
+    int rc = 0;
+    if (ok) {
+        if (!same_type(c.ops, 4) || c.ops[0].parts || c.ops[1].parts ||
+            c.ops[0].whole.len < p[P_NBYTES] || c.ops[1].whole.len < p[P_NBYTES]) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "small_doubling: buf and scr must be whole buffers of nbytes");
+            ok = 0;
+        }
+    }
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = run_small(p, digest, &c.ops[0], &c.ops[1], &c.ops[3], &c.ops[2], c.sp, c.n);
+        Py_END_ALLOW_THREADS
+    }
+    release_call(&c);
+    PyBuffer_Release(&prog);
+    if (!ok)
+        return NULL;
+    return PyLong_FromLong(rc);
 }
 
 /* copy(dst, src, spans): dst[s:e] = src[s:e] for each span (packing tensors into a buffer, or back). */
@@ -715,6 +880,14 @@ static PyMethodDef methods[] = {
      "pair(left, right, dst, spans, count_left, count_right): dst[s:e] = Adasum(left[s:e], right[s:e]) "
      "for each span, the left vector standing for count_left ranks and the right for count_right (SPEC §3): "
      "dots, coefficients and combine in one call. Operands as for dots; dst may be left or right."},
+    {"bind_mpi", k_bind_mpi, METH_VARARGS,
+     "bind_mpi(allreduce, sendrecv, send, recv): the addresses of MPI_Allreduce, MPI_Sendrecv, MPI_Send and "
+     "MPI_Recv of the MPI library in use, for small_doubling(). False where this platform's calling "
+     "convention is not known to pass handles of either MPI ABI alike (small_doubling() is then unusable)."},
+    {"small_doubling", k_small_doubling, METH_VARARGS,
+     "small_doubling(buf, scr, src, dst, spans, program, digest) -> 0, -1 (the ranks disagree) or an MPI "
+     "error code: a small Adasum call by recursive doubling, agreement included, without Python in between "
+     "(see the source for the program's fields)."},
     {"copy", k_copy, METH_VARARGS,
      "copy(dst, src, spans): dst[s:e] = src[s:e] for each span; operands as for dots."},
     {"address", k_address, METH_O, "address(obj): the address of the first element of obj's buffer."},

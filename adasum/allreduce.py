@@ -9,12 +9,13 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from . import doubling as _doubling
 from . import transport as _transport
 from .arrays import _nonempty, adapter_for, kernels_backend
 from .doubling import SmallCall, adasum_reduce_doubling
 from .fusion import Group, layer_spans, make_groups, pooled
 from .transport import Transport, library_comm
-from .validate import agree, describe, signature
+from .validate import agree, describe, explain, signature
 from .vhdd import adasum_reduce
 
 try:
@@ -270,14 +271,26 @@ def _small_adasum(items: list, comm: MPI.Intracomm, inplace: bool):
         return None, plan
     if where == 0:
         return None, plan  # overlapping tensors: the general path writes each result back in turn
-    agree(call.lcomm, "adasum", plan.descs, None, extra=_settings["adasum"], digest=plan.signature)
+    out = None if inplace else g.adapter.empty(g.size, g.dtype, g.device)
+    dst = host if inplace else out if type(out) is np.ndarray else out.numpy()
+    if call.program is not None and _doubling._native:  # agreement, messages and kernels in one compiled call
+        buf, scr = call.buffers()
+        rc = _kernels.small_doubling(buf, scr, host, dst, call.span_array, call.program, plan.signature)
+        if rc == -1:
+            raise explain(call.lcomm, "adasum", plan.descs, None, _settings["adasum"])
+        if rc:
+            raise MPI.Exception(rc)
+        if _transport._counters:
+            messages, nbytes = call.messages()
+            _transport._record("scalar_bytes", 32)
+            _transport._record("sent_bytes", nbytes, messages)
+    else:
+        agree(call.lcomm, "adasum", plan.descs, None, extra=_settings["adasum"], digest=plan.signature)
+        call(host, dst)
     if inplace:
-        call(host, host)
         if host is not live:
             g.adapter.wrote_parts(items)
         return items, plan
-    out = g.adapter.empty(g.size, g.dtype, g.device)
-    call(host, out if type(out) is np.ndarray else out.numpy())
     return g.adapter.views(out, g.bounds, g.shapes), plan
 
 

@@ -12,15 +12,18 @@ P = 2^k + r folds the first r adjacent pairs exactly as :mod:`adasum.vhdd` does.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
+import re
 from typing import Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from .arrays import _nonempty
-from .fusion import Group, layer_spans, pooled
-from .transport import Transport
+from .fusion import Group, layer_spans, pool_generation, pooled
+from .transport import _TAG, Transport
 from .vhdd import fold_out
 
 try:
@@ -98,6 +101,53 @@ def adasum_reduce_doubling(comm: MPI.Intracomm, groups: Sequence[Group], transpo
             t.send(g.buffer if not g.writes_parts else _nonempty(g.parts, layers), fold[0])
 
 
+def _bind_native_mpi() -> bool:
+    """Hands ``_kernels.small_doubling`` the MPI functions of the library mpi4py loaded (found among the
+    process's mapped files, never loaded anew), so that a small call runs without Python between its MPI
+    calls and kernels. False where that is not possible (no compiled kernels, no /proc, a platform whose
+    calling convention the kernels do not bind on) or where ``ADASUM_NATIVE_MPI=0`` turns it off; small
+    calls then go through :class:`SmallCall` in Python, with the same messages and bits."""
+    if _kernels is None or not hasattr(MPI, "_handleof"):
+        return False
+    if os.environ.get("ADASUM_NATIVE_MPI", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    try:
+        with open("/proc/self/maps") as maps:
+            fields = [line.split(None, 5) for line in maps]
+    except OSError:
+        return False
+    paths = list(dict.fromkeys(f[5].strip() for f in fields if len(f) == 6))
+    for path in paths:
+        if not re.fullmatch(r"libmpi\.so(\.\d+)*", os.path.basename(path)):
+            continue
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)  # only a library already loaded
+            funcs = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                     for name in ("MPI_Allreduce", "MPI_Sendrecv", "MPI_Send", "MPI_Recv")]
+        except (OSError, AttributeError):
+            continue
+        return bool(_kernels.bind_mpi(*funcs))
+    return False
+
+
+_native: bool | None = None  # bound yet? None: not tried
+
+
+def native_enabled() -> bool:
+    """Whether small calls on numpy arrays and torch CPU tensors run in one compiled call (see
+    :func:`_bind_native_mpi`)."""
+    global _native
+    if _native is None:
+        _native = _bind_native_mpi()
+    return _native
+
+
+def set_native(enabled: bool) -> None:
+    """Turn the compiled small-call path on (where it can be bound) or off; both give the same bits."""
+    global _native
+    _native = _bind_native_mpi() if enabled else False
+
+
 class SmallCall:
     """:func:`adasum_reduce_doubling` of one plan's single host group (float32/float64, compiled kernels)
     on one communicator, with all that stays the same between calls worked out once: the schedule, the
@@ -108,9 +158,50 @@ class SmallCall:
     def __init__(self, comm, lcomm, group: Group, layers: list[int], span_array, count: int):
         self.comm, self.lcomm, self.group = comm, lcomm, group
         self.layers, self.span_array, self.count = layers, span_array, count
+        self.program, self._buffers = None, None
         if lcomm is not None:
             self.role = schedule(lcomm.Get_size(), lcomm.Get_rank())
             self.transport = Transport(lcomm, group.adapter, group.device, staged=False)
+            self.nbytes = group.size * (4 if group.dtype == "float32" else 8)
+            if native_enabled() and self.nbytes < 1 << 31:
+                self.program = self._program(lcomm)
+
+    def _program(self, lcomm) -> np.ndarray:
+        """The schedule as ``_kernels.small_doubling`` takes it (int64 fields, then 4 per level)."""
+        def h(obj) -> int:  # the handle as a signed integer of its own width (MPICH's are 32-bit ints)
+            bits = 8 * MPI._sizeof(obj)
+            v = MPI._handleof(obj) & ((1 << bits) - 1)
+            return v - (1 << bits) if v >> (bits - 1) else v
+
+        out, fold, levels = -1, None, ()
+        if self.role[0] == "out":
+            out = self.role[1]
+        else:
+            fold, levels = self.role
+        fold = fold or (-1, 0, 0)
+        head = [h(lcomm), h(MPI.BYTE), h(MPI.INT64_T), h(MPI.MAX), _TAG, self.nbytes, out, *fold, len(levels)]
+        return np.array(head + [int(x) for level in levels for x in level], dtype=np.int64)
+
+    def messages(self) -> tuple[int, int]:
+        """(messages, bytes) this rank sends in one call."""
+        if self.role[0] == "out":
+            return 1, self.nbytes
+        fold, levels = self.role
+        n = len(levels) + (fold is not None)
+        return n, n * self.nbytes
+
+    def buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        """The fused and the receive buffer, as numpy arrays (views of torch CPU tensors' memory), kept
+        until the pool changes."""
+        kept = self._buffers
+        if kept is not None and kept[0] == pool_generation():
+            return kept[1], kept[2]
+        g = self.group
+        buf, scr = pooled(g, g.size, "fused"), pooled(g, g.size, "recv")
+        if type(buf) is not np.ndarray:
+            buf, scr = buf.numpy(), scr.numpy()
+        self._buffers = (pool_generation(), buf, scr)
+        return buf, scr
 
     def on(self, comm, lcomm) -> "SmallCall":
         """The same call on another communicator (``lcomm``: the library's duplicate of ``comm``)."""
@@ -120,10 +211,8 @@ class SmallCall:
         return items if len(self.layers) == self.count else [items[i] for i in self.layers]
 
     def __call__(self, live: list, dst) -> None:
-        g, t, sp = self.group, self.transport, self.span_array
-        buf, scr = pooled(g, g.size, "fused"), pooled(g, g.size, "recv")
-        if type(buf) is not np.ndarray:  # torch CPU tensors: work on numpy views of the same memory
-            buf, scr = buf.numpy(), scr.numpy()
+        t, sp = self.transport, self.span_array
+        buf, scr = self.buffers()  # torch CPU tensors: numpy views of the same memory
         _kernels.copy(buf, live, sp)
         if self.role[0] == "out":
             t.send(buf, self.role[1])

@@ -105,6 +105,7 @@ def pieces(bounds: np.ndarray, lo: int, hi: int) -> tuple[list[int], list[tuple[
 
 
 _pool: dict[tuple, Any] = {}
+_pool_generation = 0  # changes whenever a kept buffer is replaced or released
 
 
 def pooled(g: Group, n: int, slot: str):
@@ -118,9 +119,17 @@ def pooled(g: Group, n: int, slot: str):
     if buf is not None and len(buf) == n:
         return buf
     if buf is None or len(buf) < n:
+        global _pool_generation
+        _pool_generation += 1
         _pool.pop(key, None)
         buf = _pool[key] = g.adapter.empty(max(n, 1), g.dtype, g.device)
     return buf[:n]
+
+
+def pool_generation() -> int:
+    """Changes whenever :func:`pooled` replaces a buffer or :func:`release_buffers` drops them all: views
+    of pooled buffers kept across calls are stale once it has changed."""
+    return _pool_generation
 
 
 def release_buffers() -> None:
@@ -128,5 +137,7 @@ def release_buffers() -> None:
     (half the largest fused buffer, per dtype), and the host staging buffers of device transfers."""
     from .transport import Transport
 
+    global _pool_generation
+    _pool_generation += 1
     _pool.clear()
     Transport._host.clear()

@@ -108,11 +108,16 @@ def agree(comm: MPI.Intracomm, op: str, descs: Sequence[TensorDesc] | None, erro
     comm.Allreduce(mine, seen, op=MPI.MAX)
     if seen[2] == 0 and seen[0] == -seen[1]:
         return int(seen[3])
-    # The slow path, taken only when something is wrong: gather everyone's view to say exactly what.
-    rank = comm.Get_rank()
+    raise explain(comm, op, descs, error, extra)
+
+
+def explain(comm: MPI.Intracomm, op: str, descs: Sequence[TensorDesc] | None, error: Exception | None,
+            extra: tuple = ()) -> Exception:
+    """The exception every rank raises once the agreement found a failure or a difference (collective:
+    every rank calls it after the same agreement): gathers everyone's view to say exactly what."""
     report = (op, extra, descs, None if error is None else (type(error), str(error)))
     everyone = comm.allgather(report)
-    raise _explain(everyone, rank)
+    return _explain(everyone, comm.Get_rank())
 
 
 def _explain(everyone, rank: int) -> Exception:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
 
 import adasum
+from adasum import AdasumMismatchError, doubling
 from adasum.reference import reference_allreduce
 from helpers import (EPS, KIND_DTYPES, KINDS, all_ranks_data, as_f64, assert_identical_across_ranks, kind_context,
                      make, rel_l2)
@@ -351,3 +354,63 @@ def test_torch_cpu_tensors_apart_are_combined_where_they_lie(comm, algorithm, ch
     assert got.tobytes() == np.concatenate(views).tobytes()
     if comm.Get_size() > 1:
         assert all(t._version > v for t, v in zip(tensors, versions))
+
+
+def _mixed_layers(rank: int, dtype: str):
+    rng = np.random.default_rng([15, rank])
+    sizes = (700, 1, 0, 33, 2000, 64)
+    return [rng.standard_normal(n).astype(dtype) for n in sizes]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_compiled_small_call_gives_the_bits_of_the_python_one(comm, algorithm, dtype):
+    """The small call made in one compiled call (agreement, messages and kernels) and the same call made
+    step by step in Python: the same bits, in place on separate arrays, on views of one buffer, on torch
+    CPU tensors and out of place."""
+    if platform.system() == "Linux" and platform.machine() in ("x86_64", "aarch64"):
+        assert doubling.native_enabled(), "the compiled small call did not bind to MPI here"
+    rank = comm.Get_rank()
+    layers = _mixed_layers(rank, dtype)
+    results = {}
+    try:
+        for native in (False, True):
+            doubling.set_native(native)
+            separate = [x.copy() for x in layers]
+            adasum.adasum_allreduce_inplace(separate, comm=comm)
+            views = np.split(np.concatenate(layers), np.cumsum([len(x) for x in layers])[:-1])
+            adasum.adasum_allreduce_inplace(views, comm=comm)
+            tensors = [torch.from_numpy(x.copy()) for x in layers]
+            adasum.adasum_allreduce_inplace(tensors, comm=comm)
+            out = adasum.adasum_allreduce(layers, comm=comm)
+            results[native] = [np.concatenate(r).tobytes() for r in
+                               (separate, views, [t.numpy() for t in tensors], [np.asarray(o) for o in out])]
+    finally:
+        doubling.set_native(True)
+    assert results[True] == results[False]
+    assert len(set(results[True])) == 1  # every way of passing the tensors gives the same bits
+
+
+def test_ranks_may_mix_compiled_and_python_small_calls(comm, algorithm):
+    """Half the ranks make the compiled small call, half the Python one: same messages, same bits; and a
+    disagreement raises on every rank, whichever way it made the call."""
+    rank = comm.Get_rank()
+    layers = _mixed_layers(rank, "float32")
+    want = [x.copy() for x in layers]
+    adasum.adasum_allreduce_inplace(want, comm=comm)
+    try:
+        doubling.set_native(rank % 2 == 0)
+        mine = [x.copy() for x in layers]
+        adasum.adasum_allreduce_inplace(mine, comm=comm)
+        assert np.concatenate(mine).tobytes() == np.concatenate(want).tobytes()
+        if comm.Get_size() > 1:
+            bad = [x.copy() for x in layers]
+            if rank == comm.Get_size() - 1:
+                bad[4] = bad[4][:-1].copy()
+            with pytest.raises(AdasumMismatchError, match=r"tensor 4 differs"):
+                adasum.adasum_allreduce_inplace(bad, comm=comm)
+            assert np.concatenate(bad[:4]).tobytes() == np.concatenate(layers[:4]).tobytes()  # nothing written
+    finally:
+        doubling.set_native(True)
+    again = [x.copy() for x in layers]
+    adasum.adasum_allreduce_inplace(again, comm=comm)  # the communicator still works
+    assert np.concatenate(again).tobytes() == np.concatenate(want).tobytes()
