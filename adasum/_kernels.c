@@ -123,42 +123,45 @@ static const char *isa = "portable";
 #define AVX2 __attribute__((target("avx2")))
 #define AVX2_FMA_TARGET __attribute__((target("avx2,fma")))
 
-/* Step 1: lanes 4m .. 4m + 3 of a sum in register m (m = 0..7); steps 2-3: lanes 0..3 in register 0 and
- * 4..7 in register 1. */
-#define DEFINE_DOTS_AVX2(T, NAME, ATTR, SUFFIX, LOAD, ACC)                                             \
+/*
+ * The dot products with W doubles per register, for AVX2 (W = 4) and AVX-512 (W = 8). Step 1: lanes
+ * W·m .. W·m + W - 1 of a sum in register m (m < 32 / W); steps 2-3: lanes 0..7 in registers 0 .. 8 / W - 1.
+ */
+#define DEFINE_DOTS_SIMD(ATTR, SUFFIX, T, NAME, VD, W, ZERO, ADD, STORE, LOAD, ACC)                  \
     ATTR static void dots_##NAME##_##SUFFIX(const T *a, const T *b, Py_ssize_t n, double *out)        \
     {                                                                                               \
-        __m256d ab[8], aa[8], bb[8];                                                                \
-        for (int m = 0; m < 8; m++)                                                                 \
-            ab[m] = aa[m] = bb[m] = _mm256_setzero_pd();                                            \
+        enum { R = LANES / (W), V = 8 / (W) };                                                      \
+        VD ab[R], aa[R], bb[R];                                                                     \
+        for (int m = 0; m < R; m++)                                                                 \
+            ab[m] = aa[m] = bb[m] = ZERO();                                                         \
         Py_ssize_t i = 0;                                                                           \
         for (; i + LANES <= n; i += LANES) {                                                        \
-            for (int m = 0; m < 8; m++) {                                                           \
-                __m256d x = LOAD(a + i + 4 * m), y = LOAD(b + i + 4 * m);                           \
+            for (int m = 0; m < R; m++) {                                                           \
+                VD x = LOAD(a + i + (W) * m), y = LOAD(b + i + (W) * m);                            \
                 ab[m] = ACC(x, y, ab[m]);                                                           \
                 aa[m] = ACC(x, x, aa[m]);                                                           \
                 bb[m] = ACC(y, y, bb[m]);                                                           \
             }                                                                                       \
         }                                                                                           \
-        __m256d *sums[3] = {ab, aa, bb};                                                            \
+        VD *sums[3] = {ab, aa, bb};                                                                 \
         for (int k = 0; k < 3; k++) {                                                               \
-            __m256d *l = sums[k];                                                                   \
-            l[0] = _mm256_add_pd(_mm256_add_pd(l[0], l[2]), _mm256_add_pd(l[4], l[6]));             \
-            l[1] = _mm256_add_pd(_mm256_add_pd(l[1], l[3]), _mm256_add_pd(l[5], l[7]));             \
+            VD *l = sums[k];                                                                        \
+            for (int t = 0; t < V; t++)                                                             \
+                l[t] = ADD(ADD(l[t], l[t + V]), ADD(l[t + 2 * V], l[t + 3 * V]));                   \
         }                                                                                           \
         for (; i + 8 <= n; i += 8) {                                                                \
-            for (int m = 0; m < 2; m++) {                                                           \
-                __m256d x = LOAD(a + i + 4 * m), y = LOAD(b + i + 4 * m);                           \
+            for (int m = 0; m < V; m++) {                                                           \
+                VD x = LOAD(a + i + (W) * m), y = LOAD(b + i + (W) * m);                            \
                 ab[m] = ACC(x, y, ab[m]);                                                           \
                 aa[m] = ACC(x, x, aa[m]);                                                           \
                 bb[m] = ACC(y, y, bb[m]);                                                           \
             }                                                                                       \
         }                                                                                           \
         double l_ab[8], l_aa[8], l_bb[8];                                                           \
-        for (int m = 0; m < 2; m++) {                                                               \
-            _mm256_storeu_pd(l_ab + 4 * m, ab[m]);                                                  \
-            _mm256_storeu_pd(l_aa + 4 * m, aa[m]);                                                  \
-            _mm256_storeu_pd(l_bb + 4 * m, bb[m]);                                                  \
+        for (int m = 0; m < V; m++) {                                                               \
+            STORE(l_ab + (W) * m, ab[m]);                                                           \
+            STORE(l_aa + (W) * m, aa[m]);                                                           \
+            STORE(l_bb + (W) * m, bb[m]);                                                           \
         }                                                                                           \
         finish(l_ab, l_aa, l_bb, out);                                                              \
         tail_##NAME(a + i, b + i, n - i, out);                                                      \
@@ -167,9 +170,12 @@ static const char *isa = "portable";
 #define AVX2_F32(p) _mm256_cvtps_pd(_mm_loadu_ps(p))
 #define AVX2_MUL_ADD(x, y, acc) _mm256_add_pd(acc, _mm256_mul_pd(x, y))
 #define AVX2_FMA(x, y, acc) _mm256_fmadd_pd(x, y, acc)
-DEFINE_DOTS_AVX2(float, f32, AVX2, avx2, AVX2_F32, AVX2_MUL_ADD)
-DEFINE_DOTS_AVX2(float, f32, AVX2_FMA_TARGET, avx2fma, AVX2_F32, AVX2_FMA)
-DEFINE_DOTS_AVX2(double, f64, AVX2, avx2, _mm256_loadu_pd, AVX2_MUL_ADD)
+#define DEFINE_DOTS_AVX2(ATTR, SUFFIX, T, NAME, LOAD, ACC)                                            \
+    DEFINE_DOTS_SIMD(ATTR, SUFFIX, T, NAME, __m256d, 4, _mm256_setzero_pd, _mm256_add_pd, _mm256_storeu_pd, \
+                     LOAD, ACC)
+DEFINE_DOTS_AVX2(AVX2, avx2, float, f32, AVX2_F32, AVX2_MUL_ADD)
+DEFINE_DOTS_AVX2(AVX2_FMA_TARGET, avx2fma, float, f32, AVX2_F32, AVX2_FMA)
+DEFINE_DOTS_AVX2(AVX2, avx2, double, f64, _mm256_loadu_pd, AVX2_MUL_ADD)
 
 /*
  * dst = ca·a + cb·b with W doubles per register: the same loop for AVX2 (W = 4) and AVX-512 (W = 8), over
@@ -203,44 +209,14 @@ DEFINE_DOTS_AVX2(double, f64, AVX2, avx2, _mm256_loadu_pd, AVX2_MUL_ADD)
 DEFINE_SCALED_ADD(AVX2, avx2, 4, __m256d, _mm256_set1_pd, _mm256_cvtps_pd, _mm_loadu_ps, _mm256_cvtpd_ps,
                   _mm_storeu_ps, _mm256_loadu_pd, _mm256_storeu_pd, _mm256_mul_pd, _mm256_add_pd)
 
-/* AVX-512F: one register holds the 8 lanes, so the summation order is the same again. */
+/* AVX-512F: the same loops, 8 doubles per register. */
 #define AVX512 __attribute__((target("avx512f")))
-
-/* Step 1: lanes 8k .. 8k + 7 of a sum in register k (k = 0..3); steps 2-3: all in register 0. */
-#define DEFINE_DOTS_AVX512(T, NAME, LOAD, ACC)                                                        \
-    AVX512 static void dots_##NAME##_avx512(const T *a, const T *b, Py_ssize_t n, double *out)        \
-    {                                                                                               \
-        __m512d ab[4], aa[4], bb[4];                                                                \
-        for (int k = 0; k < 4; k++)                                                                 \
-            ab[k] = aa[k] = bb[k] = _mm512_setzero_pd();                                            \
-        Py_ssize_t i = 0;                                                                           \
-        for (; i + LANES <= n; i += LANES) {                                                        \
-            for (int k = 0; k < 4; k++) {                                                           \
-                __m512d x = LOAD(a + i + 8 * k), y = LOAD(b + i + 8 * k);                           \
-                ab[k] = ACC(x, y, ab[k]);                                                           \
-                aa[k] = ACC(x, x, aa[k]);                                                           \
-                bb[k] = ACC(y, y, bb[k]);                                                           \
-            }                                                                                       \
-        }                                                                                           \
-        __m512d vab = _mm512_add_pd(_mm512_add_pd(ab[0], ab[1]), _mm512_add_pd(ab[2], ab[3]));      \
-        __m512d vaa = _mm512_add_pd(_mm512_add_pd(aa[0], aa[1]), _mm512_add_pd(aa[2], aa[3]));      \
-        __m512d vbb = _mm512_add_pd(_mm512_add_pd(bb[0], bb[1]), _mm512_add_pd(bb[2], bb[3]));      \
-        for (; i + 8 <= n; i += 8) {                                                                \
-            __m512d x = LOAD(a + i), y = LOAD(b + i);                                               \
-            vab = ACC(x, y, vab);                                                                   \
-            vaa = ACC(x, x, vaa);                                                                   \
-            vbb = ACC(y, y, vbb);                                                                   \
-        }                                                                                           \
-        double l_ab[8], l_aa[8], l_bb[8];                                                           \
-        _mm512_storeu_pd(l_ab, vab);                                                                \
-        _mm512_storeu_pd(l_aa, vaa);                                                                \
-        _mm512_storeu_pd(l_bb, vbb);                                                                \
-        finish(l_ab, l_aa, l_bb, out);                                                              \
-        tail_##NAME(a + i, b + i, n - i, out);                                                      \
-    }
 
 #define LOAD_F32_AS_F64_512(p) _mm512_cvtps_pd(_mm256_loadu_ps(p))
 #define AVX512_MUL_ADD(x, y, acc) _mm512_add_pd(acc, _mm512_mul_pd(x, y))
+#define DEFINE_DOTS_AVX512(T, NAME, LOAD, ACC)                                                        \
+    DEFINE_DOTS_SIMD(AVX512, avx512, T, NAME, __m512d, 8, _mm512_setzero_pd, _mm512_add_pd, _mm512_storeu_pd, \
+                     LOAD, ACC)
 DEFINE_DOTS_AVX512(float, f32, LOAD_F32_AS_F64_512, _mm512_fmadd_pd)  /* exact products: FMA gives the same bits */
 DEFINE_DOTS_AVX512(double, f64, _mm512_loadu_pd, AVX512_MUL_ADD)
 DEFINE_SCALED_ADD(AVX512, avx512, 8, __m512d, _mm512_set1_pd, _mm512_cvtps_pd, _mm256_loadu_ps, _mm512_cvtpd_ps,
