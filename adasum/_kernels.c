@@ -44,23 +44,19 @@
     {                                                                                               \
         double ab[LANES] = {0}, aa[LANES] = {0}, bb[LANES] = {0};                                   \
         Py_ssize_t i = 0;                                                                           \
-        for (; i + LANES <= n; i += LANES) {                                                        \
-            for (int j = 0; j < LANES; j++) {                                                       \
-                double x = (double)a[i + j], y = (double)b[i + j];                                  \
-                ab[j] += x * y;                                                                     \
-                aa[j] += x * x;                                                                     \
-                bb[j] += y * y;                                                                     \
+        for (int w = LANES; w >= 8; w /= 4) { /* step 1 over 32 lanes, step 3 over 8 */             \
+            if (w == 8) {                                                                           \
+                fold(ab);                                                                           \
+                fold(aa);                                                                           \
+                fold(bb);                                                                           \
             }                                                                                       \
-        }                                                                                           \
-        fold(ab);                                                                                   \
-        fold(aa);                                                                                   \
-        fold(bb);                                                                                   \
-        for (; i + 8 <= n; i += 8) {                                                                \
-            for (int j = 0; j < 8; j++) {                                                           \
-                double x = (double)a[i + j], y = (double)b[i + j];                                  \
-                ab[j] += x * y;                                                                     \
-                aa[j] += x * x;                                                                     \
-                bb[j] += y * y;                                                                     \
+            for (; i + w <= n; i += w) {                                                            \
+                for (int j = 0; j < w; j++) {                                                       \
+                    double x = (double)a[i + j], y = (double)b[i + j];                              \
+                    ab[j] += x * y;                                                                 \
+                    aa[j] += x * x;                                                                 \
+                    bb[j] += y * y;                                                                 \
+                }                                                                                   \
             }                                                                                       \
         }                                                                                           \
         finish(ab, aa, bb, out);                                                                    \
@@ -127,6 +123,15 @@ static const char *isa = "portable";
  * The dot products with W doubles per register, for AVX2 (W = 4) and AVX-512 (W = 8). Step 1: lanes
  * W·m .. W·m + W - 1 of a sum in register m (m < 32 / W); steps 2-3: lanes 0..7 in registers 0 .. 8 / W - 1.
  */
+/* Elements i + W·m .. i + W·m + W - 1 into register m of each sum (inside DEFINE_DOTS_SIMD). */
+#define DOTS_STEP(VD, W, LOAD, ACC, m)                                                                \
+    do {                                                                                            \
+        VD x = LOAD(a + i + (W) * (m)), y = LOAD(b + i + (W) * (m));                                \
+        ab[m] = ACC(x, y, ab[m]);                                                                   \
+        aa[m] = ACC(x, x, aa[m]);                                                                   \
+        bb[m] = ACC(y, y, bb[m]);                                                                   \
+    } while (0)
+
 #define DEFINE_DOTS_SIMD(ATTR, SUFFIX, T, NAME, VD, W, ZERO, ADD, STORE, LOAD, ACC)                  \
     ATTR static void dots_##NAME##_##SUFFIX(const T *a, const T *b, Py_ssize_t n, double *out)        \
     {                                                                                               \
@@ -136,12 +141,8 @@ static const char *isa = "portable";
             ab[m] = aa[m] = bb[m] = ZERO();                                                         \
         Py_ssize_t i = 0;                                                                           \
         for (; i + LANES <= n; i += LANES) {                                                        \
-            for (int m = 0; m < R; m++) {                                                           \
-                VD x = LOAD(a + i + (W) * m), y = LOAD(b + i + (W) * m);                            \
-                ab[m] = ACC(x, y, ab[m]);                                                           \
-                aa[m] = ACC(x, x, aa[m]);                                                           \
-                bb[m] = ACC(y, y, bb[m]);                                                           \
-            }                                                                                       \
+            for (int m = 0; m < R; m++)                                                             \
+                DOTS_STEP(VD, W, LOAD, ACC, m);                                                     \
         }                                                                                           \
         VD *sums[3] = {ab, aa, bb};                                                                 \
         for (int k = 0; k < 3; k++) {                                                               \
@@ -150,12 +151,8 @@ static const char *isa = "portable";
                 l[t] = ADD(ADD(l[t], l[t + V]), ADD(l[t + 2 * V], l[t + 3 * V]));                   \
         }                                                                                           \
         for (; i + 8 <= n; i += 8) {                                                                \
-            for (int m = 0; m < V; m++) {                                                           \
-                VD x = LOAD(a + i + (W) * m), y = LOAD(b + i + (W) * m);                            \
-                ab[m] = ACC(x, y, ab[m]);                                                           \
-                aa[m] = ACC(x, x, aa[m]);                                                           \
-                bb[m] = ACC(y, y, bb[m]);                                                           \
-            }                                                                                       \
+            for (int m = 0; m < V; m++)                                                             \
+                DOTS_STEP(VD, W, LOAD, ACC, m);                                                     \
         }                                                                                           \
         double l_ab[8], l_aa[8], l_bb[8];                                                           \
         for (int m = 0; m < V; m++) {                                                               \
