@@ -722,11 +722,8 @@ k_copy(PyObject *self, PyObject *args)
     call_args c;
     if (!acquire_call(&c, ospans, objs, names, 2, 1))
         return NULL;
-    size_t size = (size_t)c.ops[0].itemsize;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < c.n; i++)
-        memmove(operand_at(&c.ops[0], c.sp, i), operand_at(&c.ops[1], c.sp, i),
-                (size_t)(c.sp[2 * i + 1] - c.sp[2 * i]) * size);
+    copy_spans(&c.ops[0], &c.ops[1], c.sp, c.n);
     Py_END_ALLOW_THREADS
     release_call(&c);
     Py_RETURN_NONE;

@@ -274,16 +274,11 @@ def _small_adasum(items: list, comm: MPI.Intracomm, inplace: bool):
     out = None if inplace else g.adapter.empty(g.size, g.dtype, g.device)
     dst = host if inplace else out if type(out) is np.ndarray else out.numpy()
     if call.program is not None and _doubling._native:  # agreement, messages and kernels in one compiled call
-        buf, scr = call.buffers()
-        rc = _kernels.small_doubling(buf, scr, host, dst, call.span_array, call.program, plan.signature)
+        rc = call.compiled(host, dst, plan.signature)
         if rc == -1:
             raise explain(call.lcomm, "adasum", plan.descs, None, _settings["adasum"])
         if rc:
             raise MPI.Exception(rc)
-        if _transport._counters:
-            messages, nbytes = call.messages()
-            _transport._record("scalar_bytes", 32)
-            _transport._record("sent_bytes", nbytes, messages)
     else:
         agree(call.lcomm, "adasum", plan.descs, None, extra=_settings["adasum"], digest=plan.signature)
         call(host, dst)
@@ -359,8 +354,6 @@ def _plan_key(items, op: str, rank: int, settings: tuple) -> tuple:
     if _kernels is not None:
         return op, settings, rank, _kernels.key(items)
     return op, settings, rank, tuple([(type(t), t.shape, t.dtype, getattr(t, "device", None)) for t in items])
-
-
 
 
 def _plan(items, op: str, rank: int, settings: tuple) -> _Plan:

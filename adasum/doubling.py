@@ -23,7 +23,9 @@ from mpi4py import MPI
 
 from .arrays import _nonempty
 from .fusion import Group, layer_spans, pool_generation, pooled
+from . import transport as _transport
 from .transport import _TAG, Transport
+from .validate import AGREE_BYTES
 from .vhdd import fold_out
 
 try:
@@ -182,13 +184,17 @@ class SmallCall:
         head = [h(lcomm), h(MPI.BYTE), h(MPI.INT64_T), h(MPI.MAX), _TAG, self.nbytes, out, *fold, len(levels)]
         return np.array(head + [int(x) for level in levels for x in level], dtype=np.int64)
 
-    def messages(self) -> tuple[int, int]:
-        """(messages, bytes) this rank sends in one call."""
-        if self.role[0] == "out":
-            return 1, self.nbytes
-        fold, levels = self.role
-        n = len(levels) + (fold is not None)
-        return n, n * self.nbytes
+    def compiled(self, live: list, dst, digest: int) -> int:
+        """The whole call, agreement on ``digest`` included, in one ``_kernels.small_doubling``: 0, -1 if
+        the ranks disagree (nothing was sent; every rank must then explain), or MPI's error code."""
+        buf, scr = self.buffers()
+        rc = _kernels.small_doubling(buf, scr, live, dst, self.span_array, self.program, digest)
+        if rc == 0 and _transport._counters:
+            fold, levels = (None, ()) if self.role[0] == "out" else self.role
+            messages = 1 if self.role[0] == "out" else len(levels) + (fold is not None)
+            _transport._record("scalar_bytes", AGREE_BYTES)
+            _transport._record("sent_bytes", messages * self.nbytes, messages)
+        return rc
 
     def buffers(self) -> tuple[np.ndarray, np.ndarray]:
         """The fused and the receive buffer, as numpy arrays (views of torch CPU tensors' memory), kept

@@ -83,6 +83,7 @@ def signature(op: str, descs: Sequence[TensorDesc], extra: tuple) -> int:
 
 _OPS = {"adasum": 1, "sum": 2, "mean": 3}
 _AGREE = (np.empty(4, dtype=np.int64), np.empty(4, dtype=np.int64))  # what this rank sends, what all saw
+AGREE_BYTES = _AGREE[0].nbytes  # what one rank hands to the agreement allreduce
 
 
 def agree(comm: MPI.Intracomm, op: str, descs: Sequence[TensorDesc] | None, error: Exception | None,
@@ -104,7 +105,7 @@ def agree(comm: MPI.Intracomm, op: str, descs: Sequence[TensorDesc] | None, erro
         sig = signature(op, descs, extra) if digest is None else digest
     mine, seen = _AGREE
     mine[0], mine[1], mine[2], mine[3] = sig, -sig, 1 if error is not None else 0, vote
-    _record("scalar_bytes", mine.nbytes)
+    _record("scalar_bytes", AGREE_BYTES)
     comm.Allreduce(mine, seen, op=MPI.MAX)
     if seen[2] == 0 and seen[0] == -seen[1]:
         return int(seen[3])
