@@ -1,0 +1,183 @@
+"""Times adasum_allreduce on GPU buffers against the same data on the host, interleaved in one run.
+
+Run under MPI on a machine with a CUDA device (the ranks may share one GPU), for example::
+
+    mpiexec -n 4 python benchmarks/device.py --kind torch --json benchmarks/out/device-np4.json
+
+Each size is the float32 model of ``benchmarks/allreduce.py`` (ten layers of uneven sizes). The methods,
+each timed from the barrier to the moment its result is ready where it lives:
+
+- ``raw``: ``comm.Allreduce(SUM)`` in place on one host buffer of the same bytes;
+- ``host``: ``adasum_allreduce_inplace`` on the layers as numpy arrays (``--kind torch``: torch CPU tensors);
+- ``staged``: the same call on the layers in device memory, sent through reused page-locked host buffers;
+- ``direct``: the same, with device memory handed to MPI (only where MPI is CUDA-aware, or ``--direct``).
+
+Each repeat runs every method once, in a rotating order; a method's time is that of its slowest rank, and
+the table shows the median over repeats and the median ratios to ``host`` and ``raw`` of the same repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import adasum
+from allreduce import _human, layer_sizes, parse_size
+
+
+class _Torch:
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+
+    def host(self, a):
+        return self.torch.from_numpy(a.copy())
+
+    def device(self, a):
+        return self.torch.from_numpy(a).cuda()
+
+    def copy(self, dst, src):
+        dst.copy_(src)
+
+    def refill_host(self, dst, src):
+        dst.copy_(self.torch.from_numpy(src))
+
+    def sync(self):
+        self.torch.cuda.synchronize()
+
+    def name(self):
+        return self.torch.cuda.get_device_name()
+
+
+class _Cupy:
+    def __init__(self):
+        import cupy
+
+        self.cp = cupy
+
+    def host(self, a):
+        return a.copy()
+
+    def device(self, a):
+        return self.cp.asarray(a)
+
+    def copy(self, dst, src):
+        dst[...] = src
+
+    def refill_host(self, dst, src):
+        dst[...] = src
+
+    def sync(self):
+        self.cp.cuda.get_current_stream().synchronize()
+
+    def name(self):
+        return self.cp.cuda.runtime.getDeviceProperties(self.cp.cuda.Device().id)["name"].decode()
+
+
+def run(comm, kind, nbytes: int, op: str, repeats: int, warmup: int, direct: bool) -> dict:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    rng = np.random.default_rng(rank)
+    sizes = layer_sizes(nbytes)
+    layers = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    flat = np.concatenate(layers)
+    host = [kind.host(x) for x in layers]
+    source = [kind.device(x) for x in layers]  # pristine device copies, to refill from
+    dev = [kind.device(x) for x in layers]
+    names = ["raw", "host", "staged"] + (["direct"] if direct else [])
+
+    def call(name):
+        if name == "raw":
+            comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+        elif name == "host":
+            adasum.adasum_allreduce_inplace(host, op=op, comm=comm)
+        else:
+            adasum.set_gpu_transport(name)
+            adasum.adasum_allreduce_inplace(dev, op=op, comm=comm)
+            kind.sync()
+
+    for _ in range(warmup):
+        for name in names:
+            call(name)
+    times = {name: [] for name in names}
+    for rep in range(repeats):
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        for name in order:
+            # refill what this method reduces, so that values stay in range whatever the ops did to them
+            for h, d, x, s in zip(host, dev, layers, source):
+                if name == "host":
+                    kind.refill_host(h, x)
+                elif name != "raw":
+                    kind.copy(d, s)
+            flat[...] = 0.5
+            kind.sync()
+            comm.Barrier()
+            t0 = time.perf_counter()
+            call(name)
+            dt = time.perf_counter() - t0
+            times[name].append(comm.allreduce(dt, op=MPI.MAX))
+    adasum.set_gpu_transport("auto")
+    out = {"bytes": int(sum(sizes)) * 4, "world_size": size, "op": op, "repeats": repeats, "results": {}}
+    for name in names:
+        t = np.array(times[name])
+        out["results"][name] = {"median_s": float(np.median(t)),
+                                "ratio_to_host": float(np.median(t / np.array(times["host"]))),
+                                "ratio_to_raw": float(np.median(t / np.array(times["raw"])))}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kind", choices=["torch", "cupy"], default="torch", help="the device array library")
+    ap.add_argument("--sizes", default="1MiB,4MiB,16MiB,64MiB,256MiB", help="total bytes per call")
+    ap.add_argument("--op", default="adasum", help="the reduction timed (adasum, sum or mean)")
+    ap.add_argument("--repeats", type=int, default=0, help="repeats per size (default: by size)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--direct", action="store_true",
+                    help="also time device memory handed to MPI even where CUDA-awareness is not detected")
+    ap.add_argument("--json", help="write the results to this JSON file (rank 0)")
+    args = ap.parse_args(argv)
+
+    comm = MPI.COMM_WORLD
+    kind = _Torch() if args.kind == "torch" else _Cupy()
+    direct = args.direct or adasum.cuda_aware_mpi()
+    results = []
+    for i, s in enumerate(args.sizes.split(",")):
+        nbytes = parse_size(s)
+        repeats = args.repeats or int(np.clip(1e9 / max(nbytes, 1), 7, 31))
+        res = run(comm, kind, nbytes, args.op, repeats, args.warmup, direct)
+        results.append(res)
+        if comm.Get_rank() == 0:
+            names = list(res["results"])
+            if i == 0:
+                print(f"{'P':>3} {'bytes':>10} " + " ".join(f"{n + ' ms':>11}" for n in names) + " " +
+                      " ".join(f"{n + '/host':>12}" for n in names if n not in ("host", "raw")) +
+                      f" {'host/raw':>9}")
+            r = res["results"]
+            print(f"{size_str(res):>14} " + " ".join(f"{r[n]['median_s'] * 1e3:>11.3f}" for n in names) + " " +
+                  " ".join(f"{r[n]['ratio_to_host']:>12.2f}" for n in names if n not in ("host", "raw")) +
+                  f" {r['host']['ratio_to_raw']:>9.2f}", flush=True)
+    if comm.Get_rank() == 0 and args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        meta = {"world_size": comm.Get_size(), "mpi": MPI.Get_library_version().splitlines()[0],
+                "cuda_aware": adasum.cuda_aware_mpi(), "device": kind.name(), "kind": args.kind,
+                "host": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
+                "argv": sys.argv}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+    return 0
+
+
+def size_str(res) -> str:
+    return f"{res['world_size']:>3} {_human(res['bytes']):>10}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
