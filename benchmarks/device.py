@@ -82,7 +82,7 @@ class _Cupy:
         return self.cp.cuda.runtime.getDeviceProperties(self.cp.cuda.Device().id)["name"].decode()
 
 
-def run(comm, kind, nbytes: int, op: str, repeats: int, warmup: int, direct: bool) -> dict:
+def run(comm, kind, nbytes: int, op: str, repeats: int, warmup: int, names: list[str]) -> dict:
     rank, size = comm.Get_rank(), comm.Get_size()
     rng = np.random.default_rng(rank)
     sizes = layer_sizes(nbytes)
@@ -91,12 +91,12 @@ def run(comm, kind, nbytes: int, op: str, repeats: int, warmup: int, direct: boo
     host = [kind.host(x) for x in layers]
     source = [kind.device(x) for x in layers]  # pristine device copies, to refill from
     dev = [kind.device(x) for x in layers]
-    names = ["raw", "host", "staged"] + (["direct"] if direct else [])
 
     def call(name):
         if name == "raw":
             comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
         elif name == "host":
+            adasum.set_gpu_transport("auto")  # "staged" would copy host buffers through staging too
             adasum.adasum_allreduce_inplace(host, op=op, comm=comm)
         else:
             adasum.set_gpu_transport(name)
@@ -142,17 +142,21 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--direct", action="store_true",
                     help="also time device memory handed to MPI even where CUDA-awareness is not detected")
+    ap.add_argument("--methods", default="raw,host,staged,direct",
+                    help="methods to time (raw and host are always timed); direct only where it can run")
     ap.add_argument("--json", help="write the results to this JSON file (rank 0)")
     args = ap.parse_args(argv)
 
     comm = MPI.COMM_WORLD
     kind = _Torch() if args.kind == "torch" else _Cupy()
     direct = args.direct or adasum.cuda_aware_mpi()
+    names = ["raw", "host"] + [m for m in args.methods.split(",") if m in ("staged", "direct")
+                               and (m != "direct" or direct)]
     results = []
     for i, s in enumerate(args.sizes.split(",")):
         nbytes = parse_size(s)
         repeats = args.repeats or int(np.clip(1e9 / max(nbytes, 1), 7, 31))
-        res = run(comm, kind, nbytes, args.op, repeats, args.warmup, direct)
+        res = run(comm, kind, nbytes, args.op, repeats, args.warmup, names)
         results.append(res)
         if comm.Get_rank() == 0:
             names = list(res["results"])
