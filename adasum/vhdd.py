@@ -93,29 +93,19 @@ def chunks(g: Group, lo: int, hi: int, split: bool) -> list[tuple[int, int]]:
     return [(lo + a, lo + b) for a, b in zip([0, *ends[:-1]], ends)]
 
 
-def paired_chunks(g: Group, slo: int, shi: int, rlo: int, rhi: int, split: bool):
-    """Messages for swapping ``[slo, shi)`` (sent) against ``[rlo, rhi)`` (received): with ``split``, both
-    ranges are cut at the layer starts of either, relative to their own start, so that message i is
-    about as long both ways (the ranges differ by one element at most) and every message lies inside one
-    layer piece on both sides, or is a run of short ones. The partner, swapping the same two ranges the
-    other way round, gets the mirror lists."""
+def exchange_chunks(g: Group, slo: int, shi: int, rlo: int, rhi: int, split: bool):
+    """Messages for swapping ``[slo, shi)`` (sent) against ``[rlo, rhi)`` (received): each range cut by
+    :func:`chunks`, on its own. The partner, swapping the same two ranges the other way round, cuts its
+    sends as we cut our receives, so message i of one direction has the same length on both sides; the
+    two directions may have different numbers of messages (:meth:`Transport.exchange` finishes the longer
+    list one way)."""
     if not split:
         return chunks(g, slo, shi, False), chunks(g, rlo, rhi, False)
-    key = ("paired", slo, shi, rlo, rhi)
+    key = ("exchange", slo, shi, rlo, rhi)
     out = g.memo.get(key)
     if out is None:
-        out = g.memo[key] = _paired_chunks(g, slo, shi, rlo, rhi)
+        out = g.memo[key] = (chunks(g, slo, shi, True), chunks(g, rlo, rhi, True))
     return out
-
-
-def _paired_chunks(g: Group, slo: int, shi: int, rlo: int, rhi: int):
-    ns, nr = shi - slo, rhi - rlo
-    cuts = sorted(set(_cuts(g, slo, shi)) | set(_cuts(g, rlo, rhi)))
-    ends = _coalesce(g, [c for c in cuts if c < min(ns, nr)], max(ns, nr))
-    starts = [0, *ends[:-1]]
-    send = [(slo + min(a, ns), slo + min(b, ns)) for a, b in zip(starts, ends)]
-    recv = [(rlo + min(a, nr), rlo + min(b, nr)) for a, b in zip(starts, ends)]
-    return send, recv
 
 
 def exchange(t: Transport, partner: int, sends: list, recvs: list) -> None:
@@ -224,7 +214,7 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Group], transports: Sequ
             mid = lo + (hi - lo) // 2
             (klo, khi), (slo, shi) = ((mid, hi), (lo, mid)) if upper else ((lo, mid), (mid, hi))
             scr = pooled(g, khi - klo, "recv")
-            sc, rc = paired_chunks(g, slo, shi, klo, khi, split)
+            sc, rc = exchange_chunks(g, slo, shi, klo, khi, split)
             exchange(t, partner, [own(g, a, b) for a, b in sc], [scr[a - klo:b - klo] for a, b in rc])
             new_los.append(klo)
             new_his.append(khi)
@@ -248,7 +238,7 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Group], transports: Sequ
         plos, phis = history[level - 1]
         for g, t, lo, hi, plo, phi in zip(groups, transports, los, his, plos, phis):
             olo, ohi = (plo, lo) if v & d else (hi, phi)
-            sc, rc = paired_chunks(g, lo, hi, olo, ohi, split)
+            sc, rc = exchange_chunks(g, lo, hi, olo, ohi, split)
             exchange(t, partner, [own(g, a, b) for a, b in sc], [own(g, a, b) for a, b in rc])
         los, his = plos, phis
 
