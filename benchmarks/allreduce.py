@@ -48,6 +48,27 @@ def _methods(comm, ops, hierarchical):
     return names
 
 
+def time_rounds(comm, names, call, refill, repeats: int, warmup: int, sync=lambda: None) -> dict:
+    """Times of ``call(name)`` for every name, ``repeats`` rounds after ``warmup`` untimed ones: each
+    round runs every method once, in an order rotated by one per round, each after ``refill(name)``,
+    ``sync()`` and a barrier. A time is that of the slowest rank."""
+    for _ in range(warmup):
+        for name in names:
+            call(name)
+    times = {name: [] for name in names}
+    for rep in range(repeats):
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        for name in order:
+            refill(name)
+            sync()
+            comm.Barrier()
+            t0 = time.perf_counter()
+            call(name)
+            dt = time.perf_counter() - t0
+            times[name].append(comm.allreduce(dt, op=MPI.MAX))
+    return times
+
+
 def run(comm, nbytes: int, ops, repeats: int, warmup: int, hierarchical: bool, layout: str) -> dict:
     rank, size = comm.Get_rank(), comm.Get_size()
     rng = np.random.default_rng(rank)
@@ -75,22 +96,13 @@ def run(comm, nbytes: int, ops, repeats: int, warmup: int, hierarchical: bool, l
         # what the busiest rank handed to MPI: point-to-point bytes, or the buffer given to MPI_Allreduce
         mine = (t.sent_bytes + t.scalar_bytes + t.allreduce_bytes + t.node_bytes) if name != "raw" else flat.nbytes
         sent[name] = comm.allreduce(mine, op=MPI.MAX)
-    for _ in range(warmup):
-        for name in names:
-            call(name)
-    times = {name: [] for name in names}
-    for rep in range(repeats):
-        order = names[rep % len(names):] + names[:rep % len(names)]
-        for name in order:
-            # Refill so that values stay in range whatever the ops did to them.
-            for w, x in zip(work, layers):
-                w[...] = x
-            flat[...] = 0.5
-            comm.Barrier()
-            t0 = time.perf_counter()
-            call(name)
-            dt = time.perf_counter() - t0
-            times[name].append(comm.allreduce(dt, op=MPI.MAX))
+    def refill(name):
+        # so that values stay in range whatever the ops did to them
+        for w, x in zip(work, layers):
+            w[...] = x
+        flat[...] = 0.5
+
+    times = time_rounds(comm, names, call, refill, repeats, warmup)
     total = int(sum(sizes)) * 4
     raw = np.array(times["raw"])
     out = {"bytes": total, "world_size": size, "layers": len(sizes), "results": {}}

@@ -23,13 +23,12 @@ import json
 import os
 import platform
 import sys
-import time
 
 import numpy as np
 from mpi4py import MPI
 
 import adasum
-from allreduce import _human, layer_sizes, parse_size
+from allreduce import _human, layer_sizes, parse_size, time_rounds
 
 
 class _Torch:
@@ -103,26 +102,16 @@ def run(comm, kind, nbytes: int, op: str, repeats: int, warmup: int, names: list
             adasum.adasum_allreduce_inplace(dev, op=op, comm=comm)
             kind.sync()
 
-    for _ in range(warmup):
-        for name in names:
-            call(name)
-    times = {name: [] for name in names}
-    for rep in range(repeats):
-        order = names[rep % len(names):] + names[:rep % len(names)]
-        for name in order:
-            # refill what this method reduces, so that values stay in range whatever the ops did to them
-            for h, d, x, s in zip(host, dev, layers, source):
-                if name == "host":
-                    kind.refill_host(h, x)
-                elif name != "raw":
-                    kind.copy(d, s)
-            flat[...] = 0.5
-            kind.sync()
-            comm.Barrier()
-            t0 = time.perf_counter()
-            call(name)
-            dt = time.perf_counter() - t0
-            times[name].append(comm.allreduce(dt, op=MPI.MAX))
+    def refill(name):
+        # what this method reduces, so that values stay in range whatever the ops did to them
+        for h, d, x, s in zip(host, dev, layers, source):
+            if name == "host":
+                kind.refill_host(h, x)
+            elif name != "raw":
+                kind.copy(d, s)
+        flat[...] = 0.5
+
+    times = time_rounds(comm, names, call, refill, repeats, warmup, sync=kind.sync)
     adasum.set_gpu_transport("auto")
     out = {"bytes": int(sum(sizes)) * 4, "world_size": size, "op": op, "repeats": repeats, "results": {}}
     for name in names:
