@@ -14,6 +14,7 @@ import adasum
 from adasum import transport
 from adasum.reference import reference_allreduce
 from helpers import CUDA, CUPY_IS_REAL, as_f64, assert_identical_across_ranks, cupy, gpu_transport, make, rel_l2
+from test_optimizer import _amp_run
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -107,40 +108,13 @@ def test_torch_cuda_and_cpu_in_one_call_rejected(comm):
         adasum.adasum_allreduce([torch.ones(2, device="cuda"), torch.ones(2)])
 
 
-def _cuda_train(comm, device: str, op: str, start_copy: str, scaler=None, inject_at=None, steps: int = 4):
-    """A float32 model trained for ``steps`` windows of 2 micro-batches on ``device``; every rank's batches
-    come from its own seed. Returns the model, the optimizer and the scale after each window."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).to(device)
-    opt = adasum.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), op=op,
-                                            accumulation_steps=2, start_copy=start_copy, grad_scaler=scaler)
-    scales = []
-    for s in range(steps):
-        for j in range(2):
-            g = torch.Generator().manual_seed(1000 * rank + 37 * s + j + 1)
-            x, y = torch.randn(8, 5, generator=g).to(device), torch.randn(8, 3, generator=g).to(device)
-            with torch.autocast("cuda", dtype=torch.float16, enabled=scaler is not None):
-                loss = torch.nn.functional.mse_loss(model(x).float(), y)
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-            if s == inject_at and j == 1 and rank == size - 1:
-                next(model.parameters()).grad[0, 0] = float("inf")
-            opt.step()
-            opt.zero_grad()
-        if scaler is not None:
-            scales.append(scaler.get_scale())
-    return model, opt, scales
-
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("op,start_copy", [("adasum", "device"), ("adasum", "host"), ("sum", "device"),
                                            ("mean", "device")])
 def test_optimizer_on_a_cuda_model_follows_the_cpu_run(comm, op, start_copy):
-    import adasum.torch  # noqa: F401
-
-    gpu, _, _ = _cuda_train(comm, "cuda", op, start_copy)
-    cpu, _, _ = _cuda_train(comm, "cpu", op, start_copy)
+    gpu, _, _ = _amp_run(comm, op, None, device="cuda", start_copy=start_copy, amp=False)
+    cpu, _, _ = _amp_run(comm, op, None, device="cpu", start_copy=start_copy, amp=False)
     assert all(p.is_cuda for p in gpu.parameters())
     for g, c in zip(gpu.parameters(), cpu.parameters()):
         assert rel_l2(as_f64(g), as_f64(c)) <= 1e-4, "the CUDA run left the CPU run's trajectory"
@@ -150,15 +124,13 @@ def test_optimizer_on_a_cuda_model_follows_the_cpu_run(comm, op, start_copy):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("op", ["adasum", "mean"])
 def test_float16_grad_scaler_on_cuda(comm, op):
-    """fp16 autocast with a GradScaler on a CUDA model: the scale grows every 2 good windows and backs off on
-    every rank alike after an Inf on one rank, whose update is skipped everywhere."""
-    import adasum.torch  # noqa: F401
-
+    """float16 autocast with a GradScaler on a CUDA model: the scale grows every 2 good windows and backs
+    off on every rank alike after an Inf on one rank, whose update is skipped everywhere."""
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10, growth_interval=2)
-    model, opt, scales = _cuda_train(comm, "cuda", op, "device", scaler)
+    _, opt, scales = _amp_run(comm, op, scaler, device="cuda")
     assert scales == [2.0 ** 10, 2.0 ** 11, 2.0 ** 11, 2.0 ** 12] and opt.skipped_updates == 0
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10, growth_interval=2)
-    model, opt, scales = _cuda_train(comm, "cuda", op, "device", scaler, inject_at=1)
+    model, opt, scales = _amp_run(comm, op, scaler, inject_at=1, device="cuda")
     assert opt.skipped_updates == 1
     assert scales == [2.0 ** 10, 2.0 ** 9, 2.0 ** 9, 2.0 ** 10]
     assert all(torch.isfinite(p).all() for p in model.parameters())

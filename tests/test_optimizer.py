@@ -415,16 +415,21 @@ def test_closure_with_reduced_gradients_is_refused(comm):
 # --- mixed precision and clipping --------------------------------------------------------------------------
 
 
-def _amp_run(comm, op, scaler, inject_at=None, windows=4):
+def _amp_run(comm, op, scaler, inject_at=None, windows=4, device="cpu", start_copy="device", amp=True):
+    """``windows`` windows of 2 micro-batches with Adam on ``device``, under autocast (bfloat16 on the CPU,
+    float16 on CUDA) where ``amp``; an Inf in rank P-1's gradients in window ``inject_at``. Returns the
+    model, the optimizer and the scale after each window."""
     rank, size, k = comm.Get_rank(), comm.Get_size(), 2
-    model = tiny_model(1, torch.float32)
+    model = tiny_model(1, torch.float32).to(device)
     opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), op=op, accumulation_steps=k,
-                               grad_scaler=scaler)
+                               grad_scaler=scaler, start_copy=start_copy)
+    half = torch.bfloat16 if device == "cpu" else torch.float16
     scales = []
     for s in range(windows):
         for j in range(k):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = loss_of(model, *batch(rank, s, j, dtype=torch.float32))
+            x, y = batch(rank, s, j, dtype=torch.float32)
+            with torch.autocast(device, dtype=half, enabled=amp):
+                loss = loss_of(model, x.to(device), y.to(device)).float()
             (scaler.scale(loss) if scaler is not None else loss).backward()
             if s == inject_at and j == 1 and rank == size - 1:
                 next(model.parameters()).grad[0, 0] = float("inf")
