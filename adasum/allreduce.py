@@ -30,6 +30,8 @@ __all__ = ["Op", "adasum_allreduce", "adasum_allreduce_inplace", "get_small_mess
 # (log2 P rounds); larger ones recursive halving (bandwidth-optimal). None: chosen from P (see
 # small_message_limit and benchmarks/README.md).
 _AUTO_SMALL_MESSAGE_BYTES = 1 << 20
+# ... but 3 MiB for P = 2 and 3, where both schedules send the same bytes (one pair after the fold).
+_AUTO_PAIR_BYTES = 3 << 20
 
 
 def _threshold_from_env() -> int | None:
@@ -46,8 +48,9 @@ def set_small_message_bytes(nbytes: int | None) -> None:
     per rank instead of log2(P)·N but makes about three times the rounds. ``0`` always uses halving.
 
     ``None`` (the default; ``ADASUM_SMALL_MESSAGE_BYTES=auto``) picks the threshold from the world size:
-    1 MiB up to 7 ranks, 1 MiB / (log2 P − 1) from 8 on, where doubling's extra bytes start to cost more
-    than halving's extra rounds over a network. The environment variable ``ADASUM_SMALL_MESSAGE_BYTES``
+    3 MiB for 2 and 3 ranks (one pair after the fold, where both send N bytes per rank and doubling only
+    computes on whole vectors instead of halves), 1 MiB for 4 to 7, and 1 MiB / (log2 P − 1) from 8 on,
+    where doubling's extra bytes start to cost more than halving's extra rounds over a network. The environment variable ``ADASUM_SMALL_MESSAGE_BYTES``
     sets it at start-up.
 
     Every rank must use the same setting: a call on ranks that differ raises AdasumMismatchError.
@@ -69,7 +72,9 @@ def small_message_limit(size: int) -> int:
     if _small_message_bytes is not None:
         return _small_message_bytes
     k = size.bit_length() - 1
-    return _AUTO_SMALL_MESSAGE_BYTES // max(1, k - 1)
+    if k <= 1:
+        return _AUTO_PAIR_BYTES
+    return _AUTO_SMALL_MESSAGE_BYTES // (k - 1)
 
 
 def _settings_for(small_message_bytes: int | None) -> dict[str, tuple]:
@@ -298,10 +303,10 @@ _OP_NAMES = frozenset(o.value for o in Op)
 # them and writing the result back costs less than the extra steps per layer piece)...
 DIRECT_MIN_BYTES = 2 << 20
 # ... and from this many on cuts its exchanges into messages per layer piece (below, each exchange is one
-# message: what is sent from the tensors is packed first). At P = 2 on one host, separate tensors of 2-6 MiB
-# took 1.5-1.9x MPI's allreduce with both from 2 MiB, against 2.0-2.3x with direct halving from 4 MiB and
-# split messages from 8 MiB (the packed sends and the receive into scattered pieces cost more than the
-# extra messages).
+# message: what is sent from the tensors is packed first). At P = 2 on one host, separate tensors of 4-6 MiB
+# took 1.8x MPI's allreduce with both from 2 MiB, against 2.2x with direct halving from 4 MiB and split
+# messages from 8 MiB: the packed sends and the receive into scattered pieces cost more than the extra
+# messages (benchmarks/schedules.py).
 SPLIT_MIN_BYTES = 2 << 20
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 

@@ -23,7 +23,8 @@ def test_automatic_threshold_shrinks_with_log_p(restore):
     adasum.set_small_message_bytes(None)
     assert adasum.get_small_message_bytes() is None
     mib = 1 << 20
-    assert [small_message_limit(p) for p in (1, 2, 3, 4, 7)] == [mib] * 5
+    assert [small_message_limit(p) for p in (1, 2, 3)] == [3 * mib] * 3
+    assert [small_message_limit(p) for p in (4, 5, 7)] == [mib] * 3
     assert [small_message_limit(p) for p in (8, 15, 16, 64)] == [mib // 2, mib // 2, mib // 3, mib // 5]
 
 
