@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import platform
 import sys
@@ -39,6 +40,18 @@ def layer_sizes(nbytes: int, itemsize: int = 4) -> list[int]:
     sizes = np.floor(WEIGHTS / WEIGHTS.sum() * n).astype(int)
     sizes[-1] += n - sizes.sum()
     return sizes.tolist()
+
+
+def _array(values: np.ndarray, pages: str) -> np.ndarray:
+    """A copy of ``values`` in numpy's own memory (``default``: numpy advises transparent huge pages for
+    arrays of 4 MiB and more) or in memory advised against huge pages (``small``: 4 KiB pages only)."""
+    if pages == "default":
+        return values.copy()
+    m = mmap.mmap(-1, max(values.nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_NOHUGEPAGE)
+    out = np.frombuffer(m, values.dtype, count=values.size)
+    out[...] = values
+    return out
 
 
 def _methods(comm, ops, hierarchical):
@@ -69,16 +82,17 @@ def time_rounds(comm, names, call, refill, repeats: int, warmup: int, sync=lambd
     return times
 
 
-def run(comm, nbytes: int, ops, repeats: int, warmup: int, hierarchical: bool, layout: str) -> dict:
+def run(comm, nbytes: int, ops, repeats: int, warmup: int, hierarchical: bool, layout: str,
+        pages: str = "default") -> dict:
     rank, size = comm.Get_rank(), comm.Get_size()
     rng = np.random.default_rng(rank)
     sizes = layer_sizes(nbytes)
     layers = [rng.standard_normal(n).astype(np.float32) for n in sizes]
-    flat = np.concatenate(layers)
+    flat = _array(np.concatenate(layers), pages)
     if layout == "views":
-        work = np.split(flat.copy(), np.cumsum(sizes)[:-1])
+        work = np.split(_array(flat, pages), np.cumsum(sizes)[:-1])
     else:
-        work = [x.copy() for x in layers]
+        work = [_array(x, pages) for x in layers]
     names = _methods(comm, ops, hierarchical)
 
     def call(name):
@@ -131,6 +145,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", choices=["separate", "views"], default="separate",
                     help="the layers as separate arrays (reduced through a fused copy) or as consecutive views "
                          "of one flat buffer (reduced in place, no copy)")
+    ap.add_argument("--pages", choices=["default", "small"], default="default",
+                    help="the memory of the layers and of the raw allreduce's buffer: numpy's (huge pages "
+                         "for arrays of 4 MiB and more) or 4 KiB pages only")
     ap.add_argument("--repeats", type=int, default=0, help="repeats per size (default: by size)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", help="write the results to this JSON file (rank 0)")
@@ -142,8 +159,8 @@ def main(argv=None) -> int:
     for s in args.sizes.split(","):
         nbytes = parse_size(s)
         repeats = args.repeats or int(np.clip(2e8 / max(nbytes, 1), 7, 51))
-        res = run(comm, nbytes, ops, repeats, args.warmup, args.hierarchical, args.layout)
-        res["layout"] = args.layout
+        res = run(comm, nbytes, ops, repeats, args.warmup, args.hierarchical, args.layout, args.pages)
+        res["layout"], res["pages"] = args.layout, args.pages
         res["repeats"] = repeats
         results.append(res)
         if comm.Get_rank() == 0:
