@@ -50,8 +50,8 @@ def set_small_message_bytes(nbytes: int | None) -> None:
     ``None`` (the default; ``ADASUM_SMALL_MESSAGE_BYTES=auto``) picks the threshold from the world size:
     3 MiB for 2 and 3 ranks (one pair after the fold, where both send N bytes per rank and doubling only
     computes on whole vectors instead of halves), 1 MiB for 4 to 7, and 1 MiB / (log2 P − 1) from 8 on,
-    where doubling's extra bytes start to cost more than halving's extra rounds over a network. The environment variable ``ADASUM_SMALL_MESSAGE_BYTES``
-    sets it at start-up.
+    where doubling's extra bytes start to cost more than halving's extra rounds over a network. The
+    environment variable ``ADASUM_SMALL_MESSAGE_BYTES`` sets it at start-up.
 
     Every rank must use the same setting: a call on ranks that differ raises AdasumMismatchError.
     """

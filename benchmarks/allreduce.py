@@ -82,9 +82,11 @@ def time_rounds(comm, names, call, refill, repeats: int, warmup: int, sync=lambd
     return times
 
 
-def run(comm, nbytes: int, ops, repeats: int, warmup: int, hierarchical: bool, layout: str,
-        pages: str = "default") -> dict:
-    rank, size = comm.Get_rank(), comm.Get_size()
+def model(rank: int, nbytes: int, layout: str, pages: str = "default"):
+    """A rank's ten-layer float32 data of ``nbytes``: ``(layers, flat, work, refill)``. ``layers`` keeps
+    the values, ``flat`` is the raw allreduce's buffer, ``work`` the tensors Adasum reduces (separate
+    arrays or views of one buffer), and ``refill()`` restores both before a timed call, so that values
+    stay in range whatever the ops did to them."""
     rng = np.random.default_rng(rank)
     sizes = layer_sizes(nbytes)
     layers = [rng.standard_normal(n).astype(np.float32) for n in sizes]
@@ -93,6 +95,20 @@ def run(comm, nbytes: int, ops, repeats: int, warmup: int, hierarchical: bool, l
         work = np.split(_array(flat, pages), np.cumsum(sizes)[:-1])
     else:
         work = [_array(x, pages) for x in layers]
+
+    def refill(name=None):
+        for w, x in zip(work, layers):
+            w[...] = x
+        flat[...] = 0.5
+
+    return layers, flat, work, refill
+
+
+def run(comm, nbytes: int, ops, repeats: int, warmup: int, hierarchical: bool, layout: str,
+        pages: str = "default") -> dict:
+    size = comm.Get_size()
+    layers, flat, work, refill = model(comm.Get_rank(), nbytes, layout, pages)
+    sizes = [x.size for x in layers]
     names = _methods(comm, ops, hierarchical)
 
     def call(name):
@@ -110,11 +126,6 @@ def run(comm, nbytes: int, ops, repeats: int, warmup: int, hierarchical: bool, l
         # what the busiest rank handed to MPI: point-to-point bytes, or the buffer given to MPI_Allreduce
         mine = (t.sent_bytes + t.scalar_bytes + t.allreduce_bytes + t.node_bytes) if name != "raw" else flat.nbytes
         sent[name] = comm.allreduce(mine, op=MPI.MAX)
-    def refill(name):
-        # so that values stay in range whatever the ops did to them
-        for w, x in zip(work, layers):
-            w[...] = x
-        flat[...] = 0.5
 
     times = time_rounds(comm, names, call, refill, repeats, warmup)
     total = int(sum(sizes)) * 4

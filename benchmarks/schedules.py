@@ -13,7 +13,7 @@ Settings:
   (``DIRECT_MIN_BYTES`` and ``SPLIT_MIN_BYTES`` of ``adasum.allreduce``), with the default schedule
   threshold.
 
-The data are those of ``benchmarks/allreduce.py``. Each repeat runs every setting once, in a rotating
+The data are those of ``benchmarks/allreduce.py`` (its ``model``). Each repeat runs every setting once, in a rotating
 order, each right after a raw allreduce of the same bytes (``comm.Allreduce(SUM)`` on one flat buffer):
 a call that follows another on the same buffers finds them in cache, which at 4 MiB made it 13 % faster
 than one that follows the raw allreduce. A time is that of the slowest rank; the table shows the median of
@@ -35,7 +35,7 @@ import adasum
 import adasum.allreduce as _ar
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from allreduce import layer_sizes, parse_size  # noqa: E402
+from allreduce import model, parse_size  # noqa: E402
 
 
 def _apply(setting: str):
@@ -71,6 +71,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="1MiB,2MiB,3MiB,4MiB,6MiB,8MiB")
     ap.add_argument("--settings", default="auto,halving,doubling")
     ap.add_argument("--layout", choices=["separate", "views"], default="separate")
+    ap.add_argument("--pages", choices=["default", "small"], default="default",
+                    help="as for benchmarks/allreduce.py")
     ap.add_argument("--repeats", type=int, default=25)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args(argv)
@@ -84,12 +86,7 @@ def main(argv=None) -> int:
     if rank == 0:
         print(f"{'P':>3} {'bytes':>10} {'raw ms':>9} " + " ".join(f"{s + '/raw':>14}" for s in settings))
     for text in args.sizes.split(","):
-        nbytes = parse_size(text)
-        sizes = layer_sizes(nbytes)
-        rng = np.random.default_rng(rank)
-        layers = [rng.standard_normal(n).astype(np.float32) for n in sizes]
-        flat = np.concatenate(layers)
-        work = np.split(flat.copy(), np.cumsum(sizes)[:-1]) if args.layout == "views" else [x.copy() for x in layers]
+        _, flat, work, refill = model(rank, parse_size(text), args.layout, args.pages)
 
         def call(name):
             if name == "raw":
@@ -100,11 +97,6 @@ def main(argv=None) -> int:
                 adasum.adasum_allreduce_inplace(work, comm=comm)
             finally:
                 undo()
-
-        def refill(name):
-            for w, x in zip(work, layers):
-                w[...] = x
-            flat[...] = 0.5
 
         ratios, raws = {name: [] for name in settings}, []
         for rep in range(args.warmup + args.repeats):
