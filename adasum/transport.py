@@ -160,10 +160,11 @@ class Transport:
         messages in list order, message i both ways at once (full duplex); uneven lists finish one way.
         Items are buffers or lists of flat host pieces, as in :meth:`sendrecv`. Several messages are all
         posted at once, so that their hand-shakes overlap."""
-        if (len(sends) > 1 or len(recvs) > 1) and not self.staged and all(
-                type(b) in (np.ndarray, list) for b in (*sends, *recvs)):
-            self._post_all(sends, dest, recvs, source)
-            return
+        if (len(sends) > 1 or len(recvs) > 1) and not self.staged:
+            sends, recvs = [self._host_array(b) for b in sends], [self._host_array(b) for b in recvs]
+            if all(type(b) in (np.ndarray, list) for b in (*sends, *recvs)):
+                self._post_all(sends, dest, recvs, source)
+                return
         for i in range(max(len(sends), len(recvs))):
             if i < len(sends) and i < len(recvs):
                 self.sendrecv(sends[i], dest, recvs[i], source)
@@ -171,6 +172,13 @@ class Transport:
                 self.send(sends[i], dest)
             else:
                 self.recv(recvs[i], source)
+
+    def _host_array(self, buf):
+        """``buf`` as a numpy array where it is a host tensor of another kind (a torch CPU tensor: the
+        bytes of its own memory), so that :meth:`_post_all` can take it; anything else as it is."""
+        if type(buf) in (np.ndarray, list) or not self.adapter.is_host(buf):
+            return buf
+        return self.adapter.mpi_bytes(buf)
 
     def _post_all(self, sends: list, dest: int, recvs: list, source: int) -> None:
         """:meth:`exchange` of host messages as nonblocking requests: the receives first, then the sends
