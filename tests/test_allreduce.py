@@ -356,6 +356,42 @@ def test_torch_cpu_tensors_apart_are_combined_where_they_lie(comm, algorithm, ch
         assert all(t._version > v for t, v in zip(tensors, versions))
 
 
+def test_torch_cpu_tensors_travel_as_numpy_arrays_do(comm, algorithm, chunk_bytes, monkeypatch):
+    """Torch CPU tensors make the transport calls numpy arrays make, with the same messages: an exchange
+    of several messages posts them all at once for both kinds (taking them one after another costs a
+    hand-shake each), in place and out of place. The results are bitwise those of numpy."""
+    from adasum.transport import Transport
+
+    steps: list = []
+
+    def spy(name):
+        orig = getattr(Transport, name)
+
+        def call(self, *args, **kwargs):
+            if name == "_post_all":
+                steps.append((name, len(args[0]), len(args[2])))
+            else:
+                steps.append((name,))
+            return orig(self, *args, **kwargs)
+        return call
+
+    for name in ("_post_all", "sendrecv", "send", "recv"):
+        monkeypatch.setattr(Transport, name, spy(name))
+    rank = comm.Get_rank()
+    rng = np.random.default_rng([16, rank])
+    layers = [rng.standard_normal(n).astype(np.float32) for n in (3000, 1, 0, 700, 5000, 64)]
+    runs = {}
+    for kind in ("numpy", "torch"):
+        wrap = (lambda x: torch.from_numpy(x.copy())) if kind == "torch" else (lambda x: x.copy())
+        steps.clear()
+        inplace = [wrap(x) for x in layers]
+        adasum.adasum_allreduce_inplace(inplace, comm=comm)
+        out = adasum.adasum_allreduce([wrap(x) for x in layers], comm=comm)
+        runs[kind] = (list(steps), [np.asarray(t).tobytes() for t in inplace + list(out)])
+    assert runs["torch"][0] == runs["numpy"][0], f"rank {rank}: torch {runs['torch'][0]} numpy {runs['numpy'][0]}"
+    assert runs["torch"][1] == runs["numpy"][1], f"rank {rank}: torch results differ from numpy's"
+
+
 def _mixed_layers(rank: int, dtype: str):
     rng = np.random.default_rng([15, rank])
     sizes = (700, 1, 0, 33, 2000, 64)
