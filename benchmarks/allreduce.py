@@ -82,22 +82,35 @@ def time_rounds(comm, names, call, refill, repeats: int, warmup: int, sync=lambd
     return times
 
 
-def model(rank: int, nbytes: int, layout: str, pages: str = "default"):
+def model(rank: int, nbytes: int, layout: str, pages: str = "default", kind: str = "numpy"):
     """A rank's ten-layer float32 data of ``nbytes``: ``(layers, flat, work, refill)``. ``layers`` keeps
     the values, ``flat`` is the raw allreduce's buffer, ``work`` the tensors Adasum reduces (separate
     arrays or views of one buffer), and ``refill()`` restores both before a timed call, so that values
-    stay in range whatever the ops did to them."""
+    stay in range whatever the ops did to them. ``kind="torch"``: ``work`` and ``flat`` are CPU tensors
+    in torch's own memory (``flat`` is handed to MPI as a numpy view of it; ``pages`` does not apply)."""
     rng = np.random.default_rng(rank)
     sizes = layer_sizes(nbytes)
     layers = [rng.standard_normal(n).astype(np.float32) for n in sizes]
-    flat = _array(np.concatenate(layers), pages)
-    if layout == "views":
-        work = np.split(_array(flat, pages), np.cumsum(sizes)[:-1])
+    if kind == "torch":
+        import torch
+
+        flat_t = torch.from_numpy(np.concatenate(layers)).clone()
+        flat = flat_t.numpy()
+        if layout == "views":
+            work = list(flat_t.clone().split(sizes))
+        else:
+            work = [torch.from_numpy(x).clone() for x in layers]
+        values = [w.numpy() for w in work]  # the same memory, for refill
     else:
-        work = [_array(x, pages) for x in layers]
+        flat = _array(np.concatenate(layers), pages)
+        if layout == "views":
+            work = np.split(_array(flat, pages), np.cumsum(sizes)[:-1])
+        else:
+            work = [_array(x, pages) for x in layers]
+        values = work
 
     def refill(name=None):
-        for w, x in zip(work, layers):
+        for w, x in zip(values, layers):
             w[...] = x
         flat[...] = 0.5
 
@@ -105,9 +118,9 @@ def model(rank: int, nbytes: int, layout: str, pages: str = "default"):
 
 
 def run(comm, nbytes: int, ops, repeats: int, warmup: int, hierarchical: bool, layout: str,
-        pages: str = "default") -> dict:
+        pages: str = "default", kind: str = "numpy") -> dict:
     size = comm.Get_size()
-    layers, flat, work, refill = model(comm.Get_rank(), nbytes, layout, pages)
+    layers, flat, work, refill = model(comm.Get_rank(), nbytes, layout, pages, kind)
     sizes = [x.size for x in layers]
     names = _methods(comm, ops, hierarchical)
 
@@ -159,6 +172,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pages", choices=["default", "small"], default="default",
                     help="the memory of the layers and of the raw allreduce's buffer: numpy's (huge pages "
                          "for arrays of 4 MiB and more) or 4 KiB pages only")
+    ap.add_argument("--kind", choices=["numpy", "torch"], default="numpy",
+                    help="numpy arrays, or torch CPU tensors (the layers and the raw allreduce's buffer in "
+                         "torch's memory; --pages does not apply)")
     ap.add_argument("--repeats", type=int, default=0, help="repeats per size (default: by size)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", help="write the results to this JSON file (rank 0)")
@@ -170,8 +186,8 @@ def main(argv=None) -> int:
     for s in args.sizes.split(","):
         nbytes = parse_size(s)
         repeats = args.repeats or int(np.clip(2e8 / max(nbytes, 1), 7, 51))
-        res = run(comm, nbytes, ops, repeats, args.warmup, args.hierarchical, args.layout, args.pages)
-        res["layout"], res["pages"] = args.layout, args.pages
+        res = run(comm, nbytes, ops, repeats, args.warmup, args.hierarchical, args.layout, args.pages, args.kind)
+        res["layout"], res["pages"], res["kind"] = args.layout, args.pages, args.kind
         res["repeats"] = repeats
         results.append(res)
         if comm.Get_rank() == 0:

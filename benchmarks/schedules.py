@@ -73,6 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", choices=["separate", "views"], default="separate")
     ap.add_argument("--pages", choices=["default", "small"], default="default",
                     help="as for benchmarks/allreduce.py")
+    ap.add_argument("--kind", choices=["numpy", "torch"], default="numpy", help="as for benchmarks/allreduce.py")
     ap.add_argument("--repeats", type=int, default=25)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args(argv)
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
     if rank == 0:
         print(f"{'P':>3} {'bytes':>10} {'raw ms':>9} " + " ".join(f"{s + '/raw':>14}" for s in settings))
     for text in args.sizes.split(","):
-        _, flat, work, refill = model(rank, parse_size(text), args.layout, args.pages)
+        _, flat, work, refill = model(rank, parse_size(text), args.layout, args.pages, args.kind)
 
         def call(name):
             if name == "raw":

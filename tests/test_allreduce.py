@@ -426,6 +426,57 @@ def test_compiled_small_call_gives_the_bits_of_the_python_one(comm, algorithm, d
     assert len(set(results[True])) == 1  # every way of passing the tensors gives the same bits
 
 
+def test_small_calls_on_torch_tensors_follow_their_memory(comm, algorithm):
+    """The small call keeps numpy views of torch tensors between calls. The same tensor objects with new
+    memory (``.data`` replaced, ``set_``), transposed in place (same shape, not contiguous), or other
+    tensors at the same addresses must each give the result of fresh tensors, in their current memory."""
+    rank = comm.Get_rank()
+    rng = np.random.default_rng([17, rank])
+    values = [rng.standard_normal(s).astype(np.float32) for s in ((40, 40), (300,), (7,))]
+
+    def want():
+        fresh = [torch.from_numpy(v.copy()) for v in values]
+        adasum.adasum_allreduce_inplace(fresh, comm=comm)
+        return [f.numpy().tobytes() for f in fresh]
+
+    expected = want()
+    tensors = [torch.from_numpy(v.copy()) for v in values]
+    for step in range(2):  # the second call finds the views it kept
+        for t, v in zip(tensors, values):
+            t.copy_(torch.from_numpy(v))
+        adasum.adasum_allreduce_inplace(tensors, comm=comm)
+        assert [t.numpy().tobytes() for t in tensors] == expected, f"rank {rank}, call {step}"
+    old = tensors[1]
+    tensors[1].data = torch.from_numpy(values[1].copy())  # same object, other memory
+    tensors[2].set_(torch.from_numpy(values[2].copy()))
+    tensors[0].copy_(torch.from_numpy(values[0]))
+    adasum.adasum_allreduce_inplace(tensors, comm=comm)
+    assert [t.numpy().tobytes() for t in tensors] == expected
+    assert old is tensors[1]
+    # the same object restrided in place: same shape and address, every other element of its storage
+    spread = torch.zeros(2 * values[1].size)
+    spread[0::2] = torch.from_numpy(values[1])
+    tensors[1].set_(spread.untyped_storage(), 0, (values[1].size,))
+    for t, v in ((tensors[0], values[0]), (tensors[2], values[2])):
+        t.copy_(torch.from_numpy(v))
+    adasum.adasum_allreduce_inplace(tensors, comm=comm)  # contiguous: keeps views of the new memory
+    tensors[1].set_(spread.untyped_storage(), 0, (values[1].size,))
+    for t, v in ((tensors[0], values[0]), (tensors[2], values[2])):
+        t.copy_(torch.from_numpy(v))
+    spread[0::2] = torch.from_numpy(values[1])
+    address = tensors[1].data_ptr()
+    tensors[1].as_strided_((values[1].size,), (2,))
+    assert not tensors[1].is_contiguous() and tensors[1].data_ptr() == address
+    adasum.adasum_allreduce_inplace(tensors, comm=comm)
+    assert [np.ascontiguousarray(t.numpy()).tobytes() for t in tensors] == expected
+    # new tensor objects, possibly at the addresses of freed ones
+    for _ in range(3):
+        del tensors
+        tensors = [torch.from_numpy(v.copy()) for v in values]
+        adasum.adasum_allreduce_inplace(tensors, comm=comm)
+        assert [t.numpy().tobytes() for t in tensors] == expected
+
+
 def test_ranks_may_mix_compiled_and_python_small_calls(comm, algorithm):
     """Half the ranks make the compiled small call, half the Python one: same messages, same bits; and a
     disagreement raises on every rank, whichever way it made the call."""
