@@ -269,7 +269,7 @@ def _small_adasum(items: list, comm: MPI.Intracomm, inplace: bool):
         call = plan.small = call.on(comm, library_comm(comm))
     live = call.live(items)
     g = call.group
-    host = live if g.adapter.kind == "numpy" else call.host_views(live)  # torch: the same memory
+    host = live if g.adapter.kind == "numpy" else g.adapter.host_views(live)  # torch: the same memory
     try:
         where = _kernels.layout(host, inplace)  # contiguous (and writable, in place), or it raises
     except (BufferError, ValueError):

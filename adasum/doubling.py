@@ -16,7 +16,6 @@ import ctypes
 import functools
 import os
 import re
-import weakref
 from typing import Sequence
 
 import numpy as np
@@ -151,8 +150,6 @@ def set_native(enabled: bool) -> None:
     _native = _bind_native_mpi() if enabled else False
 
 
-_KEPT_VIEWS = 8  # lists of torch tensors whose numpy views a SmallCall keeps
-
 
 class SmallCall:
     """:func:`adasum_reduce_doubling` of one plan's single host group (float32/float64, compiled kernels)
@@ -164,7 +161,7 @@ class SmallCall:
     def __init__(self, comm, lcomm, group: Group, layers: list[int], span_array, count: int):
         self.comm, self.lcomm, self.group = comm, lcomm, group
         self.layers, self.span_array, self.count = layers, span_array, count
-        self.program, self._buffers, self._views = None, None, {}
+        self.program, self._buffers = None, None
         if lcomm is not None:
             self.role = schedule(lcomm.Get_size(), lcomm.Get_rank())
             self.transport = Transport(lcomm, group.adapter, group.device, staged=False)
@@ -212,29 +209,6 @@ class SmallCall:
             buf, scr = buf.numpy(), scr.numpy()
         self._buffers = (pool_generation(), buf, scr)
         return buf, scr
-
-    def host_views(self, live: list) -> list:
-        """numpy views of the memory of torch CPU tensors ``live``, kept while the same tensor objects come
-        back with the same memory, contiguous (making them costs microseconds per tensor: as much as the
-        rest of a small call). Shapes and dtypes are the plan's. Views of a few lists are kept, for loops
-        that reduce several lists of the same shapes."""
-        key = id(live[0]) if live else 0
-        kept = self._views.get(key)
-        if kept is not None and len(kept[0]) == len(live):
-            for (ref, address), t in zip(kept[0], live):
-                if ref() is not t or t.data_ptr() != address or not t.is_contiguous():
-                    break
-            else:
-                return kept[1]
-        views = [t.detach().numpy() for t in live]
-        try:
-            refs = [(weakref.ref(t), t.data_ptr()) for t in live]
-        except TypeError:  # a tensor subclass without weak references: not kept
-            return views
-        if len(self._views) >= _KEPT_VIEWS:
-            self._views.pop(next(iter(self._views)))
-        self._views[key] = (refs, views)
-        return views
 
     def on(self, comm, lcomm) -> "SmallCall":
         """The same call on another communicator (``lcomm``: the library's duplicate of ``comm``)."""
