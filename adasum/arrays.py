@@ -540,7 +540,8 @@ class TorchAdapter(Adapter):
     def host_views(self, tensors) -> list:
         """numpy views of the memory of CPU tensors of one dtype, kept while the same tensor objects come
         back with the same memory, shape and contiguity: making them costs microseconds per tensor, as
-        much as the rest of a small call. Views of a few lists are kept, for loops that reduce several."""
+        much as the rest of a small call. Views of a few lists are kept, for loops that reduce several;
+        a list's views are dropped as soon as one of its tensors is freed."""
         key = id(tensors[0]) if tensors else 0
         kept = self._views.get(key)
         if kept is not None and len(kept[0]) == len(tensors):
@@ -550,13 +551,20 @@ class TorchAdapter(Adapter):
             else:
                 return kept[1]
         views = [t.detach().numpy() for t in tensors]
+        entry: list = []
+
+        def forget(_, key=key):  # a tensor is gone: its views must not keep its memory alive
+            if entry and self._views.get(key) is entry[0]:
+                del self._views[key]
+
         try:
-            refs = [(weakref.ref(t), t.data_ptr(), t.shape) for t in tensors]
+            refs = [(weakref.ref(t, forget), t.data_ptr(), t.shape) for t in tensors]
         except TypeError:  # a tensor subclass without weak references: not kept
             return views
         if len(self._views) >= _KEPT_VIEWS:
             self._views.pop(next(iter(self._views)))
-        self._views[key] = (refs, views)
+        entry.append((refs, views))
+        self._views[key] = entry[0]
         return views
 
     def wrote_parts(self, tensors) -> None:

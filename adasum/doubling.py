@@ -150,7 +150,6 @@ def set_native(enabled: bool) -> None:
     _native = _bind_native_mpi() if enabled else False
 
 
-
 class SmallCall:
     """:func:`adasum_reduce_doubling` of one plan's single host group (float32/float64, compiled kernels)
     on one communicator, with all that stays the same between calls worked out once: the schedule, the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import platform
 
 import numpy as np
@@ -475,6 +476,12 @@ def test_small_calls_on_torch_tensors_follow_their_memory(comm, algorithm):
         tensors = [torch.from_numpy(v.copy()) for v in values]
         adasum.adasum_allreduce_inplace(tensors, comm=comm)
         assert [t.numpy().tobytes() for t in tensors] == expected
+    # freed tensors leave nothing behind: no kept view holds their memory
+    kept = adasum.arrays.adapter_for(tensors[0])._views
+    assert kept, "the views of the live tensors are kept"
+    del tensors, old
+    gc.collect()
+    assert not kept, f"rank {rank}: views of freed tensors are still kept"
 
 
 def test_ranks_may_mix_compiled_and_python_small_calls(comm, algorithm):
