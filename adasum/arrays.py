@@ -551,20 +551,19 @@ class TorchAdapter(Adapter):
             else:
                 return kept[1]
         views = [t.detach().numpy() for t in tensors]
-        entry: list = []
+        entry = [None, views]  # [(weak reference, address, shape) per tensor, views]
 
         def forget(_, key=key):  # a tensor is gone: its views must not keep its memory alive
-            if entry and self._views.get(key) is entry[0]:
+            if self._views.get(key) is entry:
                 del self._views[key]
 
         try:
-            refs = [(weakref.ref(t, forget), t.data_ptr(), t.shape) for t in tensors]
+            entry[0] = [(weakref.ref(t, forget), t.data_ptr(), t.shape) for t in tensors]
         except TypeError:  # a tensor subclass without weak references: not kept
             return views
         if len(self._views) >= _KEPT_VIEWS:
             self._views.pop(next(iter(self._views)))
-        entry.append((refs, views))
-        self._views[key] = entry[0]
+        self._views[key] = entry
         return views
 
     def wrote_parts(self, tensors) -> None:

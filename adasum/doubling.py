@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import re
 from typing import Sequence
 
 import numpy as np
@@ -113,15 +112,7 @@ def _bind_native_mpi() -> bool:
         return False
     if os.environ.get("ADASUM_NATIVE_MPI", "1").strip().lower() in ("0", "false", "no", "off"):
         return False
-    try:
-        with open("/proc/self/maps") as maps:
-            fields = [line.split(None, 5) for line in maps]
-    except OSError:
-        return False
-    paths = list(dict.fromkeys(f[5].strip() for f in fields if len(f) == 6))
-    for path in paths:
-        if not re.fullmatch(r"libmpi\.so(\.\d+)*", os.path.basename(path)):
-            continue
+    for path in _transport.mapped_mpi_libraries():
         try:
             lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)  # only a library already loaded
             funcs = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value

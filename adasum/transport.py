@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -307,17 +308,23 @@ def cuda_aware_mpi() -> bool:
     return _cuda_aware
 
 
+def mapped_mpi_libraries() -> list[str]:
+    """Paths of the MPI libraries mapped into this process (``libmpi.so*``, the one mpi4py loaded), read
+    from /proc/self/maps; empty where there is none or no /proc."""
+    try:
+        with open("/proc/self/maps") as maps:
+            fields = [line.split(None, 5) for line in maps]
+    except OSError:
+        return []
+    paths = dict.fromkeys(f[5].strip() for f in fields if len(f) == 6)
+    return [p for p in paths if re.fullmatch(r"libmpi\.so(\.\d+)*", os.path.basename(p))]
+
+
 def _query_cuda_support() -> bool:
     """Ask the loaded MPI library through its MPIX extension; False where it has none."""
     import ctypes
 
-    libs = []
-    try:
-        with open("/proc/self/maps") as maps:
-            libs = sorted({line.split()[-1] for line in maps if "libmpi" in line and ".so" in line})
-    except OSError:
-        pass
-    for path in [None, *libs]:
+    for path in [None, *mapped_mpi_libraries()]:
         try:
             lib = ctypes.CDLL(path)
             fn = getattr(lib, "MPIX_Query_cuda_support")
