@@ -236,8 +236,8 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
 
     if inplace:
         for g, mine in zip(groups, members):
-            if g.writes_parts:
-                g.adapter.wrote_parts(mine)
+            if g.writes_parts or (g.aliased and size > 1):
+                g.adapter.wrote_parts(mine)  # written through other views of their memory
             elif g.size > 0 and not g.aliased:
                 g.adapter.write_back(mine, g.buffer, g.bounds, g.spans)
         return tensors

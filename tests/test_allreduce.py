@@ -357,6 +357,24 @@ def test_torch_cpu_tensors_apart_are_combined_where_they_lie(comm, algorithm, ch
         assert all(t._version > v for t, v in zip(tensors, versions))
 
 
+@pytest.mark.parametrize("op", ["adasum", "sum", "mean"])
+def test_torch_views_of_one_tensor_are_marked_modified(comm, algorithm, op):
+    """In place on views of one flat tensor (reduced in its memory, with no copy): autograd sees every
+    view as modified in place, as it does for a torch in-place operation, on the first call and on a
+    later one with the same tensors (the kept plan)."""
+    rank = comm.Get_rank()
+    flat = torch.from_numpy(np.random.default_rng([15, rank]).standard_normal(6000).astype(np.float32))
+    views = list(flat.split([1000, 0, 2000, 3000]))
+    for _ in range(2):
+        want = adasum.adasum_allreduce([v.clone() for v in views], op=op)
+        versions = [t._version for t in views]
+        adasum.adasum_allreduce_inplace(views, op=op)
+        for i, (t, w) in enumerate(zip(views, want)):
+            assert t.numpy().tobytes() == w.numpy().tobytes(), f"rank {rank}: tensor {i} differs"
+        if comm.Get_size() > 1:
+            assert all(t._version > v for t, v in zip(views, versions)), f"rank {rank}: {versions}"
+
+
 def test_torch_cpu_tensors_travel_as_numpy_arrays_do(comm, algorithm, chunk_bytes, monkeypatch):
     """Torch CPU tensors make the transport calls numpy arrays make, with the same messages: an exchange
     of several messages posts them all at once for both kinds (taking them one after another costs a
