@@ -44,14 +44,28 @@ def layer_sizes(nbytes: int, itemsize: int = 4) -> list[int]:
 
 def _array(values: np.ndarray, pages: str) -> np.ndarray:
     """A copy of ``values`` in numpy's own memory (``default``: numpy advises transparent huge pages for
-    arrays of 4 MiB and more) or in memory advised against huge pages (``small``: 4 KiB pages only)."""
+    arrays of 4 MiB and more), in memory advised against huge pages (``small``: 4 KiB pages only), or in
+    private memory of its own that starts on a 2 MiB boundary and is advised for huge pages before it is
+    first touched (``huge``: every array on 2 MiB pages, as far as the kernel has them)."""
     if pages == "default":
         return values.copy()
+    if pages == "huge":
+        n = max(values.nbytes, 1) + HUGE_PAGE
+        m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory has no THP here
+        m.madvise(mmap.MADV_HUGEPAGE)
+        raw = np.frombuffer(m, np.uint8)
+        start = -raw.ctypes.data % HUGE_PAGE
+        out = raw[start:start + values.nbytes].view(values.dtype)
+        out[...] = values
+        return out
     m = mmap.mmap(-1, max(values.nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     m.madvise(mmap.MADV_NOHUGEPAGE)
     out = np.frombuffer(m, values.dtype, count=values.size)
     out[...] = values
     return out
+
+
+HUGE_PAGE = 2 << 20
 
 
 def _methods(comm, ops, hierarchical):
@@ -169,9 +183,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", choices=["separate", "views"], default="separate",
                     help="the layers as separate arrays (reduced through a fused copy) or as consecutive views "
                          "of one flat buffer (reduced in place, no copy)")
-    ap.add_argument("--pages", choices=["default", "small"], default="default",
+    ap.add_argument("--pages", choices=["default", "small", "huge"], default="default",
                     help="the memory of the layers and of the raw allreduce's buffer: numpy's (huge pages "
-                         "for arrays of 4 MiB and more) or 4 KiB pages only")
+                         "for arrays of 4 MiB and more), 4 KiB pages only, or 2 MiB pages for every array")
     ap.add_argument("--kind", choices=["numpy", "torch"], default="numpy",
                     help="numpy arrays, or torch CPU tensors (the layers and the raw allreduce's buffer in "
                          "torch's memory; --pages does not apply)")
