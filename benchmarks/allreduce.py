@@ -181,8 +181,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", default="adasum,sum,mean", help="adasum ops to time next to the raw allreduce")
     ap.add_argument("--hierarchical", action="store_true", help="also time hierarchical Adasum")
     ap.add_argument("--layout", choices=["separate", "views"], default="separate",
-                    help="the layers as separate arrays (reduced through a fused copy) or as consecutive views "
-                         "of one flat buffer (reduced in place, no copy)")
+                    help="the layers as separate arrays (combined where they lie, from 2 MiB per call) or as "
+                         "consecutive views of one flat buffer (reduced in its memory, no copy)")
     ap.add_argument("--pages", choices=["default", "small", "huge"], default="default",
                     help="the memory of the layers and of the raw allreduce's buffer: numpy's (huge pages "
                          "for arrays of 4 MiB and more), 4 KiB pages only, or 2 MiB pages for every array")
