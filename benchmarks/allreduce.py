@@ -49,22 +49,19 @@ def _array(values: np.ndarray, pages: str) -> np.ndarray:
     first touched (``huge``: every array on 2 MiB pages, as far as the kernel has them)."""
     if pages == "default":
         return values.copy()
-    if pages == "huge":
-        n = max(values.nbytes, 1) + HUGE_PAGE
-        m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory has no THP here
-        m.madvise(mmap.MADV_HUGEPAGE)
-        raw = np.frombuffer(m, np.uint8)
-        start = -raw.ctypes.data % HUGE_PAGE
-        out = raw[start:start + values.nbytes].view(values.dtype)
-        out[...] = values
-        return out
-    m = mmap.mmap(-1, max(values.nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    m.madvise(mmap.MADV_NOHUGEPAGE)
-    out = np.frombuffer(m, values.dtype, count=values.size)
+    huge = pages == "huge"
+    # private memory: the kernel gives shared anonymous memory no transparent huge pages here
+    m = mmap.mmap(-1, max(values.nbytes, 1) + (HUGE_PAGE if huge else 0),
+                  flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
+    raw = np.frombuffer(m, np.uint8)
+    start = -raw.ctypes.data % HUGE_PAGE if huge else 0
+    out = raw[start:start + values.nbytes].view(values.dtype)
     out[...] = values
     return out
 
 
+PAGES = ("default", "small", "huge")  # --pages, here and in benchmarks/schedules.py
 HUGE_PAGE = 2 << 20
 
 
@@ -183,7 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", choices=["separate", "views"], default="separate",
                     help="the layers as separate arrays (combined where they lie, from 2 MiB per call) or as "
                          "consecutive views of one flat buffer (reduced in its memory, no copy)")
-    ap.add_argument("--pages", choices=["default", "small", "huge"], default="default",
+    ap.add_argument("--pages", choices=PAGES, default="default",
                     help="the memory of the layers and of the raw allreduce's buffer: numpy's (huge pages "
                          "for arrays of 4 MiB and more), 4 KiB pages only, or 2 MiB pages for every array")
     ap.add_argument("--kind", choices=["numpy", "torch"], default="numpy",

@@ -35,7 +35,7 @@ import adasum
 import adasum.allreduce as _ar
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from allreduce import model, parse_size  # noqa: E402
+from allreduce import PAGES, model, parse_size  # noqa: E402
 
 
 def _apply(setting: str):
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="1MiB,2MiB,3MiB,4MiB,6MiB,8MiB")
     ap.add_argument("--settings", default="auto,halving,doubling")
     ap.add_argument("--layout", choices=["separate", "views"], default="separate")
-    ap.add_argument("--pages", choices=["default", "small", "huge"], default="default",
+    ap.add_argument("--pages", choices=PAGES, default="default",
                     help="as for benchmarks/allreduce.py")
     ap.add_argument("--kind", choices=["numpy", "torch"], default="numpy", help="as for benchmarks/allreduce.py")
     ap.add_argument("--repeats", type=int, default=25)
