@@ -11,6 +11,7 @@ from .arrays import kernels_backend
 from .transport import Traffic, count_traffic, cuda_aware_mpi, get_gpu_transport, set_gpu_transport
 from .validate import AdasumMismatchError
 from .fusion import release_buffers
+from .world import local_rank, local_size, rank, size
 
 __all__ = [
     "Op",
@@ -26,6 +27,10 @@ __all__ = [
     "get_gpu_transport",
     "set_gpu_transport",
     "release_buffers",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
 ]
 
 __version__ = "0.1.0"

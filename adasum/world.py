@@ -1,0 +1,49 @@
+"""Who am I in the job: the rank and size of a communicator, and of this rank's node.
+
+Training scripts need these before anything else: ``local_rank()`` picks the GPU
+(``torch.cuda.set_device(adasum.local_rank())``), ``rank()`` and ``size()`` shard the data. A node is a
+group of ``comm.Split_type(MPI.COMM_TYPE_SHARED)``: the ranks that share memory, as the hierarchical mode
+sees them, with local ranks in rank order.
+"""
+
+from __future__ import annotations
+
+from mpi4py import MPI
+
+__all__ = ["rank", "size", "local_rank", "local_size"]
+
+
+def _comm(comm: MPI.Intracomm | None) -> MPI.Intracomm:
+    return MPI.COMM_WORLD if comm is None else comm
+
+
+def rank(comm: MPI.Intracomm | None = None) -> int:
+    """This process's rank in ``comm`` (default ``MPI.COMM_WORLD``)."""
+    return _comm(comm).Get_rank()
+
+
+def size(comm: MPI.Intracomm | None = None) -> int:
+    """The number of ranks in ``comm`` (default ``MPI.COMM_WORLD``)."""
+    return _comm(comm).Get_size()
+
+
+def _layout(comm: MPI.Intracomm | None):
+    from .hierarchical import node_layout
+    from .transport import library_comm
+
+    return node_layout(library_comm(_comm(comm)))
+
+
+def local_rank(comm: MPI.Intracomm | None = None) -> int:
+    """This rank's position among the ranks of ``comm`` on its node (0 for the node's lowest rank).
+
+    Collective the first time on a communicator (every rank of ``comm`` must call it, or
+    :func:`local_size`, or a hierarchical allreduce): the node layout is found then and kept.
+    """
+    return _layout(comm).local_rank
+
+
+def local_size(comm: MPI.Intracomm | None = None) -> int:
+    """The number of ranks of ``comm`` on this rank's node. Collective the first time, as :func:`local_rank`."""
+    layout = _layout(comm)
+    return len(layout.nodes[layout.node])
