@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -21,6 +22,8 @@ from mpi4py import MPI
 from ..allreduce import Op, adasum_allreduce_inplace
 from ..transport import library_comm
 from .accumulate import AccumulationWindow
+from .compress import reduce_16bit, wire_dtype
+from .overlap import BucketPlan, CommThread
 
 __all__ = ["DistributedOptimizer"]
 
@@ -70,12 +73,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
             and rank 0 logs it once (logger ``"adasum"``). With adasum a rank whose own gradients are
             non-finite skips its local step (its optimizer state stays finite); the other ranks have taken
             theirs, and their optimizer state keeps it. Off: non-finite values reach the parameters.
+        overlap: communicate during backward. On the backward that closes a window, a hook on every
+            parameter collects the parameters into buckets as backward finishes them; each complete bucket
+            is handed to a background thread at once, which for ``op="adasum"`` takes that bucket's local
+            step and reduces its deltas, and for ``"sum"``/``"mean"`` reduces its gradients (the local step
+            then runs in ``step()``). ``step()`` waits for the buckets and applies them. The results are
+            bitwise those of ``overlap=False`` for adasum (within float rounding for sum/mean). The first
+            boundary runs without overlap and records the order in which backward produced the gradients
+            (rank 0's order, shared by every rank). A boundary that uses a closure, or a loop that calls
+            :meth:`finalize_gradients` / :meth:`clip_grad_norm_` with ``op="adasum"`` (clipping by the norm
+            of all gradients before the local step), runs without overlap. See the README for the rules.
+        bucket_bytes: with ``overlap``, the smallest bucket in bytes of parameters (the last may be smaller).
+        compression: ``None``, ``"fp16"`` or ``"bf16"``: the deltas (adasum) or gradients (sum/mean) travel
+            as 16-bit floats, half the bytes; the dot products, norms and the combine (adasum) or the sums
+            (sum/mean) run in float32 or wider on the values that arrived, and the result is rounded to 16
+            bits once before it is applied. ``"fp16"`` overflows to Inf beyond 65504 (an update is then
+            skipped); ``"bf16"`` keeps float32's range with 8 bits of precision.
 
     Attributes:
         is_boundary: whether the last ``step()`` closed a window.
         step_was_skipped: whether that boundary's update was skipped for non-finite values.
         skipped_updates: boundaries skipped so far.
         boundaries: windows closed so far.
+        overlapped_boundaries: boundaries whose buckets were reduced during backward (``overlap``).
+        buckets_started_in_backward: of the last such boundary, how many buckets were handed to the
+            thread before ``step()`` was called.
     """
 
     # GradScaler.step(opt) hands scaling over to optimizers that say this; step() then tells the user to
@@ -84,7 +106,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer, *, op: str | Op = "adasum", accumulation_steps: int = 1,
                  comm: MPI.Intracomm | None = None, start_copy: str = "device", grad_scaler=None,
-                 skip_nonfinite: bool = True, hierarchical: bool = False):
+                 skip_nonfinite: bool = True, hierarchical: bool = False, overlap: bool = True,
+                 bucket_bytes: int = 4 << 20, compression: str | None = None):
         # torch.optim.Optimizer.__init__ is not called: the wrapped optimizer owns groups, state, defaults.
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer; wrap the torch optimizer only once")
@@ -105,8 +128,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if grad_scaler is not None and not all(callable(getattr(grad_scaler, m, None))
                                                for m in ("scale", "update", "get_scale", "is_enabled")):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
         self.optimizer = optimizer
         self.comm = comm
+        self.compression = None if wire_dtype(compression) is None else compression
+        self._wire = wire_dtype(compression)
+        self.bucket_bytes = bucket_bytes
+        # Overlap needs a second thread in MPI; without MPI_THREAD_MULTIPLE every boundary runs in step().
+        self.overlap = bool(overlap) and comm.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self.start_copy = start_copy
         self.grad_scaler = grad_scaler
         self.skip_nonfinite = bool(skip_nonfinite)
@@ -120,6 +150,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._scaler_good_steps = 0  # boundaries since the scale last changed (GradScaler's growth tracker)
         self._start: list[torch.Tensor] = []
         self._check_agreement()
+        # Overlap state: the thread's own duplicate of comm, the thread, the hooks, the bucket plan (None
+        # until a boundary has been observed), this backward's progress, and why overlap is off for good.
+        self._ocomm: MPI.Intracomm | None = None
+        self._thread: CommThread | None = None
+        self._hooks: list = []
+        self._hooked: list[int] = []
+        self._plan: BucketPlan | None = None
+        self._bw: dict[str, Any] | None = None
+        self._in_close = False
+        self._no_overlap: str | None = None
+        self.overlapped_boundaries = 0       # boundaries whose buckets were reduced during backward
+        self.buckets_started_in_backward = 0  # of the last such boundary, buckets handed over before step()
+        if self.overlap:
+            self._ocomm = comm.Dup()
+            library_comm(self._ocomm)  # the library's own duplicate, made here on the main thread
+            self._thread = CommThread(f"adasum-overlap-{self._ocomm.Get_rank()}")
+            self._finalizer = weakref.finalize(self, _release, self._thread, self._ocomm, self._hooks)
+            self._install_hooks()
 
     # --- the wrapped optimizer's own attributes ------------------------------------------------------------
 
@@ -142,6 +190,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer. Collective in effect: every rank must add the same shapes."""
         self.optimizer.add_param_group(param_group)
+        if self.overlap:
+            self._install_hooks()
+
+    def close(self) -> None:
+        """Stop the overlap thread, remove the hooks and free the thread's communicator (done on garbage
+        collection too). Later boundaries run without overlap. Collective: every rank closes alike."""
+        if self.overlap:
+            self._finish_overlap(self._params(), raise_errors=False)
+            self._finalizer()
+            self.overlap = False
 
     def __getattr__(self, name: str):
         optimizer = self.__dict__.get("optimizer")
@@ -155,7 +213,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return (f"DistributedOptimizer(op={self.op!r}, accumulation_steps={self.accumulation_steps}, "
-                f"size={self.comm.Get_size()}, optimizer={self.optimizer!r})")
+                f"overlap={self.overlap}, compression={self.compression!r}, size={self.comm.Get_size()}, "
+                f"optimizer={self.optimizer!r})")
 
     # --- accumulation ----------------------------------------------------------------------------------------
 
@@ -219,7 +278,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not self._window.closes_next:
             return False
         if not self._prepared:
-            self._prepare(self._params(), self._window.seen + 1)
+            params = self._params()
+            if self.op == "adasum":
+                # Processing all gradients before the local step cannot overlap with adasum: from now on
+                # every boundary runs in step().
+                self._no_overlap = "finalize_gradients"
+                if self._bw is not None and not self._bw["observe"]:
+                    self._finish_overlap(params, raise_errors=False)
+                    with torch.no_grad():
+                        self._apply_start([p.detach() for p in params], self._start, "copy")
+                    self._bw = None
+                    raise RuntimeError(
+                        "finalize_gradients()/clip_grad_norm_() was called at a boundary whose local steps "
+                        "already ran during backward (overlap with op='adasum'); the parameters are restored "
+                        "to the window's start. Call it at every boundary from the first one on (overlap then "
+                        "stays off), or construct the optimizer with overlap=False")
+            if not self._finish_overlap(params):
+                self._prepare(params, self._window.seen + 1)
         return True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs) -> torch.Tensor | None:
@@ -259,22 +334,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._close_window(closure, self._window.seen)
 
     def _close_window(self, closure, count: int):
+        self._in_close = True
         try:
             params = self._params()
-            if not self._prepared:
+            if closure is not None and self._bw is not None and not self._bw["observe"]:
+                self._finish_overlap(params, raise_errors=False)
+                with torch.no_grad():
+                    self._apply_start([p.detach() for p in params], self._start, "copy")
+                raise RuntimeError("step(closure) at a boundary whose buckets were already reduced during "
+                                   "backward; use overlap=False with closures")
+            scale = self._scale() if self._bw is None else self._bw["scale"]
+            overlapped = self._finish_overlap(params)
+            if not overlapped and not self._prepared:
                 self._prepare(params, count)
-            scale = self._scale()
             if self.op == "adasum" and self.comm.Get_size() > 1:
-                ok, loss = self._adasum_step(params, closure)
+                if overlapped:
+                    ok, loss = self._apply_combined(params), None
+                else:
+                    ok, loss = self._adasum_step(params, closure)
             else:
                 ok = not self.skip_nonfinite or _all_finite(_grads(params))
                 loss = self._local_step(closure) if ok else None
             if not ok:
                 self._record_skip()
             self._update_scaler(scale, ok)
+            if self.overlap and (self._plan is None or [id(p) for p in params] != self._hooked):
+                self._make_plan(params)
         finally:
             self._window.close()
             self._prepared = False
+            self._in_close = False
+            self._bw = None
         self.boundaries += 1
         self.is_boundary = True
         return loss
@@ -294,13 +384,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if divisor != 1.0 and grads:
             torch._foreach_div_(grads, divisor)
         if self.op != "adasum" and self.comm.Get_size() > 1 and params:
-            self._reduce_gradients(params)
+            for p, g in self._reduce_gradients(params, self.comm):
+                p.grad = g
         self._prepared = True
 
-    def _reduce_gradients(self, params: list[torch.Tensor]) -> None:
+    def _reduce_gradients(self, params: list[torch.Tensor], comm: MPI.Intracomm) -> list:
         """Sum or mean of the gradients in one fused call. A parameter without a gradient takes part with
         zeros; it gets the reduced gradient if some rank had one, else it stays without (so the wrapped
-        optimizer skips it on every rank alike). One extra layer carries which ranks had gradients."""
+        optimizer skips it on every rank alike). One extra layer carries which ranks had gradients.
+        Returns the (parameter, gradient) pairs to set: the caller sets them (on the main thread)."""
         ref = params[0]
         have = torch.tensor([p.grad is not None for p in params], dtype=ref.dtype, device=ref.device)
         tensors, missing = [], []
@@ -310,12 +402,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 tensors.append(torch.zeros_like(p, memory_format=torch.contiguous_format))
             else:
                 tensors.append(p.grad)
-        adasum_allreduce_inplace(tensors + [have], op=self.op, comm=self.comm)
+        if self._wire is None:
+            adasum_allreduce_inplace(tensors + [have], op=self.op, comm=comm)
+        else:
+            reduce_16bit(tensors + [have], self._wire, library_comm(comm), self.op == "mean")
+        out = []
         if missing:
             somewhere = (have > 0).tolist()
             for i in missing:
                 if somewhere[i]:
-                    params[i].grad = tensors[i]
+                    out.append((params[i], tensors[i]))
+        return out
+
+    def _reduce_deltas(self, deltas: list[torch.Tensor], comm: MPI.Intracomm) -> None:
+        """Adasum of the deltas in place, travelling as the ``compression`` dtype where one is set."""
+        if self._wire is None:
+            adasum_allreduce_inplace(deltas, op="adasum", comm=comm, hierarchical=self.hierarchical)
+            return
+        wire = [d.to(self._wire) for d in deltas]
+        adasum_allreduce_inplace(wire, op="adasum", comm=comm, hierarchical=self.hierarchical)
+        for d, w in zip(deltas, wire):
+            d.copy_(w)
 
     def _adasum_step(self, params: list[torch.Tensor], closure):
         """Local step, Adasum of the deltas, start + combined delta; (False, …) and no change if non-finite."""
@@ -332,26 +439,217 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     if d.numel():
                         d.fill_(float("nan"))
                         break
-            adasum_allreduce_inplace(deltas, op="adasum", comm=self.comm, hierarchical=self.hierarchical)
+            self._reduce_deltas(deltas, self.comm)
             ok = not self.skip_nonfinite or _all_finite(deltas)
             self._apply_start(deltas, start, "add" if ok else "copy")
         return ok, loss
 
     def _keep_start(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """Copy the parameters into the kept start buffers, (re)allocating them when the parameters changed."""
+        start = self._ensure_start(params)
+        self._copy_start(start, params)
+        return start
+
+    def _ensure_start(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         host = self.start_copy == "host"
         start = self._start
         if len(start) != len(params) or any(
                 s.shape != p.shape or s.dtype != p.dtype or (not host and s.device != p.device)
                 for s, p in zip(start, params)):
             start = self._start = [_host_like(p) if host else torch.empty_like(p) for p in params]
+        return start
+
+    def _copy_start(self, start: list[torch.Tensor], params: list[torch.Tensor]) -> None:
         with torch.no_grad():
-            if host:
+            if self.start_copy == "host":
                 for s, p in zip(start, params):
                     s.copy_(p.detach(), non_blocking=True)
             elif start:
                 torch._foreach_copy_(start, [p.detach() for p in params])
-        return start
+
+    # --- overlap: hooks, buckets and the communication thread -------------------------------------------------
+
+    def _install_hooks(self) -> None:
+        """(Re)register one post-accumulate-grad hook per trained parameter; the bucket plan starts over."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        params = self._params()
+        self._hooked = [id(p) for p in params]
+        me = weakref.ref(self)
+        for i, p in enumerate(params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(_hook(me, i)))
+        self._plan = None
+        self._bw = None
+
+    def _on_grad(self, i: int) -> None:
+        """Backward has accumulated parameter ``i``'s gradient (main thread, inside backward)."""
+        if self._in_close or self._no_overlap or not self._window.closes_next:
+            return
+        bw = self._bw if self._bw is not None else self._begin_backward()
+        fired = bw["fired"]
+        fired[i] += 1
+        if bw["observe"]:
+            if fired[i] == 1:
+                bw["order"].append(i)
+            return
+        plan = self._plan
+        if fired[i] == plan.expected[i]:
+            bw["waiting"][plan.bucket_of[i]] -= 1
+            self._launch_ready(bw)
+        elif fired[i] > plan.expected[i]:
+            bw["late"].append(i)
+
+    def _begin_backward(self) -> dict[str, Any]:
+        params = self._params()
+        plan = self._plan if [id(p) for p in params] == self._hooked else None
+        bw = {"observe": plan is None, "params": params, "fired": [0] * len(params), "order": [],
+              "count": self._window.seen + 1, "scale": self._scale(), "next": 0, "jobs": [], "late": [],
+              "set_grads": [], "waiting": list(plan.waiting) if plan else None, "finished": False}
+        self._bw = bw
+        if plan is not None:
+            if self.op == "adasum":
+                self._ensure_start(params)
+            self._launch_ready(bw)
+        return bw
+
+    def _launch_ready(self, bw: dict[str, Any]) -> None:
+        """Hand every bucket that is complete, and has no incomplete bucket before it, to the thread."""
+        waiting = bw["waiting"]
+        while bw["next"] < len(waiting) and waiting[bw["next"]] <= 0:
+            self._submit(bw, bw["next"])
+            bw["next"] += 1
+
+    def _submit(self, bw: dict[str, Any], b: int) -> None:
+        idx = self._plan.buckets[b]
+        params = [bw["params"][i] for i in idx]
+        if self.op == "adasum":
+            start = [self._start[i] for i in idx]
+            job = self._thread.submit(lambda: self._adasum_bucket(params, start, bw["count"], bw["scale"]))
+        else:
+            job = self._thread.submit(lambda: self._grad_bucket(params, bw))
+        bw["jobs"].append(job)
+
+    def _adasum_bucket(self, params: list[torch.Tensor], start: list[torch.Tensor], count: int,
+                       scale: float) -> None:
+        """On the thread: average (and unscale) the bucket's gradients, take its local step, reduce its
+        deltas. A failure here still takes part in the reduction (with NaN deltas), then raises."""
+        failed = None
+        with torch.no_grad():
+            deltas = [p.detach() for p in params]
+            try:
+                grads = _grads(params)
+                divisor = float(count) * scale
+                if divisor != 1.0 and grads:
+                    torch._foreach_div_(grads, divisor)
+                local_ok = not self.skip_nonfinite or _all_finite(grads)
+                self._copy_start(start, params)
+                if local_ok and grads:
+                    self._subset_step(params)
+                self._apply_start(deltas, start, "sub")
+            except BaseException as e:  # noqa: BLE001 - raised below, after the collective
+                failed, local_ok = e, False
+            if not local_ok:
+                for d in deltas:
+                    if d.numel():
+                        d.view(-1)[0] = float("nan")
+                        break
+            self._reduce_deltas(deltas, self._ocomm)
+        if failed is not None:
+            raise failed
+
+    def _grad_bucket(self, params: list[torch.Tensor], bw: dict[str, Any]) -> None:
+        """On the thread: average (and unscale) the bucket's gradients and reduce them."""
+        with torch.no_grad():
+            grads = _grads(params)
+            divisor = float(bw["count"]) * bw["scale"]
+            if divisor != 1.0 and grads:
+                torch._foreach_div_(grads, divisor)
+            bw["set_grads"].extend(self._reduce_gradients(params, self._ocomm))
+
+    def _subset_step(self, params: list[torch.Tensor]) -> None:
+        """The wrapped optimizer's step restricted to ``params`` (its param groups narrowed meanwhile)."""
+        opt = self.optimizer
+        groups = opt.param_groups
+        keep = {id(p) for p in params}
+        saved = [(g, g["params"]) for g in groups]
+        narrowed = []
+        for g, ps in saved:
+            sub = [p for p in ps if id(p) in keep]
+            if sub:
+                g["params"] = sub
+                narrowed.append(g)
+        opt.param_groups = narrowed
+        try:
+            opt.step()
+        finally:
+            opt.param_groups = groups
+            for g, ps in saved:
+                g["params"] = ps
+
+    def _finish_overlap(self, params: list[torch.Tensor], raise_errors: bool = True) -> bool:
+        """Hand over the remaining buckets, wait for all of them and apply what the main thread must;
+        returns whether this boundary's buckets did the work. Errors on any rank raise on every rank."""
+        bw = self._bw
+        if bw is None or bw["observe"]:
+            return False
+        if bw["finished"]:
+            return True
+        plan = self._plan
+        self.buckets_started_in_backward = bw["next"]
+        while bw["next"] < len(plan.buckets):
+            self._submit(bw, bw["next"])
+            bw["next"] += 1
+        for job in bw["jobs"]:
+            job.wait()
+        bw["finished"] = True
+        self.overlapped_boundaries += 1
+        error = next((j.error for j in bw["jobs"] if j.error), None)
+        if error is None and bw["late"]:
+            error = (f"parameter(s) {bw['late'][:8]} received more gradient accumulations in this backward "
+                     "than in the first observed boundary; overlap needs the same graph at every boundary "
+                     "(use overlap=False)")
+        if self._ocomm.allreduce(error is not None, op=MPI.LOR):
+            errors = self._ocomm.allgather(error)
+            if self.op == "adasum":
+                with torch.no_grad():
+                    self._apply_start([p.detach() for p in params], self._start, "copy")
+            if raise_errors:
+                rank = self.comm.Get_rank()
+                raise RuntimeError(f"(raised on rank {rank}) a bucket reduced during backward failed; "
+                                   "parameters left at the window's start: "
+                                   + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+            return True
+        for p, g in bw["set_grads"]:
+            p.grad = g
+        if self.op != "adasum":
+            self._prepared = True
+        return True
+
+    def _apply_combined(self, params: list[torch.Tensor]) -> bool:
+        """After overlapped adasum buckets: start + combined delta, or start where any delta is non-finite."""
+        with torch.no_grad():
+            deltas = [p.detach() for p in params]
+            ok = not self.skip_nonfinite or _all_finite(deltas)
+            self._apply_start(deltas, self._start, "add" if ok else "copy")
+        return ok
+
+    def _make_plan(self, params: list[torch.Tensor]) -> None:
+        """Collective: once every rank observed a closing backward, bucket the parameters in rank 0's
+        completion order (parameters rank 0 saw no gradient for follow in reverse parameter order)."""
+        if [id(p) for p in params] != self._hooked:
+            self._install_hooks()
+        bw = self._bw
+        mine = bw["order"] if bw is not None and bw["observe"] else None
+        rank = self._ocomm.Get_rank()
+        everyone = self._ocomm.allgather(mine if rank == 0 else mine is not None)
+        if everyone[0] is None or not all(everyone[1:]) or mine is None:
+            return
+        order = list(everyone[0])
+        seen = set(order)
+        order += [i for i in reversed(range(len(params))) if i not in seen]
+        nbytes = [p.numel() * p.element_size() for p in params]
+        self._plan = BucketPlan(order, nbytes, bw["fired"], self.bucket_bytes)
 
     def _apply_start(self, deltas: list[torch.Tensor], start: list[torch.Tensor], how: str) -> None:
         """``delta -= start``, ``delta += start`` or ``delta = start``, in place."""
@@ -463,7 +761,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         mine = {"op": self.op, "accumulation_steps": self._window.steps, "start_copy": self.start_copy,
                 "skip_nonfinite": self.skip_nonfinite, "hierarchical": self.hierarchical,
-                "grad_scaler": self._scaler_enabled(),
+                "grad_scaler": self._scaler_enabled(), "overlap": self.overlap,
+                "bucket_bytes": self.bucket_bytes, "compression": str(self._wire),
                 "parameters": len(self._params())}
         shapes = hashlib.blake2b(repr([(tuple(p.shape), str(p.dtype)) for p in self._params()]).encode(),
                                  digest_size=8).hexdigest()
@@ -480,6 +779,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if odd:
             raise ValueError(f"(raised on rank {rank}) the parameter shapes or dtypes of rank(s) "
                              f"{', '.join(map(str, odd))} differ from rank 0's")
+
+
+def _hook(owner: "weakref.ref[DistributedOptimizer]", i: int):
+    def hook(_param: torch.Tensor) -> None:
+        opt = owner()
+        if opt is not None:
+            opt._on_grad(i)
+    return hook
+
+
+def _release(thread: CommThread, ocomm: MPI.Intracomm, hooks: list) -> None:
+    """Stop the overlap thread, remove the hooks and free the thread's communicators."""
+    for h in hooks:
+        h.remove()
+    hooks.clear()
+    thread.close()
+    if not MPI.Is_finalized():
+        lib = library_comm(ocomm)
+        if lib != ocomm:
+            lib.Free()
+        ocomm.Free()
 
 
 def _grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
