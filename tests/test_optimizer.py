@@ -371,16 +371,26 @@ def test_scheduler_steps_once_per_boundary(comm, pattern):
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_nonfinite_on_one_rank_is_skipped_everywhere(comm, op, bad, caplog):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_nonfinite_on_one_rank_is_skipped_everywhere(comm, op, bad, overlap, caplog):
     size, rank = comm.Get_size(), comm.Get_rank()
     model = tiny_model()
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), op=op)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), op=op,
+                               overlap=overlap, bucket_bytes=64)
     snapshots = []
+    inject = {"step": None}
+
+    def poison(grad):  # during backward, so that overlapped buckets see it too
+        if inject["step"] == 1 and rank == size - 1:
+            grad = grad.clone()
+            grad[0, 0] = bad
+        return grad
+
+    next(model.parameters()).register_hook(poison)
     with caplog.at_level(logging.WARNING, logger="adasum"):
         for s in range(3):
+            inject["step"] = s
             loss_of(model, *batch(rank, s, 0)).backward()
-            if s == 1 and rank == size - 1:
-                next(model.parameters()).grad[0, 0] = bad
             opt.step()
             opt.zero_grad()
             assert opt.step_was_skipped == (s == 1)
@@ -425,14 +435,22 @@ def _amp_run(comm, op, scaler, inject_at=None, windows=4, device="cpu", start_co
                                grad_scaler=scaler, start_copy=start_copy)
     half = torch.bfloat16 if device == "cpu" else torch.float16
     scales = []
+    now = {}
+
+    def poison(grad):  # during backward, where an overlapped bucket reads it
+        if now.get("at") == (inject_at, 1) and rank == size - 1:
+            grad = grad.clone()
+            grad[0, 0] = float("inf")
+        return grad
+
+    next(model.parameters()).register_hook(poison)
     for s in range(windows):
         for j in range(k):
+            now["at"] = (s, j)
             x, y = batch(rank, s, j, dtype=torch.float32)
             with torch.autocast(device, dtype=half, enabled=amp):
                 loss = loss_of(model, x.to(device), y.to(device)).float()
             (scaler.scale(loss) if scaler is not None else loss).backward()
-            if s == inject_at and j == 1 and rank == size - 1:
-                next(model.parameters()).grad[0, 0] = float("inf")
             opt.step()
             opt.zero_grad()
         if scaler is not None:

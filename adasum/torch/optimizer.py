@@ -745,6 +745,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _params(self) -> list[torch.Tensor]:
         """The parameters that train, each once, in the order of the param groups (the same on every rank)."""
+        bw = self.__dict__.get("_bw")
+        if bw is not None and not bw["observe"]:
+            # Buckets may be on the thread, which narrows the param groups while it steps one of them.
+            return list(bw["params"])
         seen: set[int] = set()
         out = []
         for group in self.optimizer.param_groups:
@@ -794,7 +798,7 @@ def _release(thread: CommThread, ocomm: MPI.Intracomm, hooks: list) -> None:
     for h in hooks:
         h.remove()
     hooks.clear()
-    thread.close()
+    thread.close()  # when the collector runs this on the thread itself, the thread ends after this job
     if not MPI.Is_finalized():
         lib = library_comm(ocomm)
         if lib != ocomm:

@@ -89,4 +89,5 @@ class CommThread:
     def close(self) -> None:
         if self._thread.is_alive():
             self._jobs.put(None)
-            self._thread.join()
+            if threading.current_thread() is not self._thread:
+                self._thread.join()

@@ -1,0 +1,272 @@
+"""DistributedOptimizer(overlap=True) and compression under MPI, at any world size: overlapped results
+against the same run without overlap (bitwise for adasum), buckets started during backward, backward
+orders that differ between ranks, failures on the communication thread, the fall-backs, and 16-bit wires.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import adasum
+from adasum.torch import DistributedOptimizer
+
+from helpers import assert_identical_across_ranks, raw_bytes
+
+
+class Branches(torch.nn.Module):
+    """Two branches summed; ``swap`` evaluates them in the other order, which reverses the order in which
+    backward finishes their parameters."""
+
+    def __init__(self, swap: bool = False):
+        super().__init__()
+        self.swap = swap
+        self.a = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        self.b = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+    def forward(self, x):
+        return self.b(x) + self.a(x) if self.swap else self.a(x) + self.b(x)
+
+
+def model_for(seed: int = 0, swap: bool = False) -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Branches(swap)
+
+
+def inner(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def run(comm, *, overlap, op="adasum", opt_name="sgd", k=2, windows=4, swap=False, **kw):
+    rank = comm.Get_rank()
+    model = model_for(0, swap)
+    opt = DistributedOptimizer(inner(opt_name, model.parameters()), op=op, accumulation_steps=k,
+                               overlap=overlap, bucket_bytes=kw.pop("bucket_bytes", 256), **kw)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(windows):
+        for _ in range(k):
+            x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("start_copy", ["device", "host"])
+def test_overlapped_adasum_is_bitwise_the_plain_run(comm, opt_name, k, start_copy):
+    plain, _ = run(comm, overlap=False, opt_name=opt_name, k=k, start_copy=start_copy)
+    over, opt = run(comm, overlap=True, opt_name=opt_name, k=k, start_copy=start_copy)
+    assert [raw_bytes(p) for p in over.parameters()] == [raw_bytes(p) for p in plain.parameters()]
+    assert_identical_across_ranks(comm, list(over.parameters()))
+    if comm.Get_size() > 1:
+        # The first boundary is observed; the others reduced buckets during backward, several of them
+        # handed over before step() was called.
+        assert opt.overlapped_boundaries == 3
+        assert opt.buckets_started_in_backward >= 2
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("threshold", [0, 1 << 30])
+def test_bucketed_adasum_is_bitwise_under_both_schedules(comm, threshold):
+    """Buckets reduced alone give per layer the bits of one call on all parameters, whether each call
+    takes recursive halving (threshold 0) or recursive doubling."""
+    before = adasum.get_small_message_bytes()
+    adasum.set_small_message_bytes(threshold)
+    try:
+        plain, _ = run(comm, overlap=False, windows=3)
+        over, _ = run(comm, overlap=True, windows=3, bucket_bytes=1)
+    finally:
+        adasum.set_small_message_bytes(before)
+    assert [raw_bytes(p) for p in over.parameters()] == [raw_bytes(p) for p in plain.parameters()]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_overlapped_sum_mean_match_the_plain_run(comm, op):
+    plain, _ = run(comm, overlap=False, op=op, opt_name="adamw")
+    over, _ = run(comm, overlap=True, op=op, opt_name="adamw")
+    for a, b in zip(over.parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert_identical_across_ranks(comm, list(over.parameters()))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["adasum", "mean"])
+def test_backward_order_that_differs_between_ranks(comm, op):
+    """Odd ranks finish the branches in the other order: the buckets still follow rank 0's order, so
+    nothing hangs and adasum gives the bits of the run without overlap."""
+    swap = comm.Get_rank() % 2 == 1
+    plain, _ = run(comm, overlap=False, op=op, swap=swap)
+    over, opt = run(comm, overlap=True, op=op, swap=swap)
+    assert opt.overlapped_boundaries == 3
+    if op == "adasum":
+        assert [raw_bytes(p) for p in over.parameters()] == [raw_bytes(p) for p in plain.parameters()]
+    assert_identical_across_ranks(comm, list(over.parameters()))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_users_own_collectives_during_backward(comm):
+    """The thread works on its own duplicate of comm: the user's collectives on comm in the middle of
+    backward never meet the optimizer's messages."""
+    model = model_for()
+    opt = DistributedOptimizer(inner("sgd", model.parameters()), bucket_bytes=1)
+    seen = []
+    for layer in (model.a[0], model.b[0]):
+        layer.weight.register_hook(lambda g: seen.append(comm.allreduce(1)) or g)
+    g = torch.Generator().manual_seed(comm.Get_rank())
+    for _ in range(3):
+        torch.nn.functional.mse_loss(model(torch.randn(4, 8, generator=g)), torch.zeros(4, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert seen == [comm.Get_size()] * 6 and opt.overlapped_boundaries == 2
+    assert_identical_across_ranks(comm, list(model.parameters()))
+
+
+class FailingSGD(torch.optim.SGD):
+    """SGD whose step raises on one rank at one boundary."""
+
+    def __init__(self, params, fail: bool):
+        super().__init__(params, lr=0.1)
+        self.fail = fail
+        self.calls = 0
+
+    def step(self, closure=None):
+        self.calls += 1
+        if self.fail:
+            raise ValueError("injected failure in the local step")
+        return super().step(closure)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_failure_on_the_thread_raises_in_step_on_every_rank(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    model = model_for()
+    inner_opt = FailingSGD(model.parameters(), fail=False)
+    opt = DistributedOptimizer(inner_opt, bucket_bytes=1)
+    g = torch.Generator().manual_seed(rank)
+
+    def micro():
+        torch.nn.functional.mse_loss(model(torch.randn(4, 8, generator=g)), torch.zeros(4, 4)).backward()
+
+    micro()
+    opt.step()  # observed boundary
+    opt.zero_grad()
+    before = [raw_bytes(p) for p in model.parameters()]
+    inner_opt.fail = rank == size - 1
+    micro()
+    with pytest.raises(RuntimeError, match=f"rank {size - 1}: ValueError: injected failure"):
+        opt.step()
+    assert [raw_bytes(p) for p in model.parameters()] == before  # left at the window's start
+    inner_opt.fail = False
+    opt.zero_grad()
+    micro()
+    opt.step()  # training can go on
+    assert_identical_across_ranks(comm, list(model.parameters()))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_clipping_with_adasum_falls_back_to_the_plain_path(comm):
+    """Clipping each rank's gradient by its global norm needs all gradients before the local step: the
+    optimizer then never overlaps, and the result is the plain run's."""
+    results = []
+    for overlap in (False, True):
+        model = model_for()
+        opt = DistributedOptimizer(inner("sgd", model.parameters()), overlap=overlap, bucket_bytes=1)
+        g = torch.Generator().manual_seed(comm.Get_rank())
+        for _ in range(3):
+            torch.nn.functional.mse_loss(model(torch.randn(4, 8, generator=g)), torch.ones(4, 4)).backward()
+            opt.clip_grad_norm_(0.05)
+            opt.step()
+            opt.zero_grad()
+        assert opt.overlapped_boundaries == 0
+        results.append([raw_bytes(p) for p in model.parameters()])
+    assert results[0] == results[1]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_clipping_started_late_with_adasum_raises_and_restores(comm):
+    """A loop that first clips at a boundary whose local steps already ran during backward gets an error
+    on every rank and the window's starting parameters, never a silently different update."""
+    model = model_for()
+    opt = DistributedOptimizer(inner("sgd", model.parameters()), bucket_bytes=1)
+    g = torch.Generator().manual_seed(comm.Get_rank())
+
+    def micro():
+        torch.nn.functional.mse_loss(model(torch.randn(4, 8, generator=g)), torch.ones(4, 4)).backward()
+
+    micro()
+    opt.step()
+    opt.zero_grad()
+    before = [raw_bytes(p) for p in model.parameters()]
+    micro()
+    with pytest.raises(RuntimeError, match="overlap=False"):
+        opt.clip_grad_norm_(0.05)
+    assert [raw_bytes(p) for p in model.parameters()] == before
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_clipping_with_sum_mean_still_overlaps(comm, op):
+    results = []
+    for overlap in (False, True):
+        model = model_for()
+        opt = DistributedOptimizer(inner("sgd", model.parameters()), op=op, overlap=overlap, bucket_bytes=1)
+        g = torch.Generator().manual_seed(comm.Get_rank())
+        for _ in range(3):
+            torch.nn.functional.mse_loss(model(torch.randn(4, 8, generator=g)), torch.ones(4, 4)).backward()
+            opt.clip_grad_norm_(0.05)
+            opt.step()
+            opt.zero_grad()
+        if overlap and comm.Get_size() > 1:
+            assert opt.overlapped_boundaries == 2
+        results.append(list(model.parameters()))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("op", ["adasum", "mean", "sum"])
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_compression_halves_the_bytes_and_stays_close(comm, op, compression, overlap):
+    size = comm.Get_size()
+    with adasum.count_traffic() as full:
+        plain, _ = run(comm, overlap=overlap, op=op, windows=3)
+    with adasum.count_traffic() as half:
+        packed, _ = run(comm, overlap=overlap, op=op, windows=3, compression=compression)
+    assert_identical_across_ranks(comm, list(packed.parameters()))
+    eps = 2.0 ** -10 if compression == "fp16" else 2.0 ** -7
+    for a, b in zip(packed.parameters(), plain.parameters()):
+        err = (a - b).norm() / b.norm()
+        assert err < 30 * eps, (err, eps)
+        if size > 1:
+            assert err > 0  # the 16-bit wire changed something
+    if size > 1:
+        field = "sent_bytes" if op == "adasum" else "allreduce_bytes"
+        f, h = getattr(full, field), getattr(half, field)
+        if op == "adasum":
+            assert h == f // 2
+        else:  # plus the small "which ranks had a gradient" layer, which travels alike
+            assert abs(h - f / 2) <= 64 * 3
+
+
+@pytest.mark.mpi(min_size=1)
+def test_compressed_adasum_overlap_is_bitwise_the_plain_compressed_run(comm):
+    plain, _ = run(comm, overlap=False, compression="bf16")
+    over, _ = run(comm, overlap=True, compression="bf16")
+    assert [raw_bytes(p) for p in over.parameters()] == [raw_bytes(p) for p in plain.parameters()]
+
+
+def test_bad_compression_is_refused():
+    model = model_for()
+    with pytest.raises(ValueError, match="compression must be None, 'fp16' or 'bf16', got 'int8'"):
+        DistributedOptimizer(inner("sgd", model.parameters()), compression="int8")
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        DistributedOptimizer(inner("sgd", model.parameters()), bucket_bytes=0)
