@@ -17,9 +17,9 @@ Horovod's:
   tree described in the README; at a power of two it is the same tree.
 - ``DistributedOptimizer`` is :class:`adasum.torch.DistributedOptimizer`. As in Horovod, the script calls
   ``step()`` once after ``backward_passes_per_step`` backward passes, whose gradients add up in ``.grad``
-  (they are not divided by that count). Communication overlaps with backward only when
-  ``backward_passes_per_step`` is 1 (the library cannot tell which backward is the last one before
-  ``step()``). ``named_parameters`` is only checked against the optimizer's parameters; the other Horovod
+  (they are not divided by that count). ``overlap=True`` (a keyword passed on to the library's optimizer)
+  takes effect only when ``backward_passes_per_step`` is 1: the library cannot tell which backward is the
+  last one before ``step()``. ``named_parameters`` is only checked against the optimizer's parameters; the other Horovod
   arguments (``gradient_predivide_factor``, ``groups``, ``process_set``, ``sparse_as_dense``) are not
   supported and raise if given a non-default value.
 - ``Compression.fp16`` sends 16-bit values and combines them in float32 (Horovod compresses only the
@@ -104,7 +104,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
         if not mine <= named:
             raise ValueError("named_parameters does not name every parameter of the optimizer")
-    kwargs.setdefault("overlap", backward_passes_per_step == 1)
+    if backward_passes_per_step > 1:
+        kwargs["overlap"] = False
     return _DistributedOptimizer(optimizer, op=op, compression=compression, **kwargs)
 
 

@@ -72,6 +72,40 @@ def test_overlapped_adasum_is_bitwise_the_plain_run(comm, opt_name, k, start_cop
 
 
 @pytest.mark.mpi(min_size=1)
+def test_overlapped_hierarchical_adasum_is_bitwise_the_plain_run(comm):
+    plain, _ = run(comm, overlap=False, hierarchical=True)
+    over, _ = run(comm, overlap=True, hierarchical=True)
+    assert [raw_bytes(p) for p in over.parameters()] == [raw_bytes(p) for p in plain.parameters()]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("how", ["force_boundary", "flush"])
+def test_short_windows_with_overlap(comm, how):
+    """force_boundary() before the closing backward overlaps that window too; flush() closes a window
+    whose last backward has run already, without overlap. Both give the plain run's bits."""
+    results = []
+    for overlap in (False, True):
+        model = model_for()
+        opt = DistributedOptimizer(inner("sgd", model.parameters()), accumulation_steps=3, overlap=overlap,
+                                   bucket_bytes=1)
+        g = torch.Generator().manual_seed(comm.Get_rank())
+        for i in range(8):  # windows of 3, 3 and a short one of 2
+            if how == "force_boundary" and i == 7:
+                opt.force_boundary()
+            torch.nn.functional.mse_loss(model(torch.randn(4, 8, generator=g)), torch.ones(4, 4)).backward()
+            opt.step()
+            opt.zero_grad()
+        if how == "flush":
+            assert opt.flush()
+            opt.zero_grad()
+        assert opt.boundaries == 3
+        if overlap and comm.Get_size() > 1:
+            assert opt.overlapped_boundaries == (2 if how == "force_boundary" else 1)
+        results.append([raw_bytes(p) for p in model.parameters()])
+    assert results[0] == results[1]
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("threshold", [0, 1 << 30])
 def test_bucketed_adasum_is_bitwise_under_both_schedules(comm, threshold):
     """Buckets reduced alone give per layer the bits of one call on all parameters, whether each call
@@ -115,7 +149,7 @@ def test_users_own_collectives_during_backward(comm):
     """The thread works on its own duplicate of comm: the user's collectives on comm in the middle of
     backward never meet the optimizer's messages."""
     model = model_for()
-    opt = DistributedOptimizer(inner("sgd", model.parameters()), bucket_bytes=1)
+    opt = DistributedOptimizer(inner("sgd", model.parameters()), overlap=True, bucket_bytes=1)
     seen = []
     for layer in (model.a[0], model.b[0]):
         layer.weight.register_hook(lambda g: seen.append(comm.allreduce(1)) or g)
@@ -149,7 +183,7 @@ def test_failure_on_the_thread_raises_in_step_on_every_rank(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
     model = model_for()
     inner_opt = FailingSGD(model.parameters(), fail=False)
-    opt = DistributedOptimizer(inner_opt, bucket_bytes=1)
+    opt = DistributedOptimizer(inner_opt, overlap=True, bucket_bytes=1)
     g = torch.Generator().manual_seed(rank)
 
     def micro():
@@ -195,7 +229,7 @@ def test_clipping_started_late_with_adasum_raises_and_restores(comm):
     """A loop that first clips at a boundary whose local steps already ran during backward gets an error
     on every rank and the window's starting parameters, never a silently different update."""
     model = model_for()
-    opt = DistributedOptimizer(inner("sgd", model.parameters()), bucket_bytes=1)
+    opt = DistributedOptimizer(inner("sgd", model.parameters()), overlap=True, bucket_bytes=1)
     g = torch.Generator().manual_seed(comm.Get_rank())
 
     def micro():

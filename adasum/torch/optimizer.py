@@ -73,7 +73,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             and rank 0 logs it once (logger ``"adasum"``). With adasum a rank whose own gradients are
             non-finite skips its local step (its optimizer state stays finite); the other ranks have taken
             theirs, and their optimizer state keeps it. Off: non-finite values reach the parameters.
-        overlap: communicate during backward. On the backward that closes a window, a hook on every
+        overlap: communicate during backward (default off: on hosts where every rank has one core, the
+            communication thread competes with backward for it, see the README). On the backward that
+            closes a window, a hook on every
             parameter collects the parameters into buckets as backward finishes them; each complete bucket
             is handed to a background thread at once, which for ``op="adasum"`` takes that bucket's local
             step and reduces its deltas, and for ``"sum"``/``"mean"`` reduces its gradients (the local step
@@ -106,7 +108,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer, *, op: str | Op = "adasum", accumulation_steps: int = 1,
                  comm: MPI.Intracomm | None = None, start_copy: str = "device", grad_scaler=None,
-                 skip_nonfinite: bool = True, hierarchical: bool = False, overlap: bool = True,
+                 skip_nonfinite: bool = True, hierarchical: bool = False, overlap: bool = False,
                  bucket_bytes: int = 4 << 20, compression: str | None = None):
         # torch.optim.Optimizer.__init__ is not called: the wrapped optimizer owns groups, state, defaults.
         if isinstance(optimizer, DistributedOptimizer):

@@ -1,0 +1,212 @@
+"""Time per training step with DistributedOptimizer against a local step and torch DDP (gloo).
+
+    OMP_NUM_THREADS=1 mpiexec -n 2 python -m mpi4py benchmarks/training_step.py --json benchmarks/out/np2.json
+    OMP_NUM_THREADS=1 mpiexec -n 4 python -m mpi4py benchmarks/training_step.py --json benchmarks/out/np4.json
+    python benchmarks/training_step.py --report benchmarks/out/np2.json benchmarks/out/np4.json \\
+        --png benchmarks/out/training_step.png
+    ... training_step.py --quick      # a few steps of a tiny model, for the smoke test
+
+Two models: an MLP of 8.4M parameters (1024-2048-2048-1024-10, batch 64 per rank) and a transformer
+encoder of 23M (6 layers of width 512, vocabulary 4096, 4 sequences of 16 tokens per rank). SGD with
+momentum. Every variant trains its own copy of the model; within one job the variants take turns,
+``--steps`` steps each per round, for ``--rounds`` rounds. A round's time per step is that of the slowest
+rank (a barrier before each turn); the table shows the median over rounds, and the overhead: the
+median minus the local step's median (the same model and optimizer without communication, run by every
+rank at the same time, so they share the cores alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+
+VARIANTS = ["local", "adasum", "adasum-overlap", "adasum-overlap-bf16", "mean", "mean-overlap",
+            "mean-overlap-bf16", "ddp"]
+
+
+class MLP(torch.nn.Sequential):
+    def __init__(self, width: int = 2048, inputs: int = 1024):
+        super().__init__(torch.nn.Linear(inputs, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                         torch.nn.ReLU(), torch.nn.Linear(width, 1024), torch.nn.ReLU(),
+                         torch.nn.Linear(1024, 10))
+
+
+class Transformer(torch.nn.Module):
+    def __init__(self, vocab: int = 4096, width: int = 512, layers: int = 6):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        layer = torch.nn.TransformerEncoderLayer(width, 8, 4 * width, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.embed(tokens)))
+
+
+def model_and_batch(name: str, rank: int, quick: bool):
+    g = torch.Generator().manual_seed(rank)
+    if name == "mlp":
+        model = MLP(64, 32) if quick else MLP()
+        x = torch.randn(64, 32 if quick else 1024, generator=g)
+        y = torch.randint(0, 10, (64,), generator=g)
+        return model, x, y, lambda out, y: torch.nn.functional.cross_entropy(out, y)
+    vocab = 64 if quick else 4096
+    model = Transformer(vocab, 32, 2) if quick else Transformer(vocab)
+    tokens = torch.randint(0, vocab, (4, 17), generator=g)
+    return model, tokens[:, :-1], tokens[:, 1:], \
+        lambda out, y: torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def build(variant: str, name: str, rank: int, quick: bool, bucket_bytes: int):
+    import adasum.torch as at
+
+    torch.manual_seed(0)
+    model, x, y, loss_fn = model_and_batch(name, rank, quick)
+    inner = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    if variant == "local":
+        return model, inner, x, y, loss_fn
+    if variant == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        return ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9), x, y, loss_fn
+    parts = variant.split("-")
+    opt = at.DistributedOptimizer(inner, op=parts[0], overlap="overlap" in parts, bucket_bytes=bucket_bytes,
+                                  compression="bf16" if "bf16" in parts else None)
+    return model, opt, x, y, loss_fn
+
+
+def steps(setup, n: int) -> None:
+    model, opt, x, y, loss_fn = setup
+    for _ in range(n):
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def init_gloo(comm) -> None:
+    import torch.distributed as dist
+
+    port = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(comm.bcast(port, root=0))
+    dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size())
+
+
+def run(args) -> dict:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    torch.set_num_threads(1)
+    variants = args.variants.split(",")
+    if "ddp" in variants:
+        init_gloo(comm)
+    results = {"size": size, "steps": args.steps, "rounds": args.rounds, "bucket_bytes": args.bucket_bytes,
+               "models": {}}
+    for name in args.models.split(","):
+        setups = {v: build(v, name, rank, args.quick, args.bucket_bytes) for v in variants}
+        params = sum(p.numel() for p in setups["local"][0].parameters()) if "local" in setups else None
+        for v in variants:
+            steps(setups[v], args.warmup)
+        times = {v: [] for v in variants}
+        for _ in range(args.rounds):
+            for v in variants:
+                comm.Barrier()
+                t0 = time.perf_counter()
+                steps(setups[v], args.steps)
+                dt = (time.perf_counter() - t0) / args.steps
+                times[v].append(comm.allreduce(dt, op=MPI.MAX))
+        med = {v: statistics.median(ts) for v, ts in times.items()}
+        base = med.get("local")
+        results["models"][name] = {
+            "parameters": params,
+            "median_s": med,
+            "overhead_s": {v: med[v] - base for v in variants} if base is not None else None,
+            "rounds_s": times,
+        }
+        for s in setups.values():
+            if hasattr(s[1], "close"):
+                s[1].close()
+        if rank == 0:
+            print(table({"P": size, **results["models"][name]}, name), flush=True)
+    if "ddp" in variants:
+        torch.distributed.destroy_process_group()
+    return results
+
+
+def table(r: dict, name: str) -> str:
+    med, over = r["median_s"], r["overhead_s"] or {}
+    ddp = over.get("ddp")
+    lines = [f"{name} ({r['parameters'] / 1e6:.1f}M parameters), P = {r['P']}: median time per step, slowest rank",
+             f"{'variant':22s} {'step ms':>9s} {'overhead ms':>12s} {'/ DDP overhead':>15s}"]
+    for v, t in med.items():
+        o = over.get(v)
+        rel = f"{o / ddp:15.2f}" if o is not None and ddp and v not in ("local", "ddp") else " " * 15
+        lines.append(f"{v:22s} {1e3 * t:9.1f} {'' if o is None else f'{1e3 * o:12.1f}'} {rel}")
+    return "\n".join(lines)
+
+
+def report(paths: list[str], png: str | None) -> None:
+    runs = [json.load(open(p)) for p in paths]
+    for r in runs:
+        for name, m in r["models"].items():
+            print(table({"P": r["size"], **m}, name))
+            print()
+    if png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        cells = [(r["size"], name, m) for r in runs for name, m in r["models"].items()]
+        fig, axes = plt.subplots(1, len(cells), figsize=(4.5 * len(cells), 4), squeeze=False)
+        for ax, (size, name, m) in zip(axes[0], cells):
+            over = {v: 1e3 * o for v, o in m["overhead_s"].items() if v != "local"}
+            ax.barh(list(over), list(over.values()),
+                    color=["tab:red" if v == "ddp" else "tab:blue" for v in over])
+            ax.set_title(f"{name}, P = {size}")
+            ax.set_xlabel("overhead per step over the local step (ms)")
+            ax.invert_yaxis()
+        fig.tight_layout()
+        fig.savefig(png, dpi=110)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="mlp,transformer")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--steps", type=int, default=5, help="steps per variant per round")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--bucket-bytes", type=int, default=4 << 20)
+    p.add_argument("--quick", action="store_true", help="tiny models, 2 rounds of 2 steps")
+    p.add_argument("--json", help="write the results here (rank 0)")
+    p.add_argument("--report", nargs="+", metavar="JSON", help="print the tables of earlier runs")
+    p.add_argument("--png", help="with --report: bar chart of the overheads")
+    args = p.parse_args(argv)
+    if args.report:
+        report(args.report, args.png)
+        return
+    if args.quick:
+        args.steps, args.rounds, args.warmup = 2, 2, 2
+    results = run(args)
+    from mpi4py import MPI
+
+    if args.json and MPI.COMM_WORLD.Get_rank() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

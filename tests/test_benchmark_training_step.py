@@ -1,0 +1,39 @@
+"""benchmarks/training_step.py --quick runs every variant (local, adasum and mean with and without
+overlap and compression, torch DDP over gloo) on both models, and its report writes a table and a PNG."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import tempfile
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                     "training_step.py")
+_spec = importlib.util.spec_from_file_location("benchmark_training_step", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(300)
+def test_quick_run_and_report(comm, capsys):
+    root = comm.bcast(tempfile.mkdtemp() if comm.Get_rank() == 0 else None, root=0)
+    path = os.path.join(root, f"np{comm.Get_size()}.json")
+    bench.main(["--quick", "--json", path])
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        results = json.load(open(path))
+        assert results["size"] == comm.Get_size()
+        for name in ("mlp", "transformer"):
+            m = results["models"][name]
+            assert set(m["median_s"]) == set(bench.VARIANTS)
+            assert all(t > 0 for t in m["median_s"].values())
+            assert m["overhead_s"]["local"] == 0
+            assert all(len(r) == 2 for r in m["rounds_s"].values())
+        png = os.path.join(root, "steps.png")
+        bench.main(["--report", path, "--png", png])
+        out = capsys.readouterr().out
+        assert "adasum-overlap-bf16" in out and "ddp" in out and os.path.getsize(png) > 0
