@@ -61,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="mixed precision: bfloat16 autocast on CPU, float16 with a GradScaler on CUDA")
     ap.add_argument("--start-copy", choices=["device", "host"], default="device",
                     help="where op adasum keeps the parameters' starting values during a step")
+    ap.add_argument("--overlap", action="store_true", help="reduce during backward (DistributedOptimizer)")
+    ap.add_argument("--compression", choices=["fp16", "bf16"], default=None,
+                    help="send deltas (adasum) or gradients (sum/mean) as 16-bit floats")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--checkpoint", metavar="PATH", help="save here; resume from here if it exists")
     ap.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
@@ -106,7 +109,8 @@ def main(argv=None) -> dict | None:
     scaler = torch.amp.GradScaler("cuda") if args.amp and device.type == "cuda" else None
     optimizer = at.DistributedOptimizer(inner, op=args.op, accumulation_steps=args.accumulation_steps,
                                         start_copy=args.start_copy, grad_scaler=scaler,
-                                        hierarchical=args.hierarchical)
+                                        hierarchical=args.hierarchical, overlap=args.overlap,
+                                        compression=args.compression)
     # The seed already makes the ranks agree; the broadcast makes sure of it whatever the set-up.
     at.broadcast_parameters(model, root=0)
     at.broadcast_optimizer_state(optimizer, root=0)
