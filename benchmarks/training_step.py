@@ -188,7 +188,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=5, help="steps per variant per round")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--bucket-bytes", type=int, default=4 << 20)
+    p.add_argument("--bucket-bytes", type=int, default=25 << 20)
     p.add_argument("--quick", action="store_true", help="tiny models, 2 rounds of 2 steps")
     p.add_argument("--json", help="write the results here (rank 0)")
     p.add_argument("--report", nargs="+", metavar="JSON", help="print the tables of earlier runs")

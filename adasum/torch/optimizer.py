@@ -109,7 +109,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer, *, op: str | Op = "adasum", accumulation_steps: int = 1,
                  comm: MPI.Intracomm | None = None, start_copy: str = "device", grad_scaler=None,
                  skip_nonfinite: bool = True, hierarchical: bool = False, overlap: bool = False,
-                 bucket_bytes: int = 4 << 20, compression: str | None = None):
+                 bucket_bytes: int = 25 << 20, compression: str | None = None):
         # torch.optim.Optimizer.__init__ is not called: the wrapped optimizer owns groups, state, defaults.
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer; wrap the torch optimizer only once")
