@@ -12,7 +12,8 @@ momentum. Every variant trains its own copy of the model; within one job the var
 ``--steps`` steps each per round, for ``--rounds`` rounds. A round's time per step is that of the slowest
 rank (a barrier before each turn); the table shows the median over rounds, and the overhead: the
 median minus the local step's median (the same model and optimizer without communication, run by every
-rank at the same time, so they share the cores alike).
+rank at the same time, so they share the cores alike), and where the time goes: forward, backward and
+step + zero_grad, each the slowest rank's, median over rounds.
 """
 
 from __future__ import annotations
@@ -81,12 +82,23 @@ def build(variant: str, name: str, rank: int, quick: bool, bucket_bytes: int):
     return model, opt, x, y, loss_fn
 
 
-def steps(setup, n: int) -> None:
+def steps(setup, n: int) -> list[float]:
+    """``n`` training steps; returns the seconds spent in forward, backward and step + zero_grad."""
     model, opt, x, y, loss_fn = setup
+    phases = [0.0, 0.0, 0.0]
     for _ in range(n):
-        loss_fn(model(x), y).backward()
+        t0 = time.perf_counter()
+        loss = loss_fn(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad()
+        t3 = time.perf_counter()
+        phases[0] += t1 - t0
+        phases[1] += t2 - t1
+        phases[2] += t3 - t2
+    return phases
 
 
 def init_gloo(comm) -> None:
@@ -119,13 +131,15 @@ def run(args) -> dict:
         for v in variants:
             steps(setups[v], args.warmup)
         times = {v: [] for v in variants}
+        phases = {v: [] for v in variants}
         for _ in range(args.rounds):
             for v in variants:
                 comm.Barrier()
                 t0 = time.perf_counter()
-                steps(setups[v], args.steps)
+                ph = steps(setups[v], args.steps)
                 dt = (time.perf_counter() - t0) / args.steps
                 times[v].append(comm.allreduce(dt, op=MPI.MAX))
+                phases[v].append([comm.allreduce(t / args.steps, op=MPI.MAX) for t in ph])
         med = {v: statistics.median(ts) for v, ts in times.items()}
         base = med.get("local")
         results["models"][name] = {
@@ -133,6 +147,8 @@ def run(args) -> dict:
             "median_s": med,
             "overhead_s": {v: med[v] - base for v in variants} if base is not None else None,
             "rounds_s": times,
+            # Per variant: median over rounds of forward, backward, step + zero_grad (each the slowest rank's).
+            "phases_s": {v: [statistics.median(r[i] for r in ph) for i in range(3)] for v, ph in phases.items()},
         }
         for s in setups.values():
             if hasattr(s[1], "close"):
@@ -149,10 +165,13 @@ def table(r: dict, name: str) -> str:
     ddp = over.get("ddp")
     lines = [f"{name} ({r['parameters'] / 1e6:.1f}M parameters), P = {r['P']}: median time per step, slowest rank",
              f"{'variant':22s} {'step ms':>9s} {'overhead ms':>12s} {'/ DDP overhead':>15s}"]
+    phases = r.get("phases_s") or {}
+    lines[-1] += "   forward / backward / step ms" if phases else ""
     for v, t in med.items():
         o = over.get(v)
         rel = f"{o / ddp:15.2f}" if o is not None and ddp and v not in ("local", "ddp") else " " * 15
-        lines.append(f"{v:22s} {1e3 * t:9.1f} {'' if o is None else f'{1e3 * o:12.1f}'} {rel}")
+        ph = "   " + " / ".join(f"{1e3 * x:.1f}" for x in phases[v]) if v in phases else ""
+        lines.append(f"{v:22s} {1e3 * t:9.1f} {'' if o is None else f'{1e3 * o:12.1f}'} {rel}{ph}")
     return "\n".join(lines)
 
 
