@@ -304,3 +304,35 @@ def test_bad_compression_is_refused():
         DistributedOptimizer(inner("sgd", model.parameters()), compression="int8")
     with pytest.raises(ValueError, match="bucket_bytes"):
         DistributedOptimizer(inner("sgd", model.parameters()), bucket_bytes=0)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("op", ["adasum", "mean"])
+def test_no_mpi_call_off_the_boundary_with_overlap(comm, op):
+    """After an overlapped window, rank 0 takes the next window's first k-1 micro-steps alone: a collective
+    there would never complete (the test would time out), and nothing may be counted."""
+    rank, k = comm.Get_rank(), 3
+    model = model_for()
+    opt = DistributedOptimizer(inner("sgd", model.parameters()), op=op, accumulation_steps=k, overlap=True,
+                               bucket_bytes=1)
+    g = torch.Generator().manual_seed(rank)
+
+    def micro_steps(n):
+        for _ in range(n):
+            torch.nn.functional.mse_loss(model(torch.randn(4, 8, generator=g)), torch.ones(4, 4)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    micro_steps(2 * k)  # the first window is observed, the second overlapped
+    assert opt.overlapped_boundaries == 1
+    with adasum.count_traffic() as traffic:
+        if rank == 0:
+            micro_steps(k - 1)
+        comm.Barrier()
+        if rank != 0:
+            micro_steps(k - 1)
+    assert traffic == adasum.Traffic()
+    micro_steps(1)
+    assert opt.is_boundary and opt.overlapped_boundaries == 2
+    assert_identical_across_ranks(comm, list(model.parameters()))
