@@ -19,7 +19,7 @@ import torch
 from mpi4py import MPI
 
 from ..allreduce import Op, adasum_allreduce_inplace
-from ..transport import library_comm
+from ..context import library_comm
 from .accumulate import AccumulationWindow
 
 __all__ = ["DistributedOptimizer"]
