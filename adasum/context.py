@@ -3,7 +3,7 @@
 Everything the library keeps between calls on a communicator lives in its context: the library's own
 duplicate of the communicator, the kept plans (layer tables of recent calls), the kept buffers, the
 agreement scratch, the array adapters with their scratch and kept views, the node layout of the hierarchical
-mode and the active traffic counters. A context is made (collectively) on the first call on a communicator,
+mode and the active traffic counters. A context is made on the first call on a communicator (its duplicate then, collectively),
 hangs on that communicator as an MPI attribute, and is freed when the communicator is freed (the attribute's
 delete callback) or, its buffers and plans, by :func:`release_buffers`.
 
@@ -106,8 +106,9 @@ class Context:
 
     def __init__(self, comm: MPI.Intracomm):
         self.name = _describe(comm)
-        # Our messages never match a receive the application posted on its own communicator.
-        self.lcomm: MPI.Intracomm = comm if comm == MPI.COMM_SELF else comm.Dup()
+        self._comm = comm
+        self._lcomm: MPI.Intracomm | None = comm if comm == MPI.COMM_SELF else None
+        self._dup_lock = threading.Lock()
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
         self.plans: collections.OrderedDict = collections.OrderedDict()
@@ -121,6 +122,18 @@ class Context:
         self._busy = threading.Lock()
         self._current: str | None = None
         self._freed = False
+
+    @property
+    def lcomm(self) -> MPI.Intracomm:
+        """The library's duplicate of the user's communicator, made (collectively) on first use: our messages
+        never match a receive the application posted on its own communicator."""
+        lcomm = self._lcomm
+        if lcomm is None:
+            with self._dup_lock:
+                if self._lcomm is None:
+                    self._lcomm = self._comm.Dup()
+                lcomm = self._lcomm
+        return lcomm
 
     # --- calls ---------------------------------------------------------------------------------------------
     def enter(self, what: str) -> int:
@@ -183,8 +196,9 @@ class Context:
         if self._nodes is not None:
             self._nodes.free()
             self._nodes = None
-        if self.lcomm != MPI.COMM_SELF and not MPI.Is_finalized():
-            self.lcomm.Free()
+        if self._lcomm is not None and self._lcomm != MPI.COMM_SELF and not MPI.Is_finalized():
+            self._lcomm.Free()
+        self._lcomm = None
 
 
 def _describe(comm: MPI.Intracomm) -> str:
@@ -205,10 +219,11 @@ class _Registry:
         self.lock = threading.Lock()
 
     def key(self) -> int:
-        with self.lock:
-            if self.keyval is None:
-                self.keyval = MPI.Comm.Create_keyval(delete_fn=_on_free)
-            return self.keyval
+        if self.keyval is None:
+            with self.lock:
+                if self.keyval is None:
+                    self.keyval = MPI.Comm.Create_keyval(delete_fn=_on_free)
+        return self.keyval
 
 
 def _on_free(comm, keyval, ctx) -> int:
@@ -229,9 +244,12 @@ def context_for(comm: MPI.Intracomm | None) -> Context:
     key = _registry.key()
     ctx = comm.Get_attr(key)
     if ctx is None:
-        ctx = Context(comm)
-        comm.Set_attr(key, ctx)
-        _registry.live.add(ctx)
+        with _registry.lock:  # two threads on one new communicator get one context
+            ctx = comm.Get_attr(key)
+            if ctx is None:
+                ctx = Context(comm)
+                comm.Set_attr(key, ctx)
+                _registry.live.add(ctx)
     return ctx
 
 
