@@ -848,7 +848,7 @@ static PyMethodDef methods[] = {
      "computed in float64 and rounded once to the dtype. Operands as for dots; dst may be a or b."},
     {"pair", k_pair, METH_VARARGS,
      "pair(left, right, dst, spans, count_left, count_right): dst[s:e] = Adasum(left[s:e], right[s:e]) "
-     "for each span, the left vector standing for count_left ranks and the right for count_right (SPEC §3): "
+     "for each span, the left vector standing for count_left ranks and the right for count_right (the size-weighted rule): "
      "dots, coefficients and combine in one call. Operands as for dots; dst may be left or right."},
     {"bind_mpi", k_bind_mpi, METH_VARARGS,
      "bind_mpi(allreduce, sendrecv, send, recv): the addresses of MPI_Allreduce, MPI_Sendrecv, MPI_Send and "

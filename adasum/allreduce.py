@@ -23,10 +23,7 @@ from .transport import Transport, use_staging
 from .validate import agree, describe, explain, signature
 from .vhdd import adasum_reduce
 
-try:
-    from . import _kernels
-except ImportError:  # pragma: no cover - a build without a C compiler
-    _kernels = None
+from .kernels import compiled as _kernels  # None where the install could not build them
 
 __all__ = ["Op", "adasum_allreduce", "adasum_allreduce_inplace"]
 

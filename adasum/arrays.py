@@ -24,10 +24,7 @@ from .combine import coefficients
 __all__ = ["Adapter", "Adapters", "NumpyAdapter", "CupyAdapter", "TorchAdapter", "array_kind", "FLOAT_DTYPES",
            "kernels_backend", "set_kernels_backend", "nonempty"]
 
-try:  # the compiled single-pass kernels for float32/float64 host buffers (setup.py builds them)
-    from . import _kernels as _c_kernels
-except ImportError:  # pragma: no cover - a build without a C compiler
-    _c_kernels = None
+from .kernels import compiled as _c_kernels  # None where the install could not build them
 
 
 
@@ -119,7 +116,7 @@ class Adapter:
         raise NotImplementedError
 
     def pair(self, left, right, dst, pieces, span_array: np.ndarray, count_left: int, count_right: int) -> None:
-        """``dst[s:e] ← Adasum(left[s:e], right[s:e])`` per piece (SPEC §3), ``left`` standing for
+        """``dst[s:e] ← Adasum(left[s:e], right[s:e])`` per piece (the size-weighted rule), ``left`` standing for
         ``count_left`` ranks and ``right`` for ``count_right``. ``span_array`` is ``pieces`` as an int64
         (n, 2) array. ``dst`` may be ``left`` or ``right``; the other operand is scratch."""
         d = self.partial_dots(left, right, pieces)

@@ -31,10 +31,7 @@ from .transport import TAG, Transport, mapped_mpi_libraries
 from .validate import AGREE_BYTES
 from .vhdd import fold_out
 
-try:
-    from . import _kernels
-except ImportError:  # pragma: no cover - a build without a C compiler (SmallCall is then never made)
-    _kernels = None
+from .kernels import compiled as _kernels  # None without a C compiler: SmallCall is then never made
 
 __all__ = ["SmallCall", "adasum_reduce_doubling", "native_enabled", "set_native"]
 

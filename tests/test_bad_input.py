@@ -1,4 +1,4 @@
-"""SPEC §6: bad input raises on every rank, names the rank, the tensor and the numbers, and loses nothing."""
+"""Bad input raises on every rank, names the rank, the tensor and the numbers, and loses nothing."""
 
 from __future__ import annotations
 

@@ -175,7 +175,7 @@ def test_orthogonal_nodes_give_the_sum_of_node_means(comm):
 @pytest.mark.mpi
 def test_one_rank_per_node_is_plain_adasum(comm):
     """On a communicator with one rank per node (each node's lowest rank) the hierarchical mode is the
-    plain Adasum of SPEC §3 by recursive halving, bitwise."""
+    plain Adasum tree by recursive halving, bitwise."""
     lowest = [min(ranks) for ranks in world_nodes(comm)]
     leaders = comm.Split(0 if comm.Get_rank() in lowest else MPI.UNDEFINED, comm.Get_rank())
     if leaders == MPI.COMM_NULL:
