@@ -15,6 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import settings as _settings
+from . import stall
 from .arrays import array_kind
 from .context import Context, context_for
 from .doubling import SmallCall, adasum_reduce_doubling, native_enabled
@@ -62,42 +63,9 @@ def adasum_allreduce(tensors, *, op: str | Op = "adasum", comm: MPI.Intracomm | 
         TypeError: on every rank, if some rank passes an unsupported array type or dtype.
         AdasumMismatchError: on every rank, if the ranks disagree on the op, the number of tensors, a shape
             or a dtype. The message names the first differing tensor and the ranks.
-    """
-    return _allreduce(tensors, op, comm, hierarchical, inplace=False)
-
-
-def adasum_allreduce_inplace(tensors, *, op: str | Op = "adasum", comm: MPI.Intracomm | None = None,
-                             hierarchical: bool = False):
-    """Like :func:`adasum_allreduce`, but writes the result into ``tensors`` and returns them.
-
-    On an error nothing is written: all checks happen before any data moves.
-    """
-    return _allreduce(tensors, op, comm, hierarchical, inplace=True)
-
-
-def adasum_allreduce(tensors, *, op: str | Op = "adasum", comm: MPI.Intracomm | None = None,
-                     hierarchical: bool = False):
-    """Reduce ``tensors`` over the ranks of ``comm``; every rank gets the identical result.
-
-    Collective: every rank of ``comm`` must call it, with tensors of the same shapes and dtypes in the same
-    order, and the same ``op``.
-
-    Args:
-        tensors: one array, or a sequence of arrays: numpy arrays, torch tensors (CPU or CUDA) or cupy
-            arrays, of dtype float16, bfloat16 (torch), float32 or float64, and integers for ``op="sum"``.
-            Each array is one layer: Adasum computes its coefficients per array.
-        op: ``"adasum"``, ``"sum"`` or ``"mean"`` (or an :class:`Op`).
-        comm: an mpi4py intracommunicator; default ``MPI.COMM_WORLD``.
-        hierarchical: ``op="adasum"`` only: the mean over the ranks of each node, then Adasum across nodes.
-
-    Returns:
-        New arrays of the same kind, shape, dtype and device, in the input's order (one array in, one out).
-        The inputs are not modified. The outputs of one call may share one underlying buffer.
-
-    Raises:
-        TypeError: on every rank, if some rank passes an unsupported array type or dtype.
-        AdasumMismatchError: on every rank, if the ranks disagree on the op, the number of tensors, a shape
-            or a dtype. The message names the first differing tensor and the ranks.
+        RuntimeError: at once, if another thread of this rank has a call in flight on ``comm``.
+        AdasumStallError: on every rank that waited, if some rank did not enter the call within the setting
+            ``stall_timeout`` (default: no timeout; a warning names such ranks after ``stall_warning``).
     """
     return _allreduce(tensors, op, comm, hierarchical, inplace=False)
 
@@ -135,7 +103,8 @@ def _parse_op(op) -> str:
 def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
     ctx = context_for(comm)
     s = _settings.current()
-    ctx.enter("adasum_allreduce_inplace" if inplace else "adasum_allreduce")
+    if ctx.enter("adasum_allreduce_inplace" if inplace else "adasum_allreduce") % 64 == 0:
+        stall.drain(ctx)
     try:
         extras = _extras(ctx, s)
         if op == "adasum" and not hierarchical and type(tensors) is list and ctx.size > 1:
@@ -267,7 +236,7 @@ def _small_adasum(ctx: Context, s: _settings.Settings, items: list, inplace: boo
         return None, plan  # the general path writes each result back in turn
     out = None if inplace else g.adapter.empty(g.size, g.dtype, g.device)
     dst = host if inplace else out if type(out) is np.ndarray else out.numpy()
-    rc = call(host, dst, plan.signature)
+    rc = call(host, dst, plan.signature, plan.descs)
     if rc == -1:
         raise explain(ctx.lcomm, "adasum", plan.descs, None, extras["adasum"])
     if rc:

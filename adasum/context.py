@@ -114,7 +114,11 @@ class Context:
         self.plans: collections.OrderedDict = collections.OrderedDict()
         self.buffers = Buffers()
         self.adapters = Adapters()
-        self.agree_buffers = (np.zeros(4, dtype=np.int64), np.zeros(4, dtype=np.int64))
+        # the agreement: what this rank sends [0:4], what all saw [4:8], a request left waiting [8]
+        self.agree_scratch = np.zeros(9, dtype=np.int64)
+        self._agree_handles: tuple | None = None
+        self.stall_sends: list = []  # the stall inspector's messages in flight
+        self.broken: str | None = None  # why the library's communicator cannot be used any more
         self.counters: list[Traffic] = []
         self.calls = 0  # calls started on this communicator, this rank
         self.extras = None  # (settings, what the ranks agree on besides the tensors), made from those settings
@@ -131,15 +135,38 @@ class Context:
         if lcomm is None:
             with self._dup_lock:
                 if self._lcomm is None:
-                    self._lcomm = self._comm.Dup()
+                    from . import stall
+
+                    # Nonblocking, so that the stall inspector can name a rank that does not come.
+                    lcomm, req = self._comm.Idup()
+                    stall.wait(self, req, None, None, via=self._comm)
+                    self._lcomm = lcomm
                 lcomm = self._lcomm
         return lcomm
+
+    def has_lcomm(self) -> bool:
+        return self._lcomm is not None
+
+    @property
+    def agree_handles(self) -> tuple[int, int, int]:
+        """The handles of the library's communicator, MPI.INT64_T and MPI.MAX, as the compiled kernels
+        take them."""
+        if self._agree_handles is None:
+            from .kernels import handle
+
+            self._agree_handles = (handle(self.lcomm), handle(MPI.INT64_T), handle(MPI.MAX))
+        return self._agree_handles
 
     # --- calls ---------------------------------------------------------------------------------------------
     def enter(self, what: str) -> int:
         """Start a call on this communicator (end it with :meth:`leave`, in a ``finally``): numbers it, and
         raises RuntimeError at once if another thread has a call in flight here (two calls on one
         communicator would mix their messages)."""
+        if self.broken is not None:
+            from .stall import AdasumStallError
+
+            raise AdasumStallError(f"{what} on {self.name}: the library can no longer use this communicator, "
+                                   f"an earlier call timed out there ({self.broken})")
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(
                 f"rank {self.rank}: {what} on {self.name} while another thread's call is in flight there "

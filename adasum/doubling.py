@@ -15,23 +15,21 @@ tree geometry: the same messages and kernel calls, with no Python between them.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import os
 from typing import Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from . import settings as _settings
-from . import tree
+from . import stall, tree
 from .arrays import nonempty
 from .fusion import Operand, layer_spans
-from .transport import TAG, Transport, mapped_mpi_libraries
+from .transport import TAG, Transport
 from .validate import AGREE_BYTES
 from .vhdd import fold_out
 
 from .kernels import compiled as _kernels  # None without a C compiler: SmallCall is then never made
+from .kernels import handle, mpi_bound, request
 
 __all__ = ["SmallCall", "adasum_reduce_doubling", "native_enabled", "set_native"]
 
@@ -78,30 +76,10 @@ def adasum_reduce_doubling(comm: MPI.Intracomm, groups: Sequence[Operand], trans
             t.send(g.buffer if not g.writes_parts else nonempty(g.parts, layers), r.fold[0])
 
 
-@functools.lru_cache(maxsize=1)
-def _bind_native_mpi() -> bool:
-    """Hands ``_kernels.small_doubling`` the MPI functions of the library mpi4py loaded (found among the
-    process's mapped files, never loaded anew), so that a small call runs without Python between its MPI
-    calls and kernels. False where that is not possible (no compiled kernels, no /proc, a platform whose
-    calling convention the kernels do not bind on); small
-    calls then take the general doubling schedule, with the same messages and bits. Bound once per process."""
-    if _kernels is None or not hasattr(MPI, "_handleof"):
-        return False
-    for path in mapped_mpi_libraries():
-        try:
-            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)  # only a library already loaded
-            funcs = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-                     for name in ("MPI_Allreduce", "MPI_Sendrecv", "MPI_Send", "MPI_Recv")]
-        except (OSError, AttributeError):
-            continue
-        return bool(_kernels.bind_mpi(*funcs))
-    return False
-
-
 def native_enabled() -> bool:
     """Whether small calls on numpy arrays and torch CPU tensors run in one compiled call: the setting
-    ``native_mpi``, where the MPI library can be bound (see :func:`_bind_native_mpi`)."""
-    return _settings.current().native_mpi and _bind_native_mpi()
+    ``native_mpi``, where the MPI library can be bound (:func:`adasum.kernels.mpi_bound`)."""
+    return _settings.current().native_mpi and mpi_bound()
 
 
 def set_native(enabled: bool) -> None:
@@ -126,11 +104,7 @@ class SmallCall:
 
     def _program(self, lcomm) -> np.ndarray:
         """The schedule as ``_kernels.small_doubling`` takes it (int64 fields, then 4 per level)."""
-        def h(obj) -> int:  # the handle as a signed integer of its own width (MPICH's are 32-bit ints)
-            bits = 8 * MPI._sizeof(obj)
-            v = MPI._handleof(obj) & ((1 << bits) - 1)
-            return v - (1 << bits) if v >> (bits - 1) else v
-
+        h = handle
         r = self.role
         out = -1 if r.out_of is None else r.out_of
         fold = r.fold or (-1, 0, 0)
@@ -138,13 +112,20 @@ class SmallCall:
         body = [x for level in r.levels for x in (level.partner, level.count_left, level.count_right, int(level.upper))]
         return np.array(head + body, dtype=np.int64)
 
-    def __call__(self, live: list, dst, digest: int) -> int:
+    def __call__(self, live: list, dst, digest: int, descs) -> int:
         """The whole call, agreement on ``digest`` included, in one ``_kernels.small_doubling``: 0, -1 if
-        the ranks disagree (nothing was sent; every rank must then explain), or MPI's error code."""
+        the ranks disagree (nothing was sent; every rank must then explain), or MPI's error code. An
+        agreement still waiting after the stall inspector's patience goes on in :func:`adasum.stall.wait`
+        (``descs`` describe the call there), and the call then resumes where it stopped."""
         ctx, g = self.ctx, self.group
         buf = ctx.buffers.host(ctx.adapters, g.adapter.kind, g.dtype, g.size, "fused")
         scr = ctx.buffers.host(ctx.adapters, g.adapter.kind, g.dtype, g.size, "recv")
-        rc = _kernels.small_doubling(buf, scr, live, dst, self.span_array, self.program, digest)
+        scratch = ctx.agree_scratch
+        patience = stall.patience(_settings.current())
+        rc = _kernels.small_doubling(buf, scr, live, dst, self.span_array, self.program, digest, scratch, patience)
+        if rc == -2:
+            stall.wait(ctx, request(int(scratch[8])), "adasum", descs, waited=patience)
+            rc = _kernels.small_doubling(buf, scr, live, dst, self.span_array, self.program, digest, scratch, -1.0)
         if rc == 0 and ctx.counters:
             ctx.record("scalar_bytes", AGREE_BYTES)
             ctx.record("sent_bytes", self.messages * self.nbytes, self.messages)

@@ -10,17 +10,16 @@ import contextlib
 import ctypes
 import functools
 import logging
-import os
-import re
+
 
 import numpy as np
 from mpi4py import MPI
 
 from . import settings as _settings
 from .arrays import Adapter
+from .kernels import mapped_mpi_libraries
 
-__all__ = ["TAG", "Transport", "cuda_aware_mpi", "get_gpu_transport", "mapped_mpi_libraries", "set_gpu_transport",
-           "use_staging"]
+__all__ = ["TAG", "Transport", "cuda_aware_mpi", "get_gpu_transport", "set_gpu_transport", "use_staging"]
 
 # The tag of the library's messages (on its own duplicate communicator); scalar exchanges use TAG + 1.
 TAG = 0xADA
@@ -284,18 +283,6 @@ def cuda_aware_mpi() -> bool:
     """
     override = _settings.current().cuda_aware
     return _query_cuda_support() if override is None else override
-
-
-def mapped_mpi_libraries() -> list[str]:
-    """Paths of the MPI libraries mapped into this process (``libmpi.so*``, the one mpi4py loaded), read
-    from /proc/self/maps; empty where there is none or no /proc."""
-    try:
-        with open("/proc/self/maps") as maps:
-            fields = [line.split(None, 5) for line in maps]
-    except OSError:
-        return []
-    paths = dict.fromkeys(f[5].strip() for f in fields if len(f) == 6)
-    return [p for p in paths if re.fullmatch(r"libmpi\.so(\.\d+)*", os.path.basename(p))]
 
 
 @functools.lru_cache(maxsize=1)

@@ -14,7 +14,7 @@ weigh the two sides of every combine.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 __all__ = ["Level", "Role", "role", "real_rank", "kept_ranges", "subtree"]
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Sequence
 
-import numpy as np
 from mpi4py import MPI
 
+from . import stall
 from .arrays import FLOAT_DTYPES, INT_DTYPES, Adapter, Adapters
+from .kernels import compiled, mpi_bound, request
+from .settings import current
 
 __all__ = ["AdasumMismatchError", "TensorDesc", "describe", "agree", "signature"]
 
@@ -104,12 +106,20 @@ def agree(ctx, op: str, descs: Sequence[TensorDesc] | None, error: Exception | N
         sig = 0
     else:
         sig = signature(op, descs, extra) if digest is None else digest
-    mine, seen = ctx.agree_buffers  # what this rank sends, what all saw
-    mine[0], mine[1], mine[2], mine[3] = sig, -sig, 1 if error is not None else 0, vote
+    scratch = ctx.agree_scratch  # what this rank sends [0:4], what all saw [4:8]
+    scratch[0], scratch[1], scratch[2], scratch[3] = sig, -sig, 1 if error is not None else 0, vote
     ctx.record("scalar_bytes", AGREE_BYTES)
-    comm.Allreduce(mine, seen, op=MPI.MAX)
-    if seen[2] == 0 and seen[0] == -seen[1]:
-        return int(seen[3])
+    patience = stall.patience(current())
+    if mpi_bound():
+        rc = compiled.agree(scratch, *ctx.agree_handles, patience)
+        if rc == 1:
+            stall.wait(ctx, request(int(scratch[8])), op, descs, waited=patience)
+        elif rc:
+            raise MPI.Exception(rc)
+    else:
+        stall.wait(ctx, comm.Iallreduce(scratch[0:4], scratch[4:8], op=MPI.MAX), op, descs)
+    if scratch[6] == 0 and scratch[4] == -scratch[5]:
+        return int(scratch[7])
     raise explain(comm, op, descs, error, extra)
 
 
