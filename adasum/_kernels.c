@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 #include <time.h>
 
 /*
@@ -508,6 +509,42 @@ k_scaled_add(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* Below this a float64 squared norm may have lost bits to underflow, or be zero only because every square
+ * underflowed (adasum.arrays.TINY). */
+#define TINY 0x1p-900
+
+/*
+ * [x.y, x.x, y.y] of float64 data again, on the data scaled by 2^-k where 2^k bounds its largest magnitude
+ * (exact), for partials that overflowed or may have underflowed: the coefficients only use their ratios.
+ * Zero data gives zeros; NaN or Inf in the data leaves g as it was (non-finite, on purpose).
+ */
+static void
+rescaled_dots_f64(const double *x, const double *y, Py_ssize_t n, double *g)
+{
+    double m = 0.0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double ax = fabs(x[i]), ay = fabs(y[i]);
+        m = !(ax <= m) ? ax : m; /* a NaN sticks */
+        m = !(ay <= m) ? ay : m;
+    }
+    if (m == 0.0) {
+        g[0] = g[1] = g[2] = 0.0;
+        return;
+    }
+    if (!isfinite(m))
+        return;
+    int k;
+    frexp(m, &k);
+    double s = ldexp(1.0, -k), d = 0.0, a = 0.0, b = 0.0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double xs = x[i] * s, ys = y[i] * s;
+        d += xs * ys;
+        a += xs * xs;
+        b += ys * ys;
+    }
+    g[0] = d, g[1] = a, g[2] = b;
+}
+
 /* dst = Adasum(left, right) span by span (the loop of pair(), below). */
 static void
 pair_spans(const operand *left, const operand *right, const operand *dst, const int64_t *sp, Py_ssize_t n,
@@ -523,6 +560,8 @@ pair_spans(const operand *left, const operand *right, const operand *dst, const 
         Py_ssize_t len = sp[2 * i + 1] - sp[2 * i];
         double g[3];
         dots(x, y, len, g);
+        if (dst->itemsize == 8 && !(isfinite(g[0]) && isfinite(g[1]) && isfinite(g[2]) && g[1] >= TINY && g[2] >= TINY))
+            rescaled_dots_f64((const double *)x, (const double *)y, len, g);
         double q_left = g[1] != 0.0 ? g[0] / g[1] : 0.0, q_right = g[2] != 0.0 ? g[0] / g[2] : 0.0;
         scaled_add(d, x, y, len, 1.0 - w_left * q_left, 1.0 - w_right * q_right);
     }

@@ -12,6 +12,7 @@ tensors on the CPU or a CUDA device.
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import weakref
 from typing import Any, Sequence
@@ -21,7 +22,7 @@ import numpy as np
 from . import settings as _settings
 from .combine import coefficients
 
-__all__ = ["Adapter", "Adapters", "NumpyAdapter", "CupyAdapter", "TorchAdapter", "array_kind", "FLOAT_DTYPES",
+__all__ = ["extend_range", "merge_partials", "partial_width", "Adapter", "Adapters", "NumpyAdapter", "CupyAdapter", "TorchAdapter", "array_kind", "FLOAT_DTYPES",
            "kernels_backend", "set_kernels_backend", "nonempty"]
 
 from .kernels import compiled as _c_kernels  # None where the install could not build them
@@ -100,7 +101,9 @@ class Adapter:
 
     # --- arithmetic on flat buffers -------------------------------------------------------------------------
     def partial_dots(self, a, b, pieces: Sequence[tuple[int, int]]) -> np.ndarray:
-        """``[a·b, a·a, b·b]`` over ``a[s:e]``, ``b[s:e]`` for each piece, as a host float64 (n, 3) array.
+        """``[a·b, a·a, b·b]`` over ``a[s:e]``, ``b[s:e]`` for each piece, as a host float64 (n, 3) array;
+        for float64 data an (n, 4) array ``[a·b, a·a, b·b, k]`` of partials scaled by ``4**-k``
+        (:func:`extend_range`), so that no float64 input overflows or underflows them.
 
         ``a`` or ``b`` may also be a list with one flat buffer per piece, where :meth:`direct_parts` gave
         such buffers."""
@@ -308,8 +311,9 @@ class NumpyAdapter(_NumpyLike):
         if self._compiled(a, b):
             out = np.empty((len(pieces), 3))
             _c_kernels.dots(a, b, np.asarray(pieces, dtype=np.int64).reshape(-1, 2), out)
-            return out
-        return _numpy_partial_dots(a, b, pieces, self._block_scratch("wide64", np.float64))
+        else:
+            out = _numpy_partial_dots(a, b, pieces, self._block_scratch("wide64", np.float64))
+        return extend_range(out, a, b, pieces) if _dtype_of(a) == np.float64 else out
 
     def scaled_add(self, a, b, pieces, ca, cb, dst=None):
         dst = a if dst is None else dst
@@ -413,7 +417,8 @@ class CupyAdapter(_NumpyLike):
                 out[i, 0] += xp.dot(x, y)
                 out[i, 1] += xp.dot(x, x)
                 out[i, 2] += xp.dot(y, y)
-        return xp.asnumpy(out)
+        out = xp.asnumpy(out)
+        return extend_range(out, a, b, pieces) if native else out
 
     def scaled_add(self, a, b, pieces, ca, cb, dst=None):
         if dst is not None and dst is not a:
@@ -609,7 +614,8 @@ class TorchAdapter(Adapter):
                 row[0] += torch.dot(x, y)
                 row[1] += torch.dot(x, x)
                 row[2] += torch.dot(y, y)
-        return out.cpu().numpy()
+        out = out.cpu().numpy()
+        return extend_range(out, a, b, pieces) if native else out
 
     def pair(self, left, right, dst, pieces, span_array, count_left, count_right):
         if self._numpy_path(left):
@@ -714,10 +720,86 @@ def _numpy_blocks(n: int, pieces):
         yield bs, be, i0, (None if i1 - i0 == 1 else np.maximum(starts[i0:i1], bs) - bs)
 
 
+# Below this a squared norm may have lost bits to underflow (its elements' squares are subnormal), or be zero
+# only because they all underflowed: such partials are computed again on the data scaled by a power of two.
+TINY = 2.0 ** -900
+# The exponent of partials that are all zero: they take no part in choosing a common scale.
+NO_SCALE = -(2.0 ** 30)
+
+
+def partial_width(dtype: str) -> int:
+    """Columns of a group's partials: 4 for float64 (:func:`extend_range`), else 3."""
+    return 4 if dtype == "float64" else 3
+
+
+def _dtype_of(x):
+    return x[0].dtype if type(x) is list else x.dtype
+
+
+def extend_range(part: np.ndarray, a, b, pieces) -> np.ndarray:
+    """Float64 partials ``part`` (n, 3) as (n, 4) rows ``[a·b, a·a, b·b, k]`` meaning ``4**k`` times the
+    first three, as BLAS's ``nrm2`` scales: a row that overflowed (Inf/NaN from finite data) or whose squared
+    norms are below :data:`TINY` is computed again on its piece scaled by ``2**-k``, where ``2**k`` bounds
+    its largest magnitude; the scaling is exact, and the Adasum coefficients only use ratios of partials of
+    one scale. Other rows keep k = 0 (bitwise what they were), all-zero rows ``NO_SCALE``. ``a``, ``b``: flat
+    buffers the pieces index (numpy, cupy or torch), or lists of one buffer per piece."""
+    out = np.empty((len(part), 4))
+    out[:, :3] = part
+    out[:, 3] = 0.0
+    with np.errstate(invalid="ignore"):
+        redo = ~np.isfinite(part).all(axis=1) | (part[:, 1] < TINY) | (part[:, 2] < TINY)
+    for i in np.flatnonzero(redo).tolist():
+        s, e = pieces[i]
+        x = a[i] if type(a) is list else a[s:e]
+        y = b[i] if type(b) is list else b[s:e]
+        m = max(float(abs(x).max()), float(abs(y).max())) if e > s else 0.0
+        if m == 0.0:
+            out[i] = (0.0, 0.0, 0.0, NO_SCALE)
+        elif math.isfinite(m):  # NaN or Inf in the data: the partials stay non-finite, on purpose
+            k = math.frexp(m)[1]
+            scale = math.ldexp(1.0, -k)
+            xs, ys = x * scale, y * scale
+            out[i] = (float((xs * ys).sum()), float((xs * xs).sum()), float((ys * ys).sum()), k)
+    return out
+
+
+def _shift(k: np.ndarray, top: np.ndarray) -> np.ndarray:
+    """Powers of two that bring partials of scale ``4**k`` to scale ``4**top`` (``top >= k``)."""
+    return np.maximum(2 * (k - top), -4000).astype(np.int64)[:, None]
+
+
+def merge_partials(first: np.ndarray, second: np.ndarray, widths) -> np.ndarray:
+    """``first + second`` for flattened partials of several groups (``widths``: (rows, 3 or 4) per group):
+    3-wide rows add; 4-wide rows (:func:`extend_range`) are brought to their larger scale first. The same
+    operations in the same order whatever the data, so every rank adding the same two gets the same bits."""
+    out = first + second
+    at = 0
+    for rows, width in widths:
+        if width == 4 and rows:
+            f = first[at:at + 4 * rows].reshape(rows, 4)
+            g = second[at:at + 4 * rows].reshape(rows, 4)
+            if (f[:, 3] != g[:, 3]).any():
+                k = np.maximum(f[:, 3], g[:, 3])
+                both = np.ldexp(f[:, :3], _shift(f[:, 3], k)) + np.ldexp(g[:, :3], _shift(g[:, 3], k))
+                o = out[at:at + 4 * rows].reshape(rows, 4)
+                o[:, :3] = both
+                o[:, 3] = k
+            else:
+                out[at + 3:at + 4 * rows:4] = f[:, 3]
+        at += width * rows
+    return out
+
+
 def _numpy_partial_dots(a, b, pieces, gram_scratch) -> np.ndarray:
     """Per piece [a·b, a·a, b·b], accumulated in float64 (narrower inputs are widened block by block)."""
     out = np.zeros((len(pieces), 3))
     native = a.dtype == np.float64
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # extend_range redoes such partials
+        _numpy_dots_into(out, a, b, pieces, native, gram_scratch)
+    return out
+
+
+def _numpy_dots_into(out, a, b, pieces, native, gram_scratch) -> None:
     for bs, be, i0, cuts in _numpy_blocks(len(a), pieces):
         if native:
             x, y = a[bs:be], b[bs:be]
@@ -733,7 +815,6 @@ def _numpy_partial_dots(a, b, pieces, gram_scratch) -> np.ndarray:
             out[i0:i1, 2] += np.add.reduceat(y * y, cuts)
         else:
             out[i0] += (np.dot(x, y), np.dot(x, x), np.dot(y, y))
-    return out
 
 
 def _numpy_scaled_add(a, b, pieces, ca, cb, f32_scratch) -> None:

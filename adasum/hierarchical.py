@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from .arrays import merge_partials
 from .fusion import Group, Operand
 from .transport import Transport, use_staging
 from .vhdd import adasum_reduce
@@ -154,18 +155,18 @@ class _NodeCollectives:
         self.transport.broadcast_slices(self.g.buffer, bounds)
 
 
-def _slice_sum(ctx, comm: MPI.Intracomm) -> Callable[[np.ndarray], np.ndarray] | None:
+def _slice_sum(ctx, comm: MPI.Intracomm) -> Callable[[np.ndarray, list], np.ndarray] | None:
     """Sums a partial-dot-product vector over the node's slice holders, bitwise alike on each of them."""
     if comm.Get_size() == 1:
         return None
     t = Transport(ctx, comm, ctx.adapters.numpy, "cpu", staged=False)
 
-    def local_sum(vec: np.ndarray) -> np.ndarray:
+    def local_sum(vec: np.ndarray, widths) -> np.ndarray:
         rows = t.allgather_scalars(vec)
         # Added in local-rank order, the same order on every holder.
         total = rows[0].copy()
         for row in rows[1:]:
-            total += row
+            total = merge_partials(total, row, widths)
         return total
 
     return local_sum

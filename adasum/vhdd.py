@@ -21,6 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import tree
+from .arrays import NO_SCALE, merge_partials, partial_width
 from .combine import coefficients
 from .fusion import Operand, group_pieces
 from .transport import Transport
@@ -113,25 +114,40 @@ def exchange(t: Transport, partner: int, sends: list, recvs: list) -> None:
     t.exchange(sends, partner, recvs, partner)
 
 
+def widths(groups) -> list[tuple[int, int]]:
+    """(layers, columns) of every group's block of partials (see :func:`adasum.arrays.merge_partials`)."""
+    return [(len(g.bounds) - 1, partial_width(g.dtype)) for g in groups]
+
+
 def _layer_partials(groups, scratches, los, his, swap: bool):
-    """Per-layer [left·right, ‖left‖², ‖right‖²] over this rank's segments, for all groups, flattened."""
+    """Per-layer [left·right, ‖left‖², ‖right‖²] (and the scale, for float64) over this rank's segments, for
+    all groups, flattened."""
     out, spans_by_group = [], []
     for g, scr, lo, hi in zip(groups, scratches, los, his):
-        full = np.zeros((len(g.bounds) - 1, 3))
+        width = partial_width(g.dtype)
+        full = np.zeros((len(g.bounds) - 1, width))
+        if width == 4:
+            full[:, 3] = NO_SCALE  # layers this rank holds nothing of
         layers, spans = group_pieces(g, lo, hi)
         if spans:
             part = g.adapter.partial_dots(own(g, lo, hi, layers, spans), scr, spans)
             if swap:  # this rank holds the right-hand vector
-                part = part[:, [0, 2, 1]]
+                part = part[:, [0, 2, 1, 3][:width]]
             full[layers] = part
         out.append(full)
         spans_by_group.append((layers, spans))
-    return np.concatenate(out).ravel() if out else np.zeros(0), spans_by_group
+    return np.concatenate([o.ravel() for o in out]) if out else np.zeros(0), spans_by_group
 
 
 def _combine(groups, scratches, los, his, spans_by_group, sums, count_left, count_right, upper: bool):
     """Apply the coefficients of the summed partials to this rank's piece of every layer."""
-    sums = sums.reshape(-1, 3)
+    rows = []
+    at = 0
+    for g in groups:
+        n, width = len(g.bounds) - 1, partial_width(g.dtype)
+        rows.append(sums[at:at + n * width].reshape(n, width)[:, :3])
+        at += n * width
+    sums = np.concatenate(rows) if rows else np.zeros((0, 3))
     c_left, c_right = coefficients(sums[:, 0], sums[:, 1], sums[:, 2], count_left, count_right)
     mine, theirs = (c_right, c_left) if upper else (c_left, c_right)
     offset = 0
@@ -154,12 +170,13 @@ def fold_out(groups: Sequence[Operand], transports: Sequence[Transport], partner
 
 def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Operand], transports: Sequence[Transport], *,
                   counts: Sequence[int] | None = None, split: int = 0,
-                  local_sum: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+                  local_sum: Callable[[np.ndarray, list], np.ndarray] | None = None) -> None:
     """Replace every group's buffer, in place and on every rank, by the Adasum of all ranks' buffers.
 
     ``counts[r]`` is how many ranks rank r's vector stands for (1 each for plain Adasum; ranks per node in
     the hierarchical mode). ``local_sum``, if given, sums a rank's partial dot products with those of the
-    ranks outside ``comm`` that hold the other pieces of the same vectors (the hierarchical mode).
+    ranks outside ``comm`` that hold the other pieces of the same vectors (the hierarchical mode); it is
+    given the partials and their :func:`widths`.
 
     A group that is not ``packed`` is read from ``parts`` (flat views of the caller's tensors) until its
     first combine: halves are sent from there without packing them. A group that ``writes_parts`` (an
@@ -172,7 +189,11 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Operand], transports: Se
     if size == 1 or not groups:
         return
     r = tree.role(size, rank, None if counts is None else tuple(counts))
-    sum_local = local_sum or (lambda v: v)
+    layout = widths(groups)
+
+    def sum_local(v: np.ndarray) -> np.ndarray:
+        return v if local_sum is None else local_sum(v, layout)
+
     scalars = transports[0]
 
     # --- fold the first adjacent pairs ------------------------------------------------------------------
@@ -206,7 +227,7 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Operand], transports: Se
         # so that every rank of the subtree gets bitwise the same sums, hence the same coefficients.
         for j, other_rank in enumerate(level.sum_partners):
             other = scalars.swap_scalars(sums, other_rank)
-            sums = other + sums if r.virtual & (1 << j) else sums + other
+            sums = merge_partials(other, sums, layout) if r.virtual & (1 << j) else merge_partials(sums, other, layout)
         _combine(groups, scratches, los, his, spans, sums, level.count_left, level.count_right, level.upper)
 
     # --- allgather by recursive doubling -------------------------------------------------------------------
