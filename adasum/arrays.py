@@ -11,42 +11,42 @@ tensors on the CPU or a CUDA device.
 
 from __future__ import annotations
 
-import os
+import functools
 import sys
 import weakref
 from typing import Any, Sequence
 
 import numpy as np
 
+from . import settings as _settings
 from .combine import coefficients
 
-__all__ = ["Adapter", "NumpyAdapter", "CupyAdapter", "TorchAdapter", "adapter_for", "FLOAT_DTYPES",
-           "kernels_backend", "set_kernels_backend"]
+__all__ = ["Adapter", "Adapters", "NumpyAdapter", "CupyAdapter", "TorchAdapter", "array_kind", "FLOAT_DTYPES",
+           "kernels_backend", "set_kernels_backend", "nonempty"]
 
-try:  # the compiled single-pass kernels for float32/float64 host buffers (setup.py builds them)
-    from . import _kernels as _c_kernels
-except ImportError:  # pragma: no cover - a build without a C compiler
-    _c_kernels = None
+from .kernels import compiled as _c_kernels  # None where the install could not build them
 
-_use_c = _c_kernels is not None and os.environ.get("ADASUM_KERNELS", "c") != "numpy"
+
+
+def _use_c() -> bool:
+    return _c_kernels is not None and _settings.current().kernels == "c"
 
 
 def kernels_backend() -> str:
     """``"c"`` when host float32/float64 buffers go through the compiled kernels, else ``"numpy"``.
 
-    The environment variable ``ADASUM_KERNELS=numpy`` selects the numpy kernels at import.
+    The environment variable ``ADASUM_KERNELS=numpy`` (or :func:`set_kernels_backend`) selects the numpy
+    kernels.
     """
-    return "c" if _use_c else "numpy"
+    return "c" if _use_c() else "numpy"
 
 
 def set_kernels_backend(name: str) -> None:
-    """Select ``"c"`` (the compiled kernels; ImportError if they were not built) or ``"numpy"``."""
-    global _use_c
-    if name not in ("c", "numpy"):
-        raise ValueError(f"kernels backend must be 'c' or 'numpy', got {name!r}")
+    """Select ``"c"`` (the compiled kernels; ImportError if they were not built) or ``"numpy"``: the setting
+    ``kernels`` of :func:`adasum.configure`."""
     if name == "c" and _c_kernels is None:
         raise ImportError("adasum._kernels was not built (no C compiler at install time?)")
-    _use_c = name == "c"
+    _settings.configure(kernels=name)
 
 # Elements converted to float64 at a time: two such blocks (a and b) stay in a core's L2 cache, and no
 # float64 copy of a whole buffer is ever made.
@@ -60,6 +60,9 @@ class Adapter:
     """What the algorithm needs from one kind of array. Subclasses implement it for numpy/cupy and torch."""
 
     kind: str
+
+    def clear(self) -> None:
+        """Drop kept scratch buffers and views."""
 
     # --- describing user arrays -------------------------------------------------------------------------
     def dtype_name(self, t) -> str:
@@ -113,7 +116,7 @@ class Adapter:
         raise NotImplementedError
 
     def pair(self, left, right, dst, pieces, span_array: np.ndarray, count_left: int, count_right: int) -> None:
-        """``dst[s:e] ← Adasum(left[s:e], right[s:e])`` per piece (SPEC §3), ``left`` standing for
+        """``dst[s:e] ← Adasum(left[s:e], right[s:e])`` per piece (the size-weighted rule), ``left`` standing for
         ``count_left`` ranks and ``right`` for ``count_right``. ``span_array`` is ``pieces`` as an int64
         (n, 2) array. ``dst`` may be ``left`` or ``right``; the other operand is scratch."""
         d = self.partial_dots(left, right, pieces)
@@ -226,6 +229,9 @@ class NumpyAdapter(_NumpyLike):
     def __init__(self):
         self._scratch: dict = {}
 
+    def clear(self) -> None:
+        self._scratch.clear()
+
     def device(self, t) -> str:
         return "cpu"
 
@@ -235,7 +241,7 @@ class NumpyAdapter(_NumpyLike):
     def pack(self, tensors, buf, bounds, spans=None):
         if spans is not None and _c_kernels is not None and buf.dtype.char in "fd":
             try:  # one memcpy per tensor; raises for a non-contiguous tensor
-                _c_kernels.copy(buf, _nonempty(tensors, spans[0]), spans[2])
+                _c_kernels.copy(buf, nonempty(tensors, spans[0]), spans[2])
                 return
             except (BufferError, ValueError):
                 pass
@@ -245,7 +251,7 @@ class NumpyAdapter(_NumpyLike):
     def write_back(self, tensors, buf, bounds, spans=None):
         if spans is not None and _c_kernels is not None and buf.dtype.char in "fd":
             try:
-                _c_kernels.copy(_nonempty(tensors, spans[0]), buf, spans[2])
+                _c_kernels.copy(nonempty(tensors, spans[0]), buf, spans[2])
                 return
             except (BufferError, ValueError):
                 pass
@@ -295,7 +301,7 @@ class NumpyAdapter(_NumpyLike):
         return buf
 
     def _compiled(self, *operands) -> bool:
-        return _use_c and all(type(x) is list or (x.dtype.char in "fd" and x.flags.c_contiguous)
+        return _use_c() and all(type(x) is list or (x.dtype.char in "fd" and x.flags.c_contiguous)
                               for x in operands)
 
     def partial_dots(self, a, b, pieces):
@@ -326,7 +332,7 @@ class NumpyAdapter(_NumpyLike):
         super().pair(left, right, dst, pieces, span_array, count_left, count_right)
 
     def direct_parts(self, tensors, dtype, contiguous=False):
-        if not _use_c or dtype not in ("float32", "float64"):
+        if not _use_c() or dtype not in ("float32", "float64"):
             return None
         if not contiguous and not all(t.flags.c_contiguous for t in tensors):
             return None
@@ -362,6 +368,9 @@ class CupyAdapter(_NumpyLike):
         self.xp = xp
         self._pinned_empty = pinned_empty
         self._scratch: dict = {}
+
+    def clear(self) -> None:
+        self._scratch.clear()
 
     def device(self, t) -> str:
         return f"cuda:{t.device.id}"
@@ -456,12 +465,17 @@ class TorchAdapter(Adapter):
 
     kind = "torch"
 
-    def __init__(self):
+    def __init__(self, host: NumpyAdapter):
         import torch
 
         self.torch = torch
+        self._numpy = host  # computes on the numpy views of CPU tensors
         self._scratch: dict = {}
         self._views: dict = {}
+
+    def clear(self) -> None:
+        self._scratch.clear()
+        self._views.clear()
 
     def dtype_name(self, t) -> str:
         return str(t.dtype).replace("torch.", "")
@@ -522,13 +536,13 @@ class TorchAdapter(Adapter):
 
     def layout(self, tensors, indices, rank):
         views = self._host_views(tensors)
-        return None if views is None else _NUMPY.layout(views, indices, rank)
+        return None if views is None else self._numpy.layout(views, indices, rank)
 
     def direct_parts(self, tensors, dtype, contiguous=False):
         if not contiguous and not all(t.is_contiguous() for t in tensors):
             return None
         views = self._host_views(tensors)
-        return None if views is None else _NUMPY.direct_parts(views, dtype, contiguous=True)
+        return None if views is None else self._numpy.direct_parts(views, dtype, contiguous=True)
 
     def _host_views(self, tensors):
         """numpy views of CPU float32/float64 tensors (their own memory), else None."""
@@ -566,6 +580,10 @@ class TorchAdapter(Adapter):
         self._views[key] = entry
         return views
 
+    def kept_view_lists(self) -> int:
+        """How many lists of tensors have their numpy views kept now."""
+        return len(self._views)
+
     def wrote_parts(self, tensors) -> None:
         # The result went into the tensors' memory through numpy: tell autograd they changed in place.
         self.torch.autograd.graph.increment_version(tensors)
@@ -574,7 +592,7 @@ class TorchAdapter(Adapter):
         torch = self.torch
         if self._numpy_path(a):
             # numpy's kernels, on the same memory: they vectorise over many small layers
-            return _NUMPY.partial_dots(_host(a), _host(b), pieces)
+            return self._numpy.partial_dots(_host(a), _host(b), pieces)
         out = torch.zeros((len(pieces), 3), dtype=torch.float64, device=a.device)
         native = a.dtype == torch.float64
         if not native:
@@ -595,14 +613,14 @@ class TorchAdapter(Adapter):
 
     def pair(self, left, right, dst, pieces, span_array, count_left, count_right):
         if self._numpy_path(left):
-            _NUMPY.pair(_host(left), _host(right), _host(dst), pieces, span_array, count_left, count_right)
+            self._numpy.pair(_host(left), _host(right), _host(dst), pieces, span_array, count_left, count_right)
             return
         super().pair(left, right, dst, pieces, span_array, count_left, count_right)
 
     def scaled_add(self, a, b, pieces, ca, cb, dst=None):
         torch = self.torch
         if self._numpy_path(a):
-            _NUMPY.scaled_add(_host(a), _host(b), pieces, ca, cb, None if dst is None else _host(dst))
+            self._numpy.scaled_add(_host(a), _host(b), pieces, ca, cb, None if dst is None else _host(dst))
             return
         if dst is not None and dst is not a:
             self.scaled_add(a, b, pieces, ca, cb)
@@ -659,15 +677,10 @@ class TorchAdapter(Adapter):
             self.torch.cuda.synchronize(device)
 
 
-_DTYPE_NAMES: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _dtype_name(dtype) -> str:
     # numpy's dtype.name is computed in Python on every access; a call may describe thousands of tensors
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = np.dtype(dtype).name
-    return name
+    return np.dtype(dtype).name
 
 
 def _host(x):
@@ -675,7 +688,7 @@ def _host(x):
     return x if type(x) is list else x.numpy()
 
 
-def _nonempty(tensors, layers):
+def nonempty(tensors, layers):
     """The tensors of the non-empty ``layers`` (all of them, as they mostly are)."""
     return tensors if len(layers) == len(tensors) else [tensors[i] for i in layers]
 
@@ -749,26 +762,49 @@ def _numpy_scaled_add(a, b, pieces, ca, cb, f32_scratch) -> None:
             a[bs:be] = x
 
 
-_NUMPY = NumpyAdapter()
-_ADAPTERS: dict[str, Adapter] = {"numpy": _NUMPY}
+class Adapters:
+    """One set of adapters (numpy, and torch and cupy once their arrays appear), with their scratch and kept
+    views: each communicator's context has its own, so calls on different communicators share none."""
+
+    def __init__(self) -> None:
+        self.numpy = NumpyAdapter()
+        self._made: dict[str, Adapter] = {"numpy": self.numpy}
+
+    def of(self, kind: str) -> Adapter:
+        adapter = self._made.get(kind)
+        if adapter is None:
+            if kind == "torch":
+                adapter = TorchAdapter(self.numpy)
+            elif kind == "cupy":
+                cupy = sys.modules["cupy"]
+                adapter = CupyAdapter(cupy, getattr(cupy, "_adasum_pinned_empty", None))
+            else:
+                raise ValueError(f"no adapter for arrays of kind {kind!r}")
+            self._made[kind] = adapter
+        return adapter
+
+    def for_array(self, t) -> Adapter | None:
+        """The adapter for array ``t``, or None if ``t`` is of no supported kind."""
+        kind = array_kind(t)
+        return None if kind is None else self.of(kind)
+
+    def clear(self) -> None:
+        for adapter in self._made.values():
+            adapter.clear()
 
 
-def adapter_for(t) -> Adapter | None:
-    """The adapter for array ``t``, or None if ``t`` is of no supported kind.
+def array_kind(t) -> str | None:
+    """``"numpy"``, ``"torch"`` or ``"cupy"`` for an array of a supported kind, else None.
 
     torch and cupy are looked up only if the user's program has imported them: an object cannot be a
     torch tensor unless torch is loaded.
     """
     cupy = sys.modules.get("cupy")
-    if cupy is not None and isinstance(t, cupy.ndarray):
-        if "cupy" not in _ADAPTERS:
-            _ADAPTERS["cupy"] = CupyAdapter(cupy, getattr(cupy, "_adasum_pinned_empty", None))
-        return _ADAPTERS["cupy"]
+    if cupy is not None and isinstance(t, cupy.ndarray):  # first: cupy's test stand-in is made of numpy
+        return "cupy"
     if isinstance(t, np.ndarray):
-        return _NUMPY
+        return "numpy"
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(t, torch.Tensor):
-        if "torch" not in _ADAPTERS:
-            _ADAPTERS["torch"] = TorchAdapter()
-        return _ADAPTERS["torch"]
+        return "torch"
     return None

@@ -1,4 +1,4 @@
-"""The pairwise Adasum rule (SPEC §1) and its size-weighted form (SPEC §3), in plain numpy.
+"""The pairwise Adasum rule and its size-weighted form (docs/design.md), in plain numpy.
 
 Everything here is float64 and free of MPI: the distributed schedule and the serial reference both get
 their coefficients from :func:`coefficients`, so the two can only differ by where sums are split.

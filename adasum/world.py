@@ -28,10 +28,9 @@ def size(comm: MPI.Intracomm | None = None) -> int:
 
 
 def _layout(comm: MPI.Intracomm | None):
-    from .hierarchical import node_layout
-    from .transport import library_comm
+    from .context import context_for
 
-    return node_layout(library_comm(_comm(comm)))
+    return context_for(_comm(comm)).node_layout()
 
 
 def local_rank(comm: MPI.Intracomm | None = None) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from ..transport import library_comm
+from ..context import library_comm
 from .broadcast import _raise_everywhere, _to_cpu
 
 __all__ = ["save_checkpoint", "load_checkpoint"]

@@ -1,5 +1,5 @@
 """``DistributedOptimizer``: any torch optimizer, data-parallel over MPI with Adasum on weight deltas
-(SPEC §7), or with a plain sum/mean of the gradients, with local micro-batch accumulation.
+(docs/design.md), or with a plain sum/mean of the gradients, with local micro-batch accumulation.
 
 Adasum combines what each rank's optimizer *would do*: at a boundary every rank takes its own local step,
 the per-parameter deltas (new - start) are combined with Adasum, one layer per parameter tensor, and every
@@ -19,7 +19,7 @@ import torch
 from mpi4py import MPI
 
 from ..allreduce import Op, adasum_allreduce_inplace
-from ..transport import library_comm
+from ..context import library_comm
 from .accumulate import AccumulationWindow
 
 __all__ = ["DistributedOptimizer"]
