@@ -126,12 +126,12 @@ def damage(path: str, how: str) -> str:
 def test_a_damaged_file_raises_on_every_rank_and_changes_nothing(comm, shared_dir, how):
     rank = comm.Get_rank()
     path = os.path.join(shared_dir, "ckpt.pt")
-    saved = trained(rank, seed=0, micro=5)
+    saved = trained(rank, seed=0, micro=5, hidden=64)  # tensors fill most of the file: a flip lands in one
     save_checkpoint(path, model=saved[0], optimizer=saved[1], extra={"epoch": 3})
     want = damage(path, how) if rank == 0 else None
     want = comm.bcast(want, root=0)
 
-    model, opt = trained(rank, seed=1, micro=4)  # another state, mid-window: all of it must survive
+    model, opt = trained(rank, seed=1, micro=4, hidden=64)  # another state, mid-window: all of it must survive
     before = snapshot(model, opt)
     with pytest.raises(ValueError) as err:
         load_checkpoint(path, model=model, optimizer=opt)
