@@ -39,7 +39,7 @@ _MAGIC = b"adasum.torch checkpoint 2\n"
 HEADER_BYTES = 128
 _FIELDS = re.compile(rb"payload ([0-9]{1,20}) bytes sha256 ([0-9a-f]{64}) *\n")
 _ZIP = b"PK\x03\x04"  # how torch.save's files start: a file of the first format, without a checksum
-_CHUNK = 1 << 24
+_CHUNK = 1 << 24  # bytes hashed at a time when verifying
 
 
 def save_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimizer=None,
@@ -175,9 +175,10 @@ class _Hashing:
         self.f, self.sha, self.nbytes = f, hashlib.sha256(), 0
 
     def write(self, data) -> int:
-        self.sha.update(data)
-        self.nbytes += len(memoryview(data))
-        return self.f.write(data)
+        view = memoryview(data)
+        self.sha.update(view)
+        self.nbytes += view.nbytes
+        return self.f.write(view)
 
     def flush(self) -> None:
         self.f.flush()
