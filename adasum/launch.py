@@ -13,7 +13,6 @@ is how people debug. It is logged once, at INFO, on the ``"adasum"`` logger.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Mapping, Sequence
 
@@ -142,8 +141,11 @@ def _job(size: int | None, rank: int | None) -> str:
 
 
 def _environment() -> dict[str, str]:
-    """The launcher variables of this process's environment: the only place adasum.launch reads it."""
-    return {name: os.environ[name] for name in VARIABLES if name in os.environ}
+    """The launcher variables of this process's environment, as :mod:`adasum.settings` kept them at import."""
+    from .settings import launch_environment
+
+    env = launch_environment()
+    return {name: env[name] for name in VARIABLES if name in env}
 
 
 def _program(argv: Sequence[str]) -> str | None:
