@@ -13,6 +13,7 @@ from .settings import Settings, configure, get_small_message_bytes, set_small_me
 from .settings import current as current_settings
 from .transport import cuda_aware_mpi, get_gpu_transport, set_gpu_transport
 from .validate import AdasumMismatchError
+from .launch import AdasumLaunchError
 from .world import local_rank, local_size, rank, size
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "set_kernels_backend",
     "AdasumMismatchError",
     "AdasumStallError",
+    "AdasumLaunchError",
     "Traffic",
     "count_traffic",
     "cuda_aware_mpi",

@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 from ..allreduce import Op, adasum_allreduce_inplace
 from ..context import library_comm
+from ..launch import process_check
 from .accumulate import AccumulationWindow
 
 __all__ = ["DistributedOptimizer"]
@@ -98,6 +99,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(comm, MPI.Intracomm):
             raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
+        process_check()  # a job whose processes MPI does not see raises here
         if start_copy not in ("device", "host"):
             raise ValueError(f"start_copy must be 'device' or 'host', got {start_copy!r}")
         if hierarchical and self.op != "adasum":
@@ -430,6 +432,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if grads is not None and len(grads) != len(params):
             raise ValueError(f"the state holds accumulated gradients for {len(grads)} parameters, the optimizer "
                              f"has {len(params)}")
+        for i, (p, g) in enumerate(zip(params, grads or [])):
+            if g is not None and tuple(g.shape) != tuple(p.shape):
+                raise ValueError(f"accumulated gradient {i} has shape {tuple(g.shape)}, parameter {i} has "
+                                 f"{tuple(p.shape)}")
         self.optimizer.load_state_dict(state)
         self._window.load_state_dict(own)
         self.boundaries = int(own.get("boundaries", 0))
@@ -437,10 +443,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._scaler_good_steps = int(own.get("scaler_good_steps", 0))
         self.is_boundary = self.step_was_skipped = self._prepared = False
         if grads is not None:
-            for i, (p, g) in enumerate(zip(params, grads)):
-                if g is not None and tuple(g.shape) != tuple(p.shape):
-                    raise ValueError(f"accumulated gradient {i} has shape {tuple(g.shape)}, parameter {i} has "
-                                     f"{tuple(p.shape)}")
+            for p, g in zip(params, grads):
                 p.grad = None if g is None else g.detach().to(device=p.device, dtype=p.dtype, copy=True)
 
     # --- helpers ----------------------------------------------------------------------------------------------
