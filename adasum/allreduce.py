@@ -20,7 +20,7 @@ from .arrays import array_kind
 from .context import Context, context_for
 from .doubling import SmallCall, adasum_reduce_doubling, native_enabled
 from .fusion import Group, Operand, TensorLayout, layer_spans, make_groups
-from .launch import process_check
+from .launch import check_launch
 from .transport import Transport, use_staging
 from .validate import agree, describe, explain, signature
 from .vhdd import adasum_reduce
@@ -122,7 +122,7 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
 def _general(ctx: Context, s: _settings.Settings, extras: dict, tensors, op, hierarchical: bool, inplace: bool,
              known):
     """Every call that :func:`_small_adasum` does not take. ``known``: the call's plan, where it was found."""
-    process_check()  # a job whose processes MPI does not see raises here, on the first call
+    check_launch()  # a job whose processes MPI does not see raises here, on the first call
     rank, size = ctx.rank, ctx.size
     opname, single, items, plan, groups, members, layouts, error = str(op), False, [], None, [], [], [], None
     try:

@@ -3,7 +3,7 @@
 adasum reduces over MPI. A job started by another launcher (torchrun, a Slurm step without MPI support, an
 ``mpirun`` of another MPI than the one mpi4py loaded) gives every process an MPI world of one rank: each
 would "reduce" with itself alone and train alone, silently. :func:`launch_problem` reads what the
-environment says about the job and names the problem; :class:`LaunchCheck` runs it once per process, on
+environment says about the job and names the problem; :func:`check_launch` runs it once per process, on
 the first reduction and in ``DistributedOptimizer``'s constructor, and raises :class:`AdasumLaunchError`.
 
 A plain single process (no launcher in sight, or an MPI launcher asked for one process) stays allowed: it
@@ -16,7 +16,9 @@ import logging
 import sys
 from typing import Mapping, Sequence
 
-__all__ = ["AdasumLaunchError", "LaunchCheck", "launch_problem"]
+from . import settings as _settings
+
+__all__ = ["AdasumLaunchError", "check_launch", "launch_problem"]
 
 _log = logging.getLogger("adasum")
 
@@ -142,9 +144,7 @@ def _job(size: int | None, rank: int | None) -> str:
 
 def _environment() -> dict[str, str]:
     """The launcher variables of this process's environment, as :mod:`adasum.settings` kept them at import."""
-    from .settings import launch_environment
-
-    env = launch_environment()
+    env = _settings.launch_environment()
     return {name: env[name] for name in VARIABLES if name in env}
 
 
@@ -153,33 +153,20 @@ def _program(argv: Sequence[str]) -> str | None:
     return argv[0] + " …" if argv and argv[0].endswith(".py") else None
 
 
-class LaunchCheck:
-    """Checks once per process that MPI sees the job's processes (see :func:`launch_problem`).
+def check_launch() -> None:
+    """Raise :class:`AdasumLaunchError` if MPI sees this process alone in a job of several processes (see
+    :func:`launch_problem`); every call while the problem stands, so no reduction runs on a wrongly launched
+    process. Once it has passed (the settings keep that), later calls cost one attribute read. A plain
+    single process passes and is logged once at INFO."""
+    if _settings.launch_verified():
+        return
+    from mpi4py import MPI
 
-    Calling it raises :class:`AdasumLaunchError` while the problem stands (every call, so no reduction
-    runs on a wrongly launched process); once it passes, later calls cost one attribute read. A plain
-    single process passes and is logged once at INFO.
-    """
-
-    __slots__ = ("passed",)
-
-    def __init__(self) -> None:
-        self.passed = False
-
-    def __call__(self) -> None:
-        if self.passed:
-            return
-        from mpi4py import MPI
-
-        size = MPI.COMM_WORLD.Get_size()
-        if size == 1:
-            problem = launch_problem(_environment(), size, _program(sys.argv))
-            if problem is not None:
-                raise AdasumLaunchError(problem)
-            _log.info("adasum: MPI.COMM_WORLD has one rank: every reduction returns its input unchanged "
-                      "(for a distributed run, launch with `mpiexec -n N python -m mpi4py …`)")
-        self.passed = True
-
-
-# This process's check: how a process was launched is process-wide, so one object holds whether it passed.
-process_check = LaunchCheck()
+    size = MPI.COMM_WORLD.Get_size()
+    if size == 1:
+        problem = launch_problem(_environment(), size, _program(sys.argv))
+        if problem is not None:
+            raise AdasumLaunchError(problem)
+        _log.info("adasum: MPI.COMM_WORLD has one rank: every reduction returns its input unchanged "
+                  "(for a distributed run, launch with `mpiexec -n N python -m mpi4py …`)")
+    _settings.set_launch_verified()

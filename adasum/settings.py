@@ -149,6 +149,7 @@ class _Holder:
     def __init__(self, env: Mapping[str, str]):
         self.value = from_environment(env)
         self.launch = {k: v for k, v in env.items() if k.startswith(_LAUNCH_PREFIXES)}
+        self.launch_verified = False  # the launch check passed (adasum.launch.check_launch)
         self.lock = threading.Lock()
 
 
@@ -179,6 +180,15 @@ def configure(settings: Settings | None = None, **changes) -> Settings:
             new = dataclasses.replace(new, **changes)
         _holder.value = new
         return old
+
+
+def launch_verified() -> bool:
+    """Whether this process's launch was checked and found right (:func:`adasum.launch.check_launch`)."""
+    return _holder.launch_verified
+
+
+def set_launch_verified() -> None:
+    _holder.launch_verified = True
 
 
 def launch_environment() -> dict[str, str]:

@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from ..allreduce import Op, adasum_allreduce_inplace
 from ..context import library_comm
-from ..launch import process_check
+from ..launch import check_launch
 from .accumulate import AccumulationWindow
 
 __all__ = ["DistributedOptimizer"]
@@ -99,7 +99,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(comm, MPI.Intracomm):
             raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
-        process_check()  # a job whose processes MPI does not see raises here
+        check_launch()  # a job whose processes MPI does not see raises here
         if start_copy not in ("device", "host"):
             raise ValueError(f"start_copy must be 'device' or 'host', got {start_copy!r}")
         if hierarchical and self.op != "adasum":
