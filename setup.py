@@ -4,7 +4,13 @@ Everything else is in pyproject.toml. The extension is optional: without a C com
 installs and falls back to numpy kernels (slower; ``adasum.kernels_backend()`` says which is in use).
 """
 
+import warnings
+
 from setuptools import Extension, setup
+
+# An editable install (pip install -e ., as scripts/setup.sh does) makes setuptools print a notice about
+# folders named like the package; this repository has only the one, adasum/.
+warnings.filterwarnings("ignore", message="Editable installation")
 
 setup(
     ext_modules=[

@@ -5,22 +5,31 @@ binary tree of ranks, by recursive vector halving, so each rank sends about as m
 bandwidth-optimal allreduce. ``adasum.torch.DistributedOptimizer`` applies it to weight deltas in training.
 """
 
-from .allreduce import (Op, adasum_allreduce, adasum_allreduce_inplace, get_small_message_bytes,
-                        set_small_message_bytes)
-from .arrays import kernels_backend
-from .transport import Traffic, count_traffic, cuda_aware_mpi, get_gpu_transport, set_gpu_transport
+from .allreduce import Op, adasum_allreduce, adasum_allreduce_inplace
+from .arrays import kernels_backend, set_kernels_backend
+from .context import Traffic, count_traffic, release_buffers
+from .stall import AdasumStallError
+from .settings import Settings, configure, get_small_message_bytes, set_small_message_bytes
+from .settings import current as current_settings
+from .transport import cuda_aware_mpi, get_gpu_transport, set_gpu_transport
 from .validate import AdasumMismatchError
-from .fusion import release_buffers
+from .launch import AdasumLaunchError
 from .world import local_rank, local_size, rank, size
 
 __all__ = [
     "Op",
     "adasum_allreduce",
     "adasum_allreduce_inplace",
+    "Settings",
+    "configure",
+    "current_settings",
     "get_small_message_bytes",
     "set_small_message_bytes",
     "kernels_backend",
+    "set_kernels_backend",
     "AdasumMismatchError",
+    "AdasumStallError",
+    "AdasumLaunchError",
     "Traffic",
     "count_traffic",
     "cuda_aware_mpi",

@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
+#include <time.h>
 
 /*
  * The summation order, fixed for every build, over one span:
@@ -507,6 +509,42 @@ k_scaled_add(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* Below this a float64 squared norm may have lost bits to underflow, or be zero only because every square
+ * underflowed (adasum.arrays.TINY). */
+#define TINY 0x1p-900
+
+/*
+ * [x.y, x.x, y.y] of float64 data again, on the data scaled by 2^-k where 2^k bounds its largest magnitude
+ * (exact), for partials that overflowed or may have underflowed: the coefficients only use their ratios.
+ * Zero data gives zeros; NaN or Inf in the data leaves g as it was (non-finite, on purpose).
+ */
+static void
+rescaled_dots_f64(const double *x, const double *y, Py_ssize_t n, double *g)
+{
+    double m = 0.0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double ax = fabs(x[i]), ay = fabs(y[i]);
+        m = !(ax <= m) ? ax : m; /* a NaN sticks */
+        m = !(ay <= m) ? ay : m;
+    }
+    if (m == 0.0) {
+        g[0] = g[1] = g[2] = 0.0;
+        return;
+    }
+    if (!isfinite(m))
+        return;
+    int k;
+    frexp(m, &k);
+    double s = ldexp(1.0, -k), d = 0.0, a = 0.0, b = 0.0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double xs = x[i] * s, ys = y[i] * s;
+        d += xs * ys;
+        a += xs * xs;
+        b += ys * ys;
+    }
+    g[0] = d, g[1] = a, g[2] = b;
+}
+
 /* dst = Adasum(left, right) span by span (the loop of pair(), below). */
 static void
 pair_spans(const operand *left, const operand *right, const operand *dst, const int64_t *sp, Py_ssize_t n,
@@ -522,6 +560,8 @@ pair_spans(const operand *left, const operand *right, const operand *dst, const 
         Py_ssize_t len = sp[2 * i + 1] - sp[2 * i];
         double g[3];
         dots(x, y, len, g);
+        if (dst->itemsize == 8 && !(isfinite(g[0]) && isfinite(g[1]) && isfinite(g[2]) && g[1] >= TINY && g[2] >= TINY))
+            rescaled_dots_f64((const double *)x, (const double *)y, len, g);
         double q_left = g[1] != 0.0 ? g[0] / g[1] : 0.0, q_right = g[2] != 0.0 ? g[0] / g[2] : 0.0;
         scaled_add(d, x, y, len, 1.0 - w_left * q_left, 1.0 - w_right * q_right);
     }
@@ -568,33 +608,103 @@ copy_spans(const operand *dst, const operand *src, const int64_t *sp, Py_ssize_t
  * Open MPI's pointers, and on the 64-bit ABIs this module binds on (x86-64, AArch64) an int argument is
  * the low half of the register or stack slot it travels in, so one prototype serves both.
  */
-typedef int (*mpi_allreduce_fn)(const void *, void *, int, intptr_t, intptr_t, intptr_t);
 typedef int (*mpi_sendrecv_fn)(const void *, int, intptr_t, int, int, void *, int, intptr_t, int, int, intptr_t,
                                void *);
 typedef int (*mpi_send_fn)(const void *, int, intptr_t, int, int, intptr_t);
 typedef int (*mpi_recv_fn)(void *, int, intptr_t, int, int, intptr_t, void *);
+typedef int (*mpi_iallreduce_fn)(const void *, void *, int, intptr_t, intptr_t, intptr_t, void *);
+typedef int (*mpi_test_fn)(void *, int *, void *);
 static struct {
-    mpi_allreduce_fn allreduce;
     mpi_sendrecv_fn sendrecv;
     mpi_send_fn send;
     mpi_recv_fn recv;
+    mpi_iallreduce_fn iallreduce;
+    mpi_test_fn test;
 } mpi;
 
 static PyObject *
 k_bind_mpi(PyObject *self, PyObject *args)
 {
-    unsigned long long allreduce, sendrecv, send, recv;
-    if (!PyArg_ParseTuple(args, "KKKK:bind_mpi", &allreduce, &sendrecv, &send, &recv))
+    unsigned long long sendrecv, send, recv, iallreduce, test;
+    if (!PyArg_ParseTuple(args, "KKKKK:bind_mpi", &sendrecv, &send, &recv, &iallreduce, &test))
         return NULL;
 #if (defined(__x86_64__) || defined(__aarch64__)) && UINTPTR_MAX == 0xffffffffffffffffULL
-    mpi.allreduce = (mpi_allreduce_fn)(uintptr_t)allreduce;
     mpi.sendrecv = (mpi_sendrecv_fn)(uintptr_t)sendrecv;
     mpi.send = (mpi_send_fn)(uintptr_t)send;
     mpi.recv = (mpi_recv_fn)(uintptr_t)recv;
+    mpi.iallreduce = (mpi_iallreduce_fn)(uintptr_t)iallreduce;
+    mpi.test = (mpi_test_fn)(uintptr_t)test;
     Py_RETURN_TRUE;
 #else
     Py_RETURN_FALSE;
 #endif
+}
+
+static double
+seconds_since(const struct timespec *t0)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)(t.tv_sec - t0->tv_sec) + 1e-9 * (double)(t.tv_nsec - t0->tv_nsec);
+}
+
+/*
+ * The agreement of a call: MPI_Iallreduce(MAX) of scratch[0:4] into scratch[4:8] on comm, then MPI_Test
+ * until it completes (as a blocking allreduce would wait, without holding the GIL). After `patience`
+ * seconds (> 0) it stops waiting: 1 is returned and the request's handle is left in scratch[8] for the
+ * caller to go on waiting and tell who has not arrived. 0 when complete, or MPI's error code (> 1).
+ * scratch must outlive the request.
+ */
+static int
+agree_spin(int64_t *scratch, intptr_t int64, intptr_t max, intptr_t comm, double patience)
+{
+    long long status[16] = {0};
+    intptr_t req = 0; /* MPICH's handle is an int: its upper half stays 0 */
+    int flag = 0, rc = mpi.iallreduce(scratch, scratch + 4, 4, int64, max, comm, &req);
+    if (rc)
+        return rc;
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (unsigned long spins = 1;; spins++) {
+        if ((rc = mpi.test(&req, &flag, status)))
+            return rc;
+        if (flag)
+            return 0;
+        if (patience > 0 && (spins & 1023) == 0 && seconds_since(&t0) >= patience) {
+            scratch[8] = (int64_t)req;
+            return 1;
+        }
+    }
+}
+
+/* agree(scratch, comm, int64, max, patience) -> 0 (done), 1 (still waiting: the request is in
+ * scratch[8]) or MPI's error code; see agree_spin(). scratch: writable int64, 9 elements. */
+static PyObject *
+k_agree(PyObject *self, PyObject *args)
+{
+    PyObject *oscratch;
+    long long comm, int64, max;
+    double patience;
+    if (!PyArg_ParseTuple(args, "OLLLd:agree", &oscratch, &comm, &int64, &max, &patience))
+        return NULL;
+    if (!mpi.iallreduce) {
+        PyErr_SetString(PyExc_RuntimeError, "agree: bind_mpi() was not called");
+        return NULL;
+    }
+    Py_buffer b;
+    if (PyObject_GetBuffer(oscratch, &b, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (b.len < 9 * (Py_ssize_t)sizeof(int64_t)) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_ValueError, "agree: scratch must hold 9 int64");
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = agree_spin((int64_t *)b.buf, (intptr_t)int64, (intptr_t)max, (intptr_t)comm, patience);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    return PyLong_FromLong(rc);
 }
 
 /* The fields of small_doubling()'s program (int64), then four per level: partner, count_left,
@@ -603,16 +713,22 @@ enum { P_COMM, P_BYTE, P_INT64, P_MAX, P_TAG, P_NBYTES, P_OUT, P_FOLD, P_FOLD_SE
        P_FIELDS };
 
 static int
-run_small(const int64_t *prog, long long digest, const operand *buf, const operand *scr, const operand *src,
-          const operand *dst, const int64_t *sp, Py_ssize_t n)
+run_small(const int64_t *prog, long long digest, int64_t *scratch, double patience, const operand *buf,
+          const operand *scr, const operand *src, const operand *dst, const int64_t *sp, Py_ssize_t n)
 {
     intptr_t comm = (intptr_t)prog[P_COMM], byte = (intptr_t)prog[P_BYTE];
     int tag = (int)prog[P_TAG], count = (int)prog[P_NBYTES];
     long long status[16] = {0};
-    int64_t mine[4] = {digest, -digest, 0, 0}, seen[4];
-    int rc = mpi.allreduce(mine, seen, 4, (intptr_t)prog[P_INT64], (intptr_t)prog[P_MAX], comm);
-    if (rc)
-        return rc;
+    int rc;
+    if (patience >= 0) { /* a negative patience: the agreement is done (it went on in Python) */
+        scratch[0] = digest, scratch[1] = -digest, scratch[2] = 0, scratch[3] = 0;
+        rc = agree_spin(scratch, (intptr_t)prog[P_INT64], (intptr_t)prog[P_MAX], comm, patience);
+        if (rc == 1)
+            return -2;
+        if (rc)
+            return rc;
+    }
+    const int64_t *seen = scratch + 4;
     if (!(seen[2] == 0 && seen[0] == -seen[1]))
         return -1;
     copy_spans(buf, src, sp, n);
@@ -648,39 +764,48 @@ run_small(const int64_t *prog, long long digest, const operand *buf, const opera
 }
 
 /*
- * small_doubling(buf, scr, src, dst, spans, program, digest): the whole of a small Adasum call by
- * recursive doubling, as adasum.doubling.SmallCall makes it (the same collective, messages and kernel
- * calls, so ranks may mix the two), with no Python in between: the agreement allreduce of
- * [digest, -digest, 0, 0], packing src into buf, the fold, one exchange and pair() per level, the result
- * into dst. Returns 0, -1 if the ranks disagree (nothing was sent; the caller explains), or MPI's error
- * code.
+ * small_doubling(buf, scr, src, dst, spans, program, digest, scratch, patience): the whole of a small
+ * Adasum call by recursive doubling, as adasum.doubling.SmallCall makes it (the same collective, messages
+ * and kernel calls as the general schedule, so ranks may mix the two), with no Python in between: the
+ * agreement allreduce of [digest, -digest, 0, 0] (agree_spin(), in scratch), packing src into buf, the
+ * fold, one exchange and pair() per level, the result into dst. Returns 0, -1 if the ranks disagree
+ * (nothing was sent; the caller explains), -2 if the agreement is still waiting after `patience` seconds
+ * (its request in scratch[8]: the caller waits on, then calls again with a negative patience to skip the
+ * agreement), or MPI's error code.
  */
 static PyObject *
 k_small_doubling(PyObject *self, PyObject *args)
 {
-    PyObject *objs[4], *ospans, *oprog;
+    PyObject *objs[4], *ospans, *oprog, *oscratch;
     long long digest;
+    double patience;
     static const char *names[] = {"buf", "scr", "dst", "src"};
-    if (!PyArg_ParseTuple(args, "OOOOOOL:small_doubling", &objs[0], &objs[1], &objs[3], &objs[2], &ospans,
-                          &oprog, &digest))
+    if (!PyArg_ParseTuple(args, "OOOOOOLOd:small_doubling", &objs[0], &objs[1], &objs[3], &objs[2], &ospans,
+                          &oprog, &digest, &oscratch, &patience))
         return NULL;
-    if (!mpi.allreduce) {
+    if (!mpi.iallreduce) {
         PyErr_SetString(PyExc_RuntimeError, "small_doubling: bind_mpi() was not called");
         return NULL;
     }
-    Py_buffer prog;
+    Py_buffer prog, scratch;
     if (PyObject_GetBuffer(oprog, &prog, PyBUF_C_CONTIGUOUS) < 0)
         return NULL;
+    if (PyObject_GetBuffer(oscratch, &scratch, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&prog);
+        return NULL;
+    }
     const int64_t *p = (const int64_t *)prog.buf;
     Py_ssize_t fields = prog.len / (Py_ssize_t)sizeof(int64_t);
-    if (fields < P_FIELDS || fields != P_FIELDS + 4 * p[P_LEVELS]) {
+    if (fields < P_FIELDS || fields != P_FIELDS + 4 * p[P_LEVELS] || scratch.len < 9 * (Py_ssize_t)sizeof(int64_t)) {
         PyBuffer_Release(&prog);
-        PyErr_SetString(PyExc_ValueError, "small_doubling: malformed program");
+        PyBuffer_Release(&scratch);
+        PyErr_SetString(PyExc_ValueError, "small_doubling: malformed program or scratch");
         return NULL;
     }
     call_args c;
     if (!acquire_call(&c, ospans, objs, names, 1, 1)) {
         PyBuffer_Release(&prog);
+        PyBuffer_Release(&scratch);
         return NULL;
     }
     /* scr and dst (written), src (read) complete the operands */
@@ -701,11 +826,13 @@ k_small_doubling(PyObject *self, PyObject *args)
     }
     if (ok) {
         Py_BEGIN_ALLOW_THREADS
-        rc = run_small(p, digest, &c.ops[0], &c.ops[1], &c.ops[3], &c.ops[2], c.sp, c.n);
+        rc = run_small(p, digest, (int64_t *)scratch.buf, patience, &c.ops[0], &c.ops[1], &c.ops[3], &c.ops[2],
+                       c.sp, c.n);
         Py_END_ALLOW_THREADS
     }
     release_call(&c);
     PyBuffer_Release(&prog);
+    PyBuffer_Release(&scratch);
     if (!ok)
         return NULL;
     return PyLong_FromLong(rc);
@@ -848,16 +975,22 @@ static PyMethodDef methods[] = {
      "computed in float64 and rounded once to the dtype. Operands as for dots; dst may be a or b."},
     {"pair", k_pair, METH_VARARGS,
      "pair(left, right, dst, spans, count_left, count_right): dst[s:e] = Adasum(left[s:e], right[s:e]) "
-     "for each span, the left vector standing for count_left ranks and the right for count_right (SPEC §3): "
+     "for each span, the left vector standing for count_left ranks and the right for count_right (the size-weighted rule): "
      "dots, coefficients and combine in one call. Operands as for dots; dst may be left or right."},
     {"bind_mpi", k_bind_mpi, METH_VARARGS,
-     "bind_mpi(allreduce, sendrecv, send, recv): the addresses of MPI_Allreduce, MPI_Sendrecv, MPI_Send and "
-     "MPI_Recv of the MPI library in use, for small_doubling(). False where this platform's calling "
-     "convention is not known to pass handles of either MPI ABI alike (small_doubling() is then unusable)."},
+     "bind_mpi(sendrecv, send, recv, iallreduce, test): the addresses of MPI_Sendrecv, MPI_Send, MPI_Recv, "
+     "MPI_Iallreduce and MPI_Test of the MPI library in use, for small_doubling() and agree(). False where "
+     "this platform's calling convention is not known to pass handles of either MPI ABI alike (both are then "
+     "unusable)."},
+    {"agree", k_agree, METH_VARARGS,
+     "agree(scratch, comm, int64, max, patience) -> 0, 1 or an MPI error code: MPI_Iallreduce(MAX) of "
+     "scratch[0:4] into scratch[4:8], waited for without the GIL; 1 if it is still waiting after patience "
+     "seconds (> 0; 0 waits for ever), its request handle in scratch[8]."},
     {"small_doubling", k_small_doubling, METH_VARARGS,
-     "small_doubling(buf, scr, src, dst, spans, program, digest) -> 0, -1 (the ranks disagree) or an MPI "
-     "error code: a small Adasum call by recursive doubling, agreement included, without Python in between "
-     "(see the source for the program's fields)."},
+     "small_doubling(buf, scr, src, dst, spans, program, digest, scratch, patience) -> 0, -1 (the ranks "
+     "disagree), -2 (still waiting for the agreement after patience seconds; its request in scratch[8]) or an "
+     "MPI error code: a small Adasum call by recursive doubling, agreement included, without Python in "
+     "between (see the source for the program's fields)."},
     {"copy", k_copy, METH_VARARGS,
      "copy(dst, src, spans): dst[s:e] = src[s:e] for each span; operands as for dots."},
     {"address", k_address, METH_O, "address(obj): the address of the first element of obj's buffer."},

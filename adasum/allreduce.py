@@ -1,96 +1,37 @@
-"""The public call: ``adasum_allreduce`` and its in-place variant (SPEC §4–6)."""
+"""The public call: ``adasum_allreduce`` and its in-place variant.
+
+A call: parse the tensors and the op, look up (or make) the plan of these shapes and dtypes in the
+communicator's context, decide where each group's data is reduced (its :class:`~adasum.fusion.Operand`),
+agree with the other ranks in one small collective, run the schedule, and finish (write back, or return
+views of the result).
+"""
 
 from __future__ import annotations
 
 import enum
-import os
 from typing import Any, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
-from . import doubling as _doubling
-from . import transport as _transport
-from .arrays import _nonempty, adapter_for, kernels_backend
-from .doubling import SmallCall, adasum_reduce_doubling
-from .fusion import Group, layer_spans, make_groups, pooled
-from .transport import Transport, library_comm
+from . import settings as _settings
+from . import stall
+from .arrays import array_kind
+from .context import Context, context_for
+from .doubling import SmallCall, adasum_reduce_doubling, native_enabled
+from .fusion import Group, Operand, TensorLayout, layer_spans, make_groups
+from .launch import check_launch
+from .transport import Transport, use_staging
 from .validate import agree, describe, explain, signature
 from .vhdd import adasum_reduce
 
-try:
-    from . import _kernels
-except ImportError:  # pragma: no cover - a build without a C compiler
-    _kernels = None
+from .kernels import compiled as _kernels  # None where the install could not build them
 
-__all__ = ["Op", "adasum_allreduce", "adasum_allreduce_inplace", "get_small_message_bytes",
-           "set_small_message_bytes"]
-
-# Calls whose fused buffers hold at most this many bytes in all use recursive doubling of whole vectors
-# (log2 P rounds); larger ones recursive halving (bandwidth-optimal). None: chosen from P (see
-# small_message_limit and benchmarks/README.md).
-_AUTO_SMALL_MESSAGE_BYTES = 1 << 20
-# ... but 3 MiB for P = 2 and 3, where both schedules send the same bytes (one pair after the fold).
-_AUTO_PAIR_BYTES = 3 << 20
-
-
-def _threshold_from_env() -> int | None:
-    text = os.environ.get("ADASUM_SMALL_MESSAGE_BYTES", "auto").strip().lower()
-    return None if text in ("", "auto") else int(text)
-
-
-_small_message_bytes = _threshold_from_env()
-
-
-def set_small_message_bytes(nbytes: int | None) -> None:
-    """Adasum calls of at most ``nbytes`` (all tensors together) exchange whole vectors by recursive
-    doubling, in log2(P) message rounds; larger calls use recursive halving, which sends about 2·N bytes
-    per rank instead of log2(P)·N but makes about three times the rounds. ``0`` always uses halving.
-
-    ``None`` (the default; ``ADASUM_SMALL_MESSAGE_BYTES=auto``) picks the threshold from the world size:
-    3 MiB for 2 and 3 ranks (one pair after the fold, where both send N bytes per rank and doubling only
-    computes on whole vectors instead of halves), 1 MiB for 4 to 7, and 1 MiB / (log2 P − 1) from 8 on,
-    where doubling's extra bytes start to cost more than halving's extra rounds over a network. The
-    environment variable ``ADASUM_SMALL_MESSAGE_BYTES`` sets it at start-up.
-
-    Every rank must use the same setting: a call on ranks that differ raises AdasumMismatchError.
-    """
-    global _small_message_bytes
-    if nbytes is not None and int(nbytes) < 0:
-        raise ValueError(f"small message threshold must be >= 0 bytes, got {nbytes}")
-    _small_message_bytes = None if nbytes is None else int(nbytes)
-    _settings.update(_settings_for(_small_message_bytes))
-
-
-def get_small_message_bytes() -> int | None:
-    """The threshold set with :func:`set_small_message_bytes` (None: chosen from the world size)."""
-    return _small_message_bytes
-
-
-def small_message_limit(size: int) -> int:
-    """The threshold in effect for a communicator of ``size`` ranks."""
-    if _small_message_bytes is not None:
-        return _small_message_bytes
-    k = size.bit_length() - 1
-    if k <= 1:
-        return _AUTO_PAIR_BYTES
-    return _AUTO_SMALL_MESSAGE_BYTES // (k - 1)
-
-
-def _settings_for(small_message_bytes: int | None) -> dict[str, tuple]:
-    """What the ranks must agree on besides the tensors, per kind of call (part of the digest; -1 stands
-    for the automatic threshold)."""
-    adasum = (("hierarchical", False),
-              ("small-message bytes", -1 if small_message_bytes is None else small_message_bytes))
-    return {"adasum": adasum, "hierarchical": (("hierarchical", True), adasum[1]),
-            "sum": (("hierarchical", False),), "mean": (("hierarchical", False),)}
-
-
-_settings = _settings_for(_small_message_bytes)
+__all__ = ["Op", "adasum_allreduce", "adasum_allreduce_inplace"]
 
 
 class Op(str, enum.Enum):
-    """The reductions: ``ADASUM`` (SPEC §3), ``SUM`` and ``MEAN`` (MPI's own allreduce)."""
+    """The reductions: ``ADASUM`` (the tree of :mod:`adasum.tree`), ``SUM`` and ``MEAN`` (MPI's own allreduce)."""
 
     ADASUM = "adasum"
     SUM = "sum"
@@ -123,6 +64,9 @@ def adasum_allreduce(tensors, *, op: str | Op = "adasum", comm: MPI.Intracomm | 
         TypeError: on every rank, if some rank passes an unsupported array type or dtype.
         AdasumMismatchError: on every rank, if the ranks disagree on the op, the number of tensors, a shape
             or a dtype. The message names the first differing tensor and the ranks.
+        RuntimeError: at once, if another thread of this rank has a call in flight on ``comm``.
+        AdasumStallError: on every rank that waited, if some rank did not enter the call within the setting
+            ``stall_timeout`` (default: no timeout; a warning names such ranks after ``stall_warning``).
     """
     return _allreduce(tensors, op, comm, hierarchical, inplace=False)
 
@@ -139,7 +83,7 @@ def adasum_allreduce_inplace(tensors, *, op: str | Op = "adasum", comm: MPI.Intr
 def _as_list(tensors) -> tuple[bool, list]:
     if type(tensors) is list:
         return False, tensors  # read only, never kept
-    if adapter_for(tensors) is not None:
+    if array_kind(tensors) is not None:
         return True, [tensors]
     if isinstance(tensors, (list, tuple)):
         return False, list(tensors)
@@ -158,81 +102,96 @@ def _parse_op(op) -> str:
 
 
 def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
-    comm = MPI.COMM_WORLD if comm is None else comm
-    known = None  # the plan of this call, where the small-call path looked it up already
-    if op == "adasum" and not hierarchical and type(tensors) is list and type(comm) is MPI.Intracomm:
-        done, known = _small_adasum(tensors, comm, inplace)
-        if done is not None:
-            return done
-    if not isinstance(comm, MPI.Intracomm):
-        raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
-    lcomm = library_comm(comm)
-    rank = comm.Get_rank()
+    ctx = context_for(comm)
+    s = _settings.current()
+    if ctx.enter("adasum_allreduce_inplace" if inplace else "adasum_allreduce") % 64 == 0:
+        stall.drain(ctx)
+    try:
+        extras = _extras(ctx, s)
+        if op == "adasum" and not hierarchical and type(tensors) is list and ctx.size > 1:
+            done, known = _small_adasum(ctx, s, tensors, inplace, extras)
+            if done is not None:
+                return done
+        else:
+            known = None
+        return _general(ctx, s, extras, tensors, op, hierarchical, inplace, known)
+    finally:
+        ctx.leave()
+
+
+def _general(ctx: Context, s: _settings.Settings, extras: dict, tensors, op, hierarchical: bool, inplace: bool,
+             known):
+    """Every call that :func:`_small_adasum` does not take. ``known``: the call's plan, where it was found."""
+    check_launch()  # a job whose processes MPI does not see raises here, on the first call
+    rank, size = ctx.rank, ctx.size
     opname, single, items, plan, groups, members, layouts, error = str(op), False, [], None, [], [], [], None
     try:
         single, items = _as_list(tensors)
         opname = _parse_op(op)
         if hierarchical and opname != "adasum":
             raise ValueError(f"hierarchical=True needs op 'adasum', got '{opname}'")
-        settings = _settings[opname if not hierarchical else "hierarchical"]
-        plan = known if known is not None else _plan(items, opname, rank, settings)
-        groups = plan.groups()
+        extra = extras["hierarchical" if hierarchical else opname]
+        plan = known if known is not None else _plan(ctx, items, opname, extra)
+        groups = [Operand(g) for g in plan.groups]
         members = [items] if plan.one_group else [[items[i] for i in g.indices] for g in groups]
         if inplace:  # where the tensors lie decides how the result gets into them; read-only ones fail here
-            layouts = [g.adapter.layout(mine, g.indices, rank) for g, mine in zip(groups, members)]
+            layouts = [_layout(g.adapter.layout(mine, g.indices, rank)) for g, mine in zip(groups, members)]
     except (TypeError, ValueError) as exc:
         if not str(exc).startswith("rank "):
             exc = type(exc)(f"rank {rank}: {exc}")
         error = exc
-        settings = (("hierarchical", bool(hierarchical)),)
+        extra = (("hierarchical", bool(hierarchical)),)
         groups, members = [], []
 
-    size = comm.Get_size()
     flat = opname == "adasum" and not hierarchical and size > 1
-    halving = flat and plan is not None and plan.nbytes > small_message_limit(size)
+    halving = flat and plan is not None and plan.nbytes > s.small_message_limit(size)
     # Flat Adasum may use the caller's tensors directly: an in-place call on tensors that lie apart is
     # combined in them, so that nothing is written back at the end (doubling at any size, halving from
-    # DIRECT_MIN_BYTES, where it also reads them without packing them first: see vhdd.adasum_reduce).
-    direct = flat and _transport._mode != "staged"
-    big = plan is not None and plan.nbytes >= DIRECT_MIN_BYTES
+    # direct_min_bytes, where it also reads them without packing them first: see vhdd.adasum_reduce).
+    direct = flat and s.gpu_transport != "staged"
+    big = plan is not None and plan.nbytes >= s.direct_min_bytes
     for g, mine, where in zip(groups, members, layouts if inplace else [None] * len(groups)):
-        if inplace and where in (2, None):
-            view = g.adapter.fused_view(mine, adjacent=where == 2)
+        if inplace and where in (TensorLayout.ADJACENT, None):
+            view = g.adapter.fused_view(mine, adjacent=where == TensorLayout.ADJACENT)
             if view is not None and len(view) == g.size:
                 g.buffer, g.aliased = view, True
                 continue
-        if direct and g.size > 0 and (not inplace or where in (1, 2)) and (not halving or big):
-            g.parts = g.adapter.direct_parts(mine, g.dtype, contiguous=where in (1, 2))
+        if direct and g.size > 0 and (not inplace or where in (TensorLayout.APART, TensorLayout.ADJACENT)) \
+                and (not halving or big):
+            g.parts = g.adapter.direct_parts(mine, g.dtype, contiguous=where is not None)
         g.writes_parts = inplace and g.parts is not None
         g.packed = not (halving and g.parts is not None)
     # Halves sent straight from the caller's tensors go as one message per large layer piece (MPI's
     # fast path needs a contiguous send buffer): every rank must then cut its messages the same way.
-    split = agree(lcomm, opname, None if plan is None else plan.descs, error, extra=settings,
+    split = agree(ctx, opname, None if plan is None else plan.descs, error, extra=extra,
                   digest=None if plan is None else plan.signature,
-                  vote=int(plan is not None and plan.nbytes >= SPLIT_MIN_BYTES
+                  vote=int(plan is not None and plan.nbytes >= s.split_min_bytes
                            and any(not g.packed for g in groups)))
 
     for g, mine in zip(groups, members):
         if g.aliased or (g.writes_parts and not g.packed):
             continue  # halving in the caller's tensors (in place) needs no fused buffer at all
-        g.buffer = pooled(g, g.size, "fused") if inplace else g.adapter.empty(g.size, g.dtype, g.device)
+        if inplace:
+            g.buffer = ctx.buffers.get(ctx.adapters, g.adapter.kind, g.device, g.dtype, g.size, "fused")
+        else:
+            g.buffer = g.adapter.empty(g.size, g.dtype, g.device)
         if g.packed:
             g.adapter.pack(mine, g.buffer, g.bounds, g.spans)
-    active = plan.active if plan is not None else []
+    active = [g for g in groups if g.size > 0]
 
     if active and size > 1:
         if opname == "adasum" and hierarchical:
             from .hierarchical import hierarchical_reduce
 
-            hierarchical_reduce(lcomm, active)
+            hierarchical_reduce(ctx, active)
         elif opname == "adasum":
-            transports = plan.transports(lcomm, active)
+            transports = plan.transports(ctx, active, s)
             if halving:
-                adasum_reduce(lcomm, active, transports, split=bool(split))
+                adasum_reduce(ctx.lcomm, active, transports, split=s.chunk_bytes if split else 0)
             else:
-                adasum_reduce_doubling(lcomm, active, transports)
+                adasum_reduce_doubling(ctx.lcomm, active, transports)
         else:
-            _plain_reduce(lcomm, active, mean=opname == "mean")
+            _plain_reduce(ctx, active, mean=opname == "mean")
 
     if inplace:
         for g, mine in zip(groups, members):
@@ -248,25 +207,26 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
     return out[0] if single else out
 
 
-def _small_adasum(items: list, comm: MPI.Intracomm, inplace: bool):
+def _layout(where: int | None) -> TensorLayout | None:
+    return None if where is None else TensorLayout(where)
+
+
+def _small_adasum(ctx: Context, s: _settings.Settings, items: list, inplace: bool, extras: dict):
     """Adasum of a doubling call on contiguous float32/float64 host arrays (numpy, or torch CPU tensors
-    through numpy views of their memory) with the fewest Python steps: what the general path does for such
-    a call (the same collective, messages and kernels, so ranks may take either path), where Python's own
-    cost would dominate. Returns ``(result, plan)``: the result None when the call is not one of those (or
-    some check fails: the general path then reports it), with the call's kept plan if it found one."""
-    if _transport._mode == "staged" or not _use_compiled():
+    through numpy views of their memory) as one compiled call (:class:`~adasum.doubling.SmallCall`): the
+    same collective, messages and kernels as the general path, so ranks may take either. Returns
+    ``(result, plan)``: the result None when the call is not one of those (or some check fails: the general
+    path then reports it), with the call's kept plan if it found one."""
+    if s.gpu_transport == "staged" or _kernels is None or s.kernels != "c" or not native_enabled():
         return None, None
     try:
-        plan = _plans.get(_plan_key(items, "adasum", comm.Get_rank(), _settings["adasum"]))
+        plan = ctx.plans.get(_plan_key(items, "adasum", extras["adasum"]))
     except (AttributeError, TypeError):
         return None, None
-    if plan is None or plan.small is None:
+    if plan is None or plan.small is None or plan.small.program is None \
+            or plan.nbytes > s.small_message_limit(ctx.size):
         return None, plan
     call = plan.small
-    if call.comm is not comm:
-        if comm.Get_size() == 1 or plan.nbytes > small_message_limit(comm.Get_size()):
-            return None, plan
-        call = plan.small = call.on(comm, library_comm(comm))
     live = call.live(items)
     g = call.group
     host = live if g.adapter.kind == "numpy" else g.adapter.host_views(live)  # torch: the same memory
@@ -274,19 +234,15 @@ def _small_adasum(items: list, comm: MPI.Intracomm, inplace: bool):
         where = _kernels.layout(host, inplace)  # contiguous (and writable, in place), or it raises
     except (BufferError, ValueError):
         return None, plan
-    if where == 0:
-        return None, plan  # overlapping tensors: the general path writes each result back in turn
+    if where == TensorLayout.OVERLAPPING:
+        return None, plan  # the general path writes each result back in turn
     out = None if inplace else g.adapter.empty(g.size, g.dtype, g.device)
     dst = host if inplace else out if type(out) is np.ndarray else out.numpy()
-    if call.program is not None and _doubling._native:  # agreement, messages and kernels in one compiled call
-        rc = call.compiled(host, dst, plan.signature)
-        if rc == -1:
-            raise explain(call.lcomm, "adasum", plan.descs, None, _settings["adasum"])
-        if rc:
-            raise MPI.Exception(rc)
-    else:
-        agree(call.lcomm, "adasum", plan.descs, None, extra=_settings["adasum"], digest=plan.signature)
-        call(host, dst)
+    rc = call(host, dst, plan.signature, plan.descs)
+    if rc == -1:
+        raise explain(ctx.lcomm, "adasum", plan.descs, None, extras["adasum"])
+    if rc:
+        raise MPI.Exception(rc)
     if inplace:
         if host is not live:
             g.adapter.wrote_parts(items)
@@ -294,101 +250,86 @@ def _small_adasum(items: list, comm: MPI.Intracomm, inplace: bool):
     return g.adapter.views(out, g.bounds, g.shapes), plan
 
 
-def _use_compiled() -> bool:
-    return _kernels is not None and kernels_backend() == "c"
+def _extras(ctx: Context, s: _settings.Settings) -> dict:
+    """What the ranks must agree on besides the tensors, per kind of call (part of the digest), for the
+    settings ``s``; kept on the context while the settings stay the same."""
+    kept = ctx.extras
+    if kept is None or kept[0] is not s:
+        agreed = s.agreed()
+        adasum = (("hierarchical", False), *agreed)
+        kept = ctx.extras = (s, {"adasum": adasum, "hierarchical": (("hierarchical", True), *agreed),
+                                 "sum": (("hierarchical", False),), "mean": (("hierarchical", False),)})
+    return kept[1]
 
 
 _OP_NAMES = frozenset(o.value for o in Op)
-# Halving works on tensors that lie apart where they lie from this many bytes per call on (below, packing
-# them and writing the result back costs less than the extra steps per layer piece)...
-DIRECT_MIN_BYTES = 2 << 20
-# ... and from this many on cuts its exchanges into messages per layer piece (below, each exchange is one
-# message: what is sent from the tensors is packed first). At P = 2 on one host, separate tensors of 4-6 MiB
-# took 1.8x MPI's allreduce with both from 2 MiB, against 2.2x with direct halving from 4 MiB and split
-# messages from 8 MiB: the packed sends and the receive into scattered pieces cost more than the extra
-# messages (benchmarks/schedules.py).
-SPLIT_MIN_BYTES = 2 << 20
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
 class _Plan:
     """What a call's tensors and settings determine: descriptions, the agreement signature, the groups
-    and their layer tables. Kept for calls with the same shapes, dtypes and devices (a training loop's
-    every step); a call resets the groups' per-call state (:meth:`groups`)."""
+    and their layer tables. Kept in the communicator's context for calls with the same shapes, dtypes and
+    devices (a training loop's every step). A plan holds no buffers: what one call holds lives in its
+    operands."""
 
-    __slots__ = ("adapters", "descs", "signature", "nbytes", "one_group", "active", "small", "_groups",
-                 "_transports")
+    __slots__ = ("descs", "signature", "nbytes", "one_group", "groups", "small", "_transports")
 
-    def __init__(self, items, op: str, rank: int, settings: tuple):
-        self.adapters, self.descs = describe(items, op, rank)
-        self.signature = signature(op, self.descs, settings)
-        self._groups = make_groups(items, self.adapters, self.descs)
-        for g in self._groups:
+    def __init__(self, ctx: Context, items, op: str, extra: tuple):
+        adapters, self.descs = describe(items, op, ctx.rank, ctx.adapters)
+        self.signature = signature(op, self.descs, extra)
+        self.groups: list[Group] = make_groups(items, adapters, self.descs)
+        for g in self.groups:
             layer_spans(g)
-        self.nbytes = sum(g.size * (_ITEMSIZE.get(g.dtype) or np.dtype(g.dtype).itemsize) for g in self._groups)
+        self.nbytes = sum(g.size * (_ITEMSIZE.get(g.dtype) or np.dtype(g.dtype).itemsize) for g in self.groups)
         # one group holding every tensor in order: the call's list is the group's members
-        self.one_group = len(self._groups) == 1 and self._groups[0].indices == list(range(len(items)))
-        self.active = [g for g in self._groups if g.size > 0]  # the groups with any elements
-        # (group, non-empty layers, their spans) where _small_adasum may take the call
+        self.one_group = len(self.groups) == 1 and self.groups[0].indices == list(range(len(items)))
+        active = [g for g in self.groups if g.size > 0]
+        # the compiled small call, where the call may take it
         self.small = None
-        if (op == "adasum" and self.one_group
-                and len(self.active) == 1 and self.active[0].dtype in ("float32", "float64")
-                and (self.active[0].adapter.kind, self.active[0].device) in (("numpy", "cpu"), ("torch", "cpu"))):
-            g = self.active[0]
-            self.small = SmallCall(None, None, g, g.spans[0], g.spans[2], len(items))
-        self._transports: tuple = (None, None, [])
+        if (op == "adasum" and self.one_group and ctx.size > 1 and _kernels is not None
+                and len(active) == 1 and active[0].dtype in ("float32", "float64")
+                and (active[0].adapter.kind, active[0].device) in (("numpy", "cpu"), ("torch", "cpu"))):
+            g = active[0]
+            spans = layer_spans(g)
+            self.small = SmallCall(ctx, g, spans[0], spans[2], len(items))
+        self._transports: tuple = (None, [])
 
-    def groups(self) -> list[Group]:
-        for g in self._groups:
-            g.buffer, g.aliased, g.parts, g.packed, g.writes_parts = None, False, None, True, False
-        return self._groups
-
-    def transports(self, comm: MPI.Intracomm, groups: Sequence[Group]) -> list[Transport]:
-        """One :class:`Transport` per group, kept while the communicator and the device transport mode
-        stay the same (whether a group is staged depends on those and on its device only)."""
-        mode = _transport.get_gpu_transport()
-        if self._transports[0] is comm and self._transports[1] == mode:
-            return self._transports[2]
-        out = [_transport_for(comm, g) for g in groups]
-        self._transports = (comm, mode, out)
+    def transports(self, ctx: Context, operands: Sequence[Operand], s: _settings.Settings) -> list[Transport]:
+        """One :class:`Transport` per operand, kept while the device transport settings stay the same
+        (whether a group is staged depends on those and on its device only)."""
+        mode = (s.gpu_transport, s.cuda_aware)
+        if self._transports[0] == mode and len(self._transports[1]) == len(operands):
+            return self._transports[1]
+        out = [_transport_for(ctx, g) for g in operands]
+        self._transports = (mode, out)
         return out
 
 
-_plans: dict[tuple, _Plan] = {}
-_MAX_PLANS = 64
-
-
-def _plan_key(items, op: str, rank: int, settings: tuple) -> tuple:
+def _plan_key(items, op: str, extra: tuple) -> tuple:
     if _kernels is not None:
-        return op, settings, rank, _kernels.key(items)
-    return op, settings, rank, tuple([(type(t), t.shape, t.dtype, getattr(t, "device", None)) for t in items])
+        return op, extra, _kernels.key(items)
+    return op, extra, tuple([(type(t), t.shape, t.dtype, getattr(t, "device", None)) for t in items])
 
 
-def _plan(items, op: str, rank: int, settings: tuple) -> _Plan:
+def _plan(ctx: Context, items, op: str, extra: tuple) -> _Plan:
     try:
-        key = _plan_key(items, op, rank, settings)
-        plan = _plans.get(key)
+        key = _plan_key(items, op, extra)
     except (AttributeError, TypeError):  # not an array, or unhashable: describe() says what is wrong
-        return _Plan(items, op, rank, settings)
-    if plan is None:
-        plan = _Plan(items, op, rank, settings)
-        if len(_plans) >= _MAX_PLANS:
-            _plans.pop(next(iter(_plans)))
-        _plans[key] = plan
-    return plan
+        return _Plan(ctx, items, op, extra)
+    return ctx.plan(key, lambda: _Plan(ctx, items, op, extra))
 
 
-def _transport_for(comm: MPI.Intracomm, g: Group) -> Transport:
-    if g.buffer is None:  # combined in the caller's tensors: host memory (direct_parts gives no other)
-        return Transport(comm, g.adapter, g.device, staged=False)
-    return Transport(comm, g.adapter, g.device, staged=_transport.use_staging(g.adapter, g.buffer))
+def _transport_for(ctx: Context, g: Operand) -> Transport:
+    # combined in the caller's tensors (buffer None): host memory, direct_parts gives no other
+    staged = g.buffer is not None and use_staging(g.adapter, g.buffer)
+    return Transport(ctx, ctx.lcomm, g.adapter, g.device, staged=staged)
 
 
-def _plain_reduce(comm: MPI.Intracomm, groups: Sequence[Group], mean: bool) -> None:
+def _plain_reduce(ctx: Context, groups: Sequence[Operand], mean: bool) -> None:
     """``sum`` and ``mean``: MPI's allreduce on each fused buffer; 16-bit floats travel as float32."""
-    size = comm.Get_size()
+    size = ctx.size
     for g in groups:
-        t = _transport_for(comm, g)
+        t = _transport_for(ctx, g)
         if g.dtype in ("float16", "bfloat16"):
             wide = g.adapter.astype(g.buffer, "float32")
             t.allreduce_sum(wide)

@@ -11,42 +11,43 @@ tensors on the CPU or a CUDA device.
 
 from __future__ import annotations
 
-import os
+import functools
+import math
 import sys
 import weakref
 from typing import Any, Sequence
 
 import numpy as np
 
+from . import settings as _settings
 from .combine import coefficients
 
-__all__ = ["Adapter", "NumpyAdapter", "CupyAdapter", "TorchAdapter", "adapter_for", "FLOAT_DTYPES",
-           "kernels_backend", "set_kernels_backend"]
+__all__ = ["extend_range", "merge_partials", "partial_width", "Adapter", "Adapters", "NumpyAdapter", "CupyAdapter", "TorchAdapter", "array_kind", "FLOAT_DTYPES",
+           "kernels_backend", "set_kernels_backend", "nonempty"]
 
-try:  # the compiled single-pass kernels for float32/float64 host buffers (setup.py builds them)
-    from . import _kernels as _c_kernels
-except ImportError:  # pragma: no cover - a build without a C compiler
-    _c_kernels = None
+from .kernels import compiled as _c_kernels  # None where the install could not build them
 
-_use_c = _c_kernels is not None and os.environ.get("ADASUM_KERNELS", "c") != "numpy"
+
+
+def _use_c() -> bool:
+    return _c_kernels is not None and _settings.current().kernels == "c"
 
 
 def kernels_backend() -> str:
     """``"c"`` when host float32/float64 buffers go through the compiled kernels, else ``"numpy"``.
 
-    The environment variable ``ADASUM_KERNELS=numpy`` selects the numpy kernels at import.
+    The environment variable ``ADASUM_KERNELS=numpy`` (or :func:`set_kernels_backend`) selects the numpy
+    kernels.
     """
-    return "c" if _use_c else "numpy"
+    return "c" if _use_c() else "numpy"
 
 
 def set_kernels_backend(name: str) -> None:
-    """Select ``"c"`` (the compiled kernels; ImportError if they were not built) or ``"numpy"``."""
-    global _use_c
-    if name not in ("c", "numpy"):
-        raise ValueError(f"kernels backend must be 'c' or 'numpy', got {name!r}")
+    """Select ``"c"`` (the compiled kernels; ImportError if they were not built) or ``"numpy"``: the setting
+    ``kernels`` of :func:`adasum.configure`."""
     if name == "c" and _c_kernels is None:
         raise ImportError("adasum._kernels was not built (no C compiler at install time?)")
-    _use_c = name == "c"
+    _settings.configure(kernels=name)
 
 # Elements converted to float64 at a time: two such blocks (a and b) stay in a core's L2 cache, and no
 # float64 copy of a whole buffer is ever made.
@@ -60,6 +61,9 @@ class Adapter:
     """What the algorithm needs from one kind of array. Subclasses implement it for numpy/cupy and torch."""
 
     kind: str
+
+    def clear(self) -> None:
+        """Drop kept scratch buffers and views."""
 
     # --- describing user arrays -------------------------------------------------------------------------
     def dtype_name(self, t) -> str:
@@ -97,7 +101,9 @@ class Adapter:
 
     # --- arithmetic on flat buffers -------------------------------------------------------------------------
     def partial_dots(self, a, b, pieces: Sequence[tuple[int, int]]) -> np.ndarray:
-        """``[a·b, a·a, b·b]`` over ``a[s:e]``, ``b[s:e]`` for each piece, as a host float64 (n, 3) array.
+        """``[a·b, a·a, b·b]`` over ``a[s:e]``, ``b[s:e]`` for each piece, as a host float64 (n, 3) array;
+        for float64 data an (n, 4) array ``[a·b, a·a, b·b, k]`` of partials scaled by ``4**-k``
+        (:func:`extend_range`), so that no float64 input overflows or underflows them.
 
         ``a`` or ``b`` may also be a list with one flat buffer per piece, where :meth:`direct_parts` gave
         such buffers."""
@@ -113,7 +119,7 @@ class Adapter:
         raise NotImplementedError
 
     def pair(self, left, right, dst, pieces, span_array: np.ndarray, count_left: int, count_right: int) -> None:
-        """``dst[s:e] ← Adasum(left[s:e], right[s:e])`` per piece (SPEC §3), ``left`` standing for
+        """``dst[s:e] ← Adasum(left[s:e], right[s:e])`` per piece (the size-weighted rule), ``left`` standing for
         ``count_left`` ranks and ``right`` for ``count_right``. ``span_array`` is ``pieces`` as an int64
         (n, 2) array. ``dst`` may be ``left`` or ``right``; the other operand is scratch."""
         d = self.partial_dots(left, right, pieces)
@@ -226,6 +232,9 @@ class NumpyAdapter(_NumpyLike):
     def __init__(self):
         self._scratch: dict = {}
 
+    def clear(self) -> None:
+        self._scratch.clear()
+
     def device(self, t) -> str:
         return "cpu"
 
@@ -235,7 +244,7 @@ class NumpyAdapter(_NumpyLike):
     def pack(self, tensors, buf, bounds, spans=None):
         if spans is not None and _c_kernels is not None and buf.dtype.char in "fd":
             try:  # one memcpy per tensor; raises for a non-contiguous tensor
-                _c_kernels.copy(buf, _nonempty(tensors, spans[0]), spans[2])
+                _c_kernels.copy(buf, nonempty(tensors, spans[0]), spans[2])
                 return
             except (BufferError, ValueError):
                 pass
@@ -245,7 +254,7 @@ class NumpyAdapter(_NumpyLike):
     def write_back(self, tensors, buf, bounds, spans=None):
         if spans is not None and _c_kernels is not None and buf.dtype.char in "fd":
             try:
-                _c_kernels.copy(_nonempty(tensors, spans[0]), buf, spans[2])
+                _c_kernels.copy(nonempty(tensors, spans[0]), buf, spans[2])
                 return
             except (BufferError, ValueError):
                 pass
@@ -295,15 +304,16 @@ class NumpyAdapter(_NumpyLike):
         return buf
 
     def _compiled(self, *operands) -> bool:
-        return _use_c and all(type(x) is list or (x.dtype.char in "fd" and x.flags.c_contiguous)
+        return _use_c() and all(type(x) is list or (x.dtype.char in "fd" and x.flags.c_contiguous)
                               for x in operands)
 
     def partial_dots(self, a, b, pieces):
         if self._compiled(a, b):
             out = np.empty((len(pieces), 3))
             _c_kernels.dots(a, b, np.asarray(pieces, dtype=np.int64).reshape(-1, 2), out)
-            return out
-        return _numpy_partial_dots(a, b, pieces, self._block_scratch("wide64", np.float64))
+        else:
+            out = _numpy_partial_dots(a, b, pieces, self._block_scratch("wide64", np.float64))
+        return extend_range(out, a, b, pieces) if _dtype_of(a) == np.float64 else out
 
     def scaled_add(self, a, b, pieces, ca, cb, dst=None):
         dst = a if dst is None else dst
@@ -326,7 +336,7 @@ class NumpyAdapter(_NumpyLike):
         super().pair(left, right, dst, pieces, span_array, count_left, count_right)
 
     def direct_parts(self, tensors, dtype, contiguous=False):
-        if not _use_c or dtype not in ("float32", "float64"):
+        if not _use_c() or dtype not in ("float32", "float64"):
             return None
         if not contiguous and not all(t.flags.c_contiguous for t in tensors):
             return None
@@ -362,6 +372,9 @@ class CupyAdapter(_NumpyLike):
         self.xp = xp
         self._pinned_empty = pinned_empty
         self._scratch: dict = {}
+
+    def clear(self) -> None:
+        self._scratch.clear()
 
     def device(self, t) -> str:
         return f"cuda:{t.device.id}"
@@ -404,7 +417,8 @@ class CupyAdapter(_NumpyLike):
                 out[i, 0] += xp.dot(x, y)
                 out[i, 1] += xp.dot(x, x)
                 out[i, 2] += xp.dot(y, y)
-        return xp.asnumpy(out)
+        out = xp.asnumpy(out)
+        return extend_range(out, a, b, pieces) if native else out
 
     def scaled_add(self, a, b, pieces, ca, cb, dst=None):
         if dst is not None and dst is not a:
@@ -456,12 +470,17 @@ class TorchAdapter(Adapter):
 
     kind = "torch"
 
-    def __init__(self):
+    def __init__(self, host: NumpyAdapter):
         import torch
 
         self.torch = torch
+        self._numpy = host  # computes on the numpy views of CPU tensors
         self._scratch: dict = {}
         self._views: dict = {}
+
+    def clear(self) -> None:
+        self._scratch.clear()
+        self._views.clear()
 
     def dtype_name(self, t) -> str:
         return str(t.dtype).replace("torch.", "")
@@ -522,13 +541,13 @@ class TorchAdapter(Adapter):
 
     def layout(self, tensors, indices, rank):
         views = self._host_views(tensors)
-        return None if views is None else _NUMPY.layout(views, indices, rank)
+        return None if views is None else self._numpy.layout(views, indices, rank)
 
     def direct_parts(self, tensors, dtype, contiguous=False):
         if not contiguous and not all(t.is_contiguous() for t in tensors):
             return None
         views = self._host_views(tensors)
-        return None if views is None else _NUMPY.direct_parts(views, dtype, contiguous=True)
+        return None if views is None else self._numpy.direct_parts(views, dtype, contiguous=True)
 
     def _host_views(self, tensors):
         """numpy views of CPU float32/float64 tensors (their own memory), else None."""
@@ -566,6 +585,10 @@ class TorchAdapter(Adapter):
         self._views[key] = entry
         return views
 
+    def kept_view_lists(self) -> int:
+        """How many lists of tensors have their numpy views kept now."""
+        return len(self._views)
+
     def wrote_parts(self, tensors) -> None:
         # The result went into the tensors' memory through numpy: tell autograd they changed in place.
         self.torch.autograd.graph.increment_version(tensors)
@@ -574,7 +597,7 @@ class TorchAdapter(Adapter):
         torch = self.torch
         if self._numpy_path(a):
             # numpy's kernels, on the same memory: they vectorise over many small layers
-            return _NUMPY.partial_dots(_host(a), _host(b), pieces)
+            return self._numpy.partial_dots(_host(a), _host(b), pieces)
         out = torch.zeros((len(pieces), 3), dtype=torch.float64, device=a.device)
         native = a.dtype == torch.float64
         if not native:
@@ -591,18 +614,19 @@ class TorchAdapter(Adapter):
                 row[0] += torch.dot(x, y)
                 row[1] += torch.dot(x, x)
                 row[2] += torch.dot(y, y)
-        return out.cpu().numpy()
+        out = out.cpu().numpy()
+        return extend_range(out, a, b, pieces) if native else out
 
     def pair(self, left, right, dst, pieces, span_array, count_left, count_right):
         if self._numpy_path(left):
-            _NUMPY.pair(_host(left), _host(right), _host(dst), pieces, span_array, count_left, count_right)
+            self._numpy.pair(_host(left), _host(right), _host(dst), pieces, span_array, count_left, count_right)
             return
         super().pair(left, right, dst, pieces, span_array, count_left, count_right)
 
     def scaled_add(self, a, b, pieces, ca, cb, dst=None):
         torch = self.torch
         if self._numpy_path(a):
-            _NUMPY.scaled_add(_host(a), _host(b), pieces, ca, cb, None if dst is None else _host(dst))
+            self._numpy.scaled_add(_host(a), _host(b), pieces, ca, cb, None if dst is None else _host(dst))
             return
         if dst is not None and dst is not a:
             self.scaled_add(a, b, pieces, ca, cb)
@@ -659,15 +683,10 @@ class TorchAdapter(Adapter):
             self.torch.cuda.synchronize(device)
 
 
-_DTYPE_NAMES: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _dtype_name(dtype) -> str:
     # numpy's dtype.name is computed in Python on every access; a call may describe thousands of tensors
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = np.dtype(dtype).name
-    return name
+    return np.dtype(dtype).name
 
 
 def _host(x):
@@ -675,7 +694,7 @@ def _host(x):
     return x if type(x) is list else x.numpy()
 
 
-def _nonempty(tensors, layers):
+def nonempty(tensors, layers):
     """The tensors of the non-empty ``layers`` (all of them, as they mostly are)."""
     return tensors if len(layers) == len(tensors) else [tensors[i] for i in layers]
 
@@ -701,10 +720,86 @@ def _numpy_blocks(n: int, pieces):
         yield bs, be, i0, (None if i1 - i0 == 1 else np.maximum(starts[i0:i1], bs) - bs)
 
 
+# Below this a squared norm may have lost bits to underflow (its elements' squares are subnormal), or be zero
+# only because they all underflowed: such partials are computed again on the data scaled by a power of two.
+TINY = 2.0 ** -900
+# The exponent of partials that are all zero: they take no part in choosing a common scale.
+NO_SCALE = -(2.0 ** 30)
+
+
+def partial_width(dtype: str) -> int:
+    """Columns of a group's partials: 4 for float64 (:func:`extend_range`), else 3."""
+    return 4 if dtype == "float64" else 3
+
+
+def _dtype_of(x):
+    return x[0].dtype if type(x) is list else x.dtype
+
+
+def extend_range(part: np.ndarray, a, b, pieces) -> np.ndarray:
+    """Float64 partials ``part`` (n, 3) as (n, 4) rows ``[a·b, a·a, b·b, k]`` meaning ``4**k`` times the
+    first three, as BLAS's ``nrm2`` scales: a row that overflowed (Inf/NaN from finite data) or whose squared
+    norms are below :data:`TINY` is computed again on its piece scaled by ``2**-k``, where ``2**k`` bounds
+    its largest magnitude; the scaling is exact, and the Adasum coefficients only use ratios of partials of
+    one scale. Other rows keep k = 0 (bitwise what they were), all-zero rows ``NO_SCALE``. ``a``, ``b``: flat
+    buffers the pieces index (numpy, cupy or torch), or lists of one buffer per piece."""
+    out = np.empty((len(part), 4))
+    out[:, :3] = part
+    out[:, 3] = 0.0
+    with np.errstate(invalid="ignore"):
+        redo = ~np.isfinite(part).all(axis=1) | (part[:, 1] < TINY) | (part[:, 2] < TINY)
+    for i in np.flatnonzero(redo).tolist():
+        s, e = pieces[i]
+        x = a[i] if type(a) is list else a[s:e]
+        y = b[i] if type(b) is list else b[s:e]
+        m = max(float(abs(x).max()), float(abs(y).max())) if e > s else 0.0
+        if m == 0.0:
+            out[i] = (0.0, 0.0, 0.0, NO_SCALE)
+        elif math.isfinite(m):  # NaN or Inf in the data: the partials stay non-finite, on purpose
+            k = math.frexp(m)[1]
+            scale = math.ldexp(1.0, -k)
+            xs, ys = x * scale, y * scale
+            out[i] = (float((xs * ys).sum()), float((xs * xs).sum()), float((ys * ys).sum()), k)
+    return out
+
+
+def _shift(k: np.ndarray, top: np.ndarray) -> np.ndarray:
+    """Powers of two that bring partials of scale ``4**k`` to scale ``4**top`` (``top >= k``)."""
+    return np.maximum(2 * (k - top), -4000).astype(np.int64)[:, None]
+
+
+def merge_partials(first: np.ndarray, second: np.ndarray, widths) -> np.ndarray:
+    """``first + second`` for flattened partials of several groups (``widths``: (rows, 3 or 4) per group):
+    3-wide rows add; 4-wide rows (:func:`extend_range`) are brought to their larger scale first. The same
+    operations in the same order whatever the data, so every rank adding the same two gets the same bits."""
+    out = first + second
+    at = 0
+    for rows, width in widths:
+        if width == 4 and rows:
+            f = first[at:at + 4 * rows].reshape(rows, 4)
+            g = second[at:at + 4 * rows].reshape(rows, 4)
+            if (f[:, 3] != g[:, 3]).any():
+                k = np.maximum(f[:, 3], g[:, 3])
+                both = np.ldexp(f[:, :3], _shift(f[:, 3], k)) + np.ldexp(g[:, :3], _shift(g[:, 3], k))
+                o = out[at:at + 4 * rows].reshape(rows, 4)
+                o[:, :3] = both
+                o[:, 3] = k
+            else:
+                out[at + 3:at + 4 * rows:4] = f[:, 3]
+        at += width * rows
+    return out
+
+
 def _numpy_partial_dots(a, b, pieces, gram_scratch) -> np.ndarray:
     """Per piece [a·b, a·a, b·b], accumulated in float64 (narrower inputs are widened block by block)."""
     out = np.zeros((len(pieces), 3))
     native = a.dtype == np.float64
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # extend_range redoes such partials
+        _numpy_dots_into(out, a, b, pieces, native, gram_scratch)
+    return out
+
+
+def _numpy_dots_into(out, a, b, pieces, native, gram_scratch) -> None:
     for bs, be, i0, cuts in _numpy_blocks(len(a), pieces):
         if native:
             x, y = a[bs:be], b[bs:be]
@@ -720,7 +815,6 @@ def _numpy_partial_dots(a, b, pieces, gram_scratch) -> np.ndarray:
             out[i0:i1, 2] += np.add.reduceat(y * y, cuts)
         else:
             out[i0] += (np.dot(x, y), np.dot(x, x), np.dot(y, y))
-    return out
 
 
 def _numpy_scaled_add(a, b, pieces, ca, cb, f32_scratch) -> None:
@@ -749,26 +843,49 @@ def _numpy_scaled_add(a, b, pieces, ca, cb, f32_scratch) -> None:
             a[bs:be] = x
 
 
-_NUMPY = NumpyAdapter()
-_ADAPTERS: dict[str, Adapter] = {"numpy": _NUMPY}
+class Adapters:
+    """One set of adapters (numpy, and torch and cupy once their arrays appear), with their scratch and kept
+    views: each communicator's context has its own, so calls on different communicators share none."""
+
+    def __init__(self) -> None:
+        self.numpy = NumpyAdapter()
+        self._made: dict[str, Adapter] = {"numpy": self.numpy}
+
+    def of(self, kind: str) -> Adapter:
+        adapter = self._made.get(kind)
+        if adapter is None:
+            if kind == "torch":
+                adapter = TorchAdapter(self.numpy)
+            elif kind == "cupy":
+                cupy = sys.modules["cupy"]
+                adapter = CupyAdapter(cupy, getattr(cupy, "_adasum_pinned_empty", None))
+            else:
+                raise ValueError(f"no adapter for arrays of kind {kind!r}")
+            self._made[kind] = adapter
+        return adapter
+
+    def for_array(self, t) -> Adapter | None:
+        """The adapter for array ``t``, or None if ``t`` is of no supported kind."""
+        kind = array_kind(t)
+        return None if kind is None else self.of(kind)
+
+    def clear(self) -> None:
+        for adapter in self._made.values():
+            adapter.clear()
 
 
-def adapter_for(t) -> Adapter | None:
-    """The adapter for array ``t``, or None if ``t`` is of no supported kind.
+def array_kind(t) -> str | None:
+    """``"numpy"``, ``"torch"`` or ``"cupy"`` for an array of a supported kind, else None.
 
     torch and cupy are looked up only if the user's program has imported them: an object cannot be a
     torch tensor unless torch is loaded.
     """
     cupy = sys.modules.get("cupy")
-    if cupy is not None and isinstance(t, cupy.ndarray):
-        if "cupy" not in _ADAPTERS:
-            _ADAPTERS["cupy"] = CupyAdapter(cupy, getattr(cupy, "_adasum_pinned_empty", None))
-        return _ADAPTERS["cupy"]
+    if cupy is not None and isinstance(t, cupy.ndarray):  # first: cupy's test stand-in is made of numpy
+        return "cupy"
     if isinstance(t, np.ndarray):
-        return _NUMPY
+        return "numpy"
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(t, torch.Tensor):
-        if "torch" not in _ADAPTERS:
-            _ADAPTERS["torch"] = TorchAdapter()
-        return _ADAPTERS["torch"]
+        return "torch"
     return None

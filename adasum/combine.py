@@ -1,10 +1,12 @@
-"""The pairwise Adasum rule (SPEC §1) and its size-weighted form (SPEC §3), in plain numpy.
+"""The pairwise Adasum rule and its size-weighted form (docs/design.md), in plain numpy.
 
 Everything here is float64 and free of MPI: the distributed schedule and the serial reference both get
 their coefficients from :func:`coefficients`, so the two can only differ by where sums are split.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -55,5 +57,10 @@ def combine(a, b, count_a=1, count_b=1):
     b = np.asarray(b, dtype=np.float64).ravel()
     if a.shape != b.shape:
         raise ValueError(f"combine needs vectors of one size, got {a.size} and {b.size} elements")
-    ca, cb = coefficients(np.dot(a, b), np.dot(a, a), np.dot(b, b), count_a, count_b)
+    # The dot products of a and b scaled by a power of two that bounds them (exact): the coefficients are
+    # ratios of them, which then neither overflow nor underflow for any finite float64 input.
+    m = max(float(np.abs(a).max()), float(np.abs(b).max())) if a.size else 0.0
+    scale = math.ldexp(1.0, -math.frexp(m)[1]) if 0.0 < m < math.inf else 1.0
+    x, y = a * scale, b * scale
+    ca, cb = coefficients(np.dot(x, y), np.dot(x, x), np.dot(y, y), count_a, count_b)
     return float(ca) * a + float(cb) * b

@@ -1,7 +1,9 @@
-"""Tensors ⇄ fused flat buffers, one per (array kind, device, dtype), each with its table of layers."""
+"""Tensors ⇄ fused flat buffers, one per (array kind, device, dtype), each with its table of layers, and
+where one call's data of such a group is reduced."""
 
 from __future__ import annotations
 
+import enum
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -11,16 +13,15 @@ import numpy as np
 
 from .arrays import Adapter
 
-__all__ = ["Group", "group_pieces", "layer_spans", "make_groups", "pieces", "pooled", "release_buffers"]
+__all__ = ["Group", "Operand", "Placement", "TensorLayout", "group_pieces", "layer_spans", "make_groups", "pieces"]
 
 
 @dataclass
 class Group:
-    """The tensors of one call that share an adapter, a device and a dtype, fused into one flat buffer.
-
-    Layer ``i`` of the group is the call's tensor ``indices[i]`` and occupies
-    ``buffer[bounds[i]:bounds[i + 1]]``.
-    """
+    """The tensors of one call that share an adapter, a device and a dtype: the layer table of their fused
+    flat buffer. Layer ``i`` of the group is the call's tensor ``indices[i]`` and occupies
+    ``[bounds[i], bounds[i + 1])`` of the fused index space. Kept with a plan across calls; what one call
+    holds (buffers, views of the caller's tensors) lives in an :class:`Operand`."""
 
     adapter: Adapter
     device: str
@@ -28,17 +29,8 @@ class Group:
     indices: list[int] = field(default_factory=list)
     shapes: list[tuple[int, ...]] = field(default_factory=list)
     bounds: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
-    buffer: Any = None
-    # True when `buffer` is the caller's own memory (an in-place call on one contiguous tensor).
-    aliased: bool = False
     # layer_spans(self), computed once per plan
     spans: Any = None
-    # Flat views of the caller's tensors, one per layer, where the schedules may use them directly
-    parts: Any = None
-    # False while this rank's values are still only in `parts` (not yet packed into `buffer`)
-    packed: bool = True
-    # True when the result goes into `parts` (an in-place call on tensors that lie apart), not `buffer`
-    writes_parts: bool = False
     # What the schedules derive from the layer table alone (layer pieces of a range, message cuts), kept
     # with the plan: the same ranges come back on every call
     memo: dict = field(default_factory=dict)
@@ -47,6 +39,61 @@ class Group:
     def size(self) -> int:
         return int(self.bounds[-1])
 
+
+class TensorLayout(enum.IntEnum):
+    """Where the tensors of an in-place call lie (the compiled kernels' ``layout`` answers with these)."""
+
+    OVERLAPPING = 0  # some share memory: packed, and written back in order
+    APART = 1        # contiguous, writable, each on its own
+    ADJACENT = 2     # back to back, in order, in one block: one flat buffer without a copy
+
+
+class Placement(enum.Enum):
+    """Where one call's data of a group is reduced."""
+
+    PACKED = "packed"    # in a fused buffer: the library's own (written back in place) or the returned one
+    ALIASED = "aliased"  # in the caller's memory, which is one flat buffer already (adjacent views)
+    PARTS = "parts"      # in the caller's tensors where they lie, read (and, in place, written) as pieces
+
+
+class Operand:
+    """One call's data of one :class:`Group`: where it is reduced (:attr:`placement`) and the buffers.
+
+    ``buffer``: the fused flat buffer (None where the result goes into ``parts`` and nothing is fused).
+    ``parts``: flat views of the caller's tensors, one per layer, where the schedule uses them directly.
+    ``packed``: False while this rank's values are still only in ``parts`` (halving reads them there).
+    ``writes_parts``: the result goes into ``parts`` (an in-place call on tensors that lie apart).
+    The layer table's fields (``adapter``, ``bounds``, ``size``, …) read through to the group.
+    """
+
+    __slots__ = ("group", "buffer", "parts", "packed", "writes_parts", "aliased")
+
+    def __init__(self, group: Group, buffer: Any = None):
+        self.group = group
+        self.buffer = buffer
+        self.parts = None
+        self.packed = True
+        self.writes_parts = False
+        self.aliased = False
+
+    @property
+    def placement(self) -> Placement:
+        if self.aliased:
+            return Placement.ALIASED
+        return Placement.PARTS if self.parts is not None and (self.writes_parts or not self.packed) else Placement.PACKED
+
+    adapter = property(lambda self: self.group.adapter)
+    device = property(lambda self: self.group.device)
+    dtype = property(lambda self: self.group.dtype)
+    indices = property(lambda self: self.group.indices)
+    shapes = property(lambda self: self.group.shapes)
+    bounds = property(lambda self: self.group.bounds)
+    memo = property(lambda self: self.group.memo)
+    size = property(lambda self: self.group.size)
+
+    @property
+    def spans(self):
+        return layer_spans(self.group)
 
 
 def make_groups(tensors: Sequence[Any], adapters: Sequence[Adapter], descs) -> list[Group]:
@@ -65,9 +112,10 @@ def make_groups(tensors: Sequence[Any], adapters: Sequence[Adapter], descs) -> l
     return list(groups.values())
 
 
-def layer_spans(g: Group) -> tuple[list[int], list[tuple[int, int]], np.ndarray]:
+def layer_spans(g) -> tuple[list[int], list[tuple[int, int]], np.ndarray]:
     """The group's non-empty layers, their ``(start, end)`` in the fused buffer, and the same spans as
     an int64 (n, 2) array (what the compiled kernels take)."""
+    g = g.group if isinstance(g, Operand) else g
     if g.spans is None:
         b = g.bounds
         layers = np.flatnonzero(b[1:] > b[:-1]).tolist()
@@ -102,42 +150,3 @@ def pieces(bounds: np.ndarray, lo: int, hi: int) -> tuple[list[int], list[tuple[
             spans.append((s - lo, e - lo))
         i += 1
     return layers, spans
-
-
-_pool: dict[tuple, Any] = {}
-_pool_generation = 0  # changes whenever a kept buffer is replaced or released
-
-
-def pooled(g: Group, n: int, slot: str):
-    """A flat buffer of ``n`` elements of ``g``'s kind, device and dtype, kept for later calls.
-
-    Slots: ``"fused"`` (the in-place call's fused buffer) and ``"recv"`` (the halves received at each
-    level). Keeping them avoids allocating, and faulting in, fresh memory on every call.
-    """
-    key = (slot, g.adapter.kind, g.device, g.dtype)
-    buf = _pool.get(key)
-    if buf is not None and len(buf) == n:
-        return buf
-    if buf is None or len(buf) < n:
-        global _pool_generation
-        _pool_generation += 1
-        _pool.pop(key, None)
-        buf = _pool[key] = g.adapter.empty(max(n, 1), g.dtype, g.device)
-    return buf[:n]
-
-
-def pool_generation() -> int:
-    """Changes whenever :func:`pooled` replaces a buffer or :func:`release_buffers` drops them all: views
-    of pooled buffers kept across calls are stale once it has changed."""
-    return _pool_generation
-
-
-def release_buffers() -> None:
-    """Free the buffers kept between calls: the fused buffer of in-place calls and the receive buffer
-    (half the largest fused buffer, per dtype), and the host staging buffers of device transfers."""
-    from .transport import Transport
-
-    global _pool_generation
-    _pool_generation += 1
-    _pool.clear()
-    Transport._host.clear()

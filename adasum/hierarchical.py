@@ -1,6 +1,6 @@
-"""Hierarchical Adasum: the mean over the ranks of each node, then the Adasum tree (SPEC §3) over the nodes.
+"""Hierarchical Adasum: the mean over the ranks of each node, then the Adasum tree over the nodes.
 
-What it computes, per layer: every node's mean of its ranks' vectors, then the tree of SPEC §3 over the
+What it computes, per layer: every node's mean of its ranks' vectors, then the tree of :mod:`adasum.tree` over the
 nodes in node order, each node standing for as many ranks as it has (so unequal nodes are weighted by their
 size, and parallel inputs still give the mean over all ranks). Nodes are the groups of
 ``comm.Split_type(MPI.COMM_TYPE_SHARED)``; node order is the order of each node's lowest rank, and a node's
@@ -33,11 +33,12 @@ from typing import Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .fusion import Group, pooled
-from .transport import Transport, _record, use_staging
+from .arrays import merge_partials
+from .fusion import Group, Operand
+from .transport import Transport, use_staging
 from .vhdd import adasum_reduce
 
-__all__ = ["NodeLayout", "node_layout", "hierarchical_reduce"]
+__all__ = ["NodeLayout", "build_node_layout", "hierarchical_reduce"]
 
 _SMALL_FLOATS = ("float16", "bfloat16")
 
@@ -65,23 +66,18 @@ class NodeLayout:
         """Ranks per node, in node order: the size weights of the tree over nodes."""
         return [len(ranks) for ranks in self.nodes]
 
-
-_keyval: int | None = None
-
-
-def node_layout(comm: MPI.Intracomm) -> NodeLayout:
-    """The node layout of ``comm``, built once (collectively: every rank must call it) and cached on it."""
-    global _keyval
-    if _keyval is None:
-        _keyval = MPI.Comm.Create_keyval()
-    layout = comm.Get_attr(_keyval)
-    if layout is None:
-        layout = _build_layout(comm)
-        comm.Set_attr(_keyval, layout)
-    return layout
+    def free(self) -> None:
+        """Free the communicators of the layout (when its context is freed)."""
+        if MPI.Is_finalized():
+            return
+        for c in {id(c): c for c in (self.slice_comm, self.cross_comm, self.node_comm)}.values():
+            if c != MPI.COMM_NULL:
+                c.Free()
 
 
-def _build_layout(comm: MPI.Intracomm) -> NodeLayout:
+def build_node_layout(comm: MPI.Intracomm) -> NodeLayout:
+    """The node layout of ``comm`` (collective: every rank must call it). The library's context of a
+    communicator builds it once, on the first call that needs it, and keeps it."""
     rank = comm.Get_rank()
     node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank = node_comm.Get_rank()
@@ -114,120 +110,81 @@ def _slice_bounds(n: int, slices: int) -> list[int]:
     return [j * n // slices for j in range(slices + 1)]
 
 
-def _slice_group(g: Group, lo: int, hi: int) -> Group:
+def _slice_group(g: Operand, lo: int, hi: int) -> Operand:
     """``g`` restricted to ``buffer[lo:hi]``: every layer kept, its bounds clipped to the slice (an empty
     layer where it lies outside), so layer ``i`` is the same tensor on every local rank."""
-    bounds = np.clip(g.bounds - lo, 0, hi - lo)
-    return Group(g.adapter, g.device, g.dtype, list(g.indices), list(g.shapes), bounds, g.buffer[lo:hi])
+    key = ("slice", lo, hi)
+    group = g.memo.get(key)
+    if group is None:
+        bounds = np.clip(g.bounds - lo, 0, hi - lo)
+        group = g.memo[key] = Group(g.adapter, g.device, g.dtype, list(g.indices), list(g.shapes), bounds)
+    return Operand(group, g.buffer[lo:hi])
 
 
 class _NodeCollectives:
-    """The reduce-scatter and the allgather inside a node for one group, on the device buffer directly or
-    through host staging buffers, as the transport mode says."""
+    """The reduce-scatter and the allgather inside a node for one group."""
 
-    def __init__(self, layout: NodeLayout, g: Group):
+    def __init__(self, ctx, layout: NodeLayout, g: Operand):
         self.comm = layout.node_comm
         self.local_size = self.comm.Get_size()
         self.g = g
-        self.staged = use_staging(g.adapter, g.buffer)
-        # Host staging buffers come from the transport's pool, so release_buffers() frees them too.
-        self.transport = Transport(self.comm, g.adapter, g.device, staged=True)
+        self.transport = Transport(ctx, self.comm, g.adapter, g.device, staged=use_staging(g.adapter, g.buffer))
         edges = _slice_bounds(g.size, layout.slices)
         self.counts = [edges[j + 1] - edges[j] if j < layout.slices else 0 for j in range(self.local_size)]
         self.displs = [edges[min(j, layout.slices)] for j in range(self.local_size)]
 
-    def _nbytes(self, buf) -> int:
-        return self.transport._nbytes(buf)
-
     def reduce_scatter_mean(self) -> None:
         """Leave this local rank's slice of the node's mean in ``g.buffer`` (nothing on non-holders)."""
-        g, a = self.g, self.g.adapter
+        g, a, t = self.g, self.g.adapter, self.transport
         lo, n = self.displs[self.comm.Get_rank()], self.counts[self.comm.Get_rank()]
-        if g.dtype in _SMALL_FLOATS:
-            wide = Group(a, g.device, "float32")
-            send = pooled(wide, g.size, "node-wide")
+        wide = "float32" if g.dtype in _SMALL_FLOATS else g.dtype  # MPI has no 16-bit sum
+        if wide != g.dtype:
+            send = t.kept(wide, g.size, "node-wide")
             a.copy_(send, g.buffer)
         else:
-            wide, send = g, g.buffer
-        recv = pooled(wide, n, "node-recv")
-        _record("node_bytes", self._nbytes(send), 1)
-        if self.staged:
-            hs = self.transport._stage(0, self._nbytes(send))
-            hr = self.transport._stage(1, self._nbytes(recv))
-            a.to_host(send, hs)
-            np_dtype = np.dtype(wide.dtype)
-            self.comm.Reduce_scatter(hs.view(np_dtype), hr.view(np_dtype), self.counts, op=MPI.SUM)
-            a.from_host(hr, recv)
-        elif a.is_host(send):
-            self.comm.Reduce_scatter(a.host_typed(send), a.host_typed(recv), self.counts, op=MPI.SUM)
-        else:
-            a.synchronize(g.device)
-            self.comm.Reduce_scatter(send, recv, self.counts, op=MPI.SUM)
+            send = g.buffer
+        recv = t.kept(wide, n, "node-recv")
+        t.reduce_scatter_sum(send, recv, self.counts, wide)
         if n:
             a.divide(recv, self.local_size)
             a.copy_(g.buffer[lo:lo + n], recv)
 
     def allgather(self) -> None:
-        """Every local rank's ``g.buffer`` becomes the concatenation of the slice holders' slices.
-
-        One broadcast per slice holder rather than ``MPI_Allgatherv``: over MPICH's shared-memory transport
-        the broadcasts took a third to a tenth of the time of its ``Allgatherv`` for 1–16 MiB buffers on
-        nodes of 2 and 3 ranks.
-        """
-        g, a = self.g, self.g.adapter
-        item = self._nbytes(g.buffer[:1])
-        me = self.comm.Get_rank()
-        holders = [j for j, n in enumerate(self.counts) if n]
-        _record("node_bytes", self.counts[me] * item, len(holders))
-        if self.staged:
-            host = self.transport._stage(0, self._nbytes(g.buffer))
-            lo, n = self.displs[me], self.counts[me]
-            if n:  # only this rank's slice: the others arrive from their holders
-                a.to_host(g.buffer[lo:lo + n], host[lo * item:(lo + n) * item])
-            for j in holders:
-                lo, n = self.displs[j], self.counts[j]
-                self.comm.Bcast([host[lo * item:(lo + n) * item], MPI.BYTE], root=j)
-            a.from_host(host, g.buffer)
-            return
-        if not a.is_host(g.buffer):
-            a.synchronize(g.device)
-        for j in holders:
-            lo, n = self.displs[j], self.counts[j]
-            self.comm.Bcast([a.mpi_bytes(g.buffer[lo:lo + n]), MPI.BYTE], root=j)
+        """Every local rank's ``g.buffer`` becomes the concatenation of the slice holders' slices."""
+        bounds = [(d, d + n) for d, n in zip(self.displs, self.counts)]
+        self.transport.broadcast_slices(self.g.buffer, bounds)
 
 
-def _slice_sum(comm: MPI.Intracomm) -> Callable[[np.ndarray], np.ndarray] | None:
+def _slice_sum(ctx, comm: MPI.Intracomm) -> Callable[[np.ndarray, list], np.ndarray] | None:
     """Sums a partial-dot-product vector over the node's slice holders, bitwise alike on each of them."""
     if comm.Get_size() == 1:
         return None
+    t = Transport(ctx, comm, ctx.adapters.numpy, "cpu", staged=False)
 
-    def local_sum(vec: np.ndarray) -> np.ndarray:
-        vec = np.ascontiguousarray(vec, dtype=np.float64)
-        rows = np.empty((comm.Get_size(), vec.size), dtype=np.float64)
-        _record("scalar_bytes", vec.nbytes, 1)
-        comm.Allgather([vec, MPI.DOUBLE], [rows, MPI.DOUBLE])
+    def local_sum(vec: np.ndarray, widths) -> np.ndarray:
+        rows = t.allgather_scalars(vec)
         # Added in local-rank order, the same order on every holder.
         total = rows[0].copy()
         for row in rows[1:]:
-            total += row
+            total = merge_partials(total, row, widths)
         return total
 
     return local_sum
 
 
-def hierarchical_reduce(comm: MPI.Intracomm, groups: Sequence[Group]) -> None:
-    """Replace every group's buffer, in place and on every rank of ``comm``, by the hierarchical Adasum of
-    all ranks' buffers: the mean inside each node, then the Adasum tree over the nodes, weighted by their
-    numbers of ranks.
+def hierarchical_reduce(ctx, groups: Sequence[Operand]) -> None:
+    """Replace every group's buffer, in place and on every rank of ``ctx``'s communicator, by the
+    hierarchical Adasum of all ranks' buffers: the mean inside each node, then the Adasum tree over the
+    nodes, weighted by their numbers of ranks.
 
-    Collective over ``comm``; every rank passes groups of the same sizes, dtypes and layer tables. With one
-    node the result is the node's mean; with one rank per node it is the plain Adasum of SPEC §3.
+    Collective; every rank passes groups of the same sizes, dtypes and layer tables. With one node the
+    result is the node's mean; with one rank per node it is the plain Adasum tree.
     """
     groups = [g for g in groups if g.size > 0]
-    if comm.Get_size() == 1 or not groups:
+    if ctx.size == 1 or not groups:
         return
-    layout = node_layout(comm)
-    local = [_NodeCollectives(layout, g) for g in groups] if layout.node_comm.Get_size() > 1 else []
+    layout = ctx.node_layout()
+    local = [_NodeCollectives(ctx, layout, g) for g in groups] if layout.node_comm.Get_size() > 1 else []
     for c in local:
         c.reduce_scatter_mean()
 
@@ -235,10 +192,10 @@ def hierarchical_reduce(comm: MPI.Intracomm, groups: Sequence[Group]) -> None:
         edges = [_slice_bounds(g.size, layout.slices) for g in groups]
         j = layout.local_rank
         slices = [_slice_group(g, e[j], e[j + 1]) for g, e in zip(groups, edges)]
-        transports = [Transport(layout.cross_comm, s.adapter, s.device, staged=use_staging(s.adapter, g.buffer))
+        transports = [Transport(ctx, layout.cross_comm, s.adapter, s.device, staged=use_staging(s.adapter, g.buffer))
                       for s, g in zip(slices, groups)]
         adasum_reduce(layout.cross_comm, slices, transports, counts=layout.counts,
-                      local_sum=_slice_sum(layout.slice_comm))
+                      local_sum=_slice_sum(ctx, layout.slice_comm))
 
     for c in local:
         c.allgather()

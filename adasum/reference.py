@@ -1,4 +1,5 @@
-"""The serial reference: SPEC §1–3 in plain float64 numpy, the ground truth of the tests.
+"""The serial reference: the rule and the tree of docs/design.md in plain float64 numpy, the ground truth
+of the tests.
 
 It follows the definition literally — fold the first adjacent pairs until a power of two is left, then
 combine adjacent pairs level by level — with none of the distributed schedule's splitting of vectors.
@@ -16,7 +17,7 @@ __all__ = ["tree_combine", "reference_allreduce", "reference_hierarchical"]
 
 
 def tree_combine(vectors: Sequence[np.ndarray], counts: Sequence[int] | None = None) -> np.ndarray:
-    """Adasum of one layer's vectors, one per leaf, over the tree of SPEC §3.
+    """Adasum of one layer's vectors, one per leaf, over the tree of docs/design.md.
 
     ``counts`` gives how many ranks each leaf stands for (1 each by default); subtrees of unequal size are
     weighted by their counts.

@@ -1,4 +1,4 @@
-"""Checking a call's inputs, locally and across ranks, before any data moves (SPEC §6).
+"""Checking a call's inputs, locally and across ranks, before any data moves.
 
 Local problems (an unsupported array type or dtype, an op the dtype does not allow) and disagreements
 between ranks (op, number of tensors, a shape, a dtype) both end in an exception on *every* rank: the
@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Sequence
 
-import numpy as np
 from mpi4py import MPI
 
-from .arrays import FLOAT_DTYPES, INT_DTYPES, Adapter, adapter_for
-from .transport import _record
+from . import stall
+from .arrays import FLOAT_DTYPES, INT_DTYPES, Adapter, Adapters
+from .kernels import compiled, mpi_bound, request
+from .settings import current
 
 __all__ = ["AdasumMismatchError", "TensorDesc", "describe", "agree", "signature"]
 
@@ -32,13 +33,14 @@ class TensorDesc(NamedTuple):
         return f"shape {self.shape} {self.dtype}"
 
 
-def describe(tensors: Sequence[Any], op: str, rank: int):
-    """Adapters and descriptions of ``tensors``; a TypeError (naming ``rank``) for anything unsupported."""
+def describe(tensors: Sequence[Any], op: str, rank: int, kinds: Adapters):
+    """Adapters (from ``kinds``) and descriptions of ``tensors``; a TypeError (naming ``rank``) for anything
+    unsupported."""
     adapters: list[Adapter] = []
     descs: list[TensorDesc] = []
     devices: dict[str, int] = {}
     for i, t in enumerate(tensors):
-        adapter = adapter_for(t)
+        adapter = kinds.for_array(t)
         if adapter is None:
             raise TypeError(f"rank {rank}: tensor {i} is a {type(t).__module__}.{type(t).__qualname__}; "
                             "adasum takes numpy arrays, torch tensors and cupy arrays")
@@ -82,20 +84,21 @@ def signature(op: str, descs: Sequence[TensorDesc], extra: tuple) -> int:
 
 
 _OPS = {"adasum": 1, "sum": 2, "mean": 3}
-_AGREE = (np.empty(4, dtype=np.int64), np.empty(4, dtype=np.int64))  # what this rank sends, what all saw
-AGREE_BYTES = _AGREE[0].nbytes  # what one rank hands to the agreement allreduce
+AGREE_BYTES = 4 * 8  # what one rank hands to the agreement allreduce: four int64
 
 
-def agree(comm: MPI.Intracomm, op: str, descs: Sequence[TensorDesc] | None, error: Exception | None,
+def agree(ctx, op: str, descs: Sequence[TensorDesc] | None, error: Exception | None,
           extra: tuple = (), digest: int | None = None, vote: int = 0) -> int:
-    """Meet the other ranks once; raise the same exception on every rank if any rank failed or differs.
+    """Meet the other ranks of ``ctx``'s communicator once; raise the same exception on every rank if any
+    rank failed or differs.
 
     ``descs`` is this rank's description of its tensors (None if ``error`` is set). ``extra`` holds further
     settings that must agree (for example the hierarchical flag). ``digest``, if given, is
     ``signature(op, descs, extra)`` computed earlier. ``vote`` (a non-negative int) rides along: the call
     returns the largest vote of all ranks, so that the ranks can settle a choice in the same collective.
     """
-    if comm.Get_size() == 1:
+    comm = ctx.lcomm
+    if ctx.size == 1:
         if error is not None:
             raise error
         return vote
@@ -103,12 +106,20 @@ def agree(comm: MPI.Intracomm, op: str, descs: Sequence[TensorDesc] | None, erro
         sig = 0
     else:
         sig = signature(op, descs, extra) if digest is None else digest
-    mine, seen = _AGREE
-    mine[0], mine[1], mine[2], mine[3] = sig, -sig, 1 if error is not None else 0, vote
-    _record("scalar_bytes", AGREE_BYTES)
-    comm.Allreduce(mine, seen, op=MPI.MAX)
-    if seen[2] == 0 and seen[0] == -seen[1]:
-        return int(seen[3])
+    scratch = ctx.agree_scratch  # what this rank sends [0:4], what all saw [4:8]
+    scratch[0], scratch[1], scratch[2], scratch[3] = sig, -sig, 1 if error is not None else 0, vote
+    ctx.record("scalar_bytes", AGREE_BYTES)
+    patience = stall.patience(current())
+    if mpi_bound():
+        rc = compiled.agree(scratch, *ctx.agree_handles, patience)
+        if rc == 1:
+            stall.wait(ctx, request(int(scratch[8])), op, descs, waited=patience)
+        elif rc:
+            raise MPI.Exception(rc)
+    else:
+        stall.wait(ctx, comm.Iallreduce(scratch[0:4], scratch[4:8], op=MPI.MAX), op, descs)
+    if scratch[6] == 0 and scratch[4] == -scratch[5]:
+        return int(scratch[7])
     raise explain(comm, op, descs, error, extra)
 
 

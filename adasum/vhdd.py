@@ -2,14 +2,14 @@
 
 Reduce-scatter: at level l (l = 1 … k) rank v pairs with v XOR 2^(l-1), keeps one half of its current
 segment, sends the other half and receives the partner's copy of the half it keeps. The two halves it then
-holds are pieces of the two vectors being combined at this node of the tree (SPEC §3): the left subtree's
+holds are pieces of the two vectors being combined at this node of the tree (:mod:`adasum.tree`): the left subtree's
 (lower ranks) and the right subtree's. Every layer's coefficients need dot products over the whole layer,
 which is spread over the 2^l ranks of the subtree, so the partial [left·right, ‖left‖², ‖right‖²] of every
 layer is summed over exactly those ranks, in one small exchange per level for all layers together. Each
 rank then combines its piece. Allgather by recursive doubling in reverse order gives every rank the result.
 
 Each rank sends (P-1)/P·N bytes in each phase, the same as a bandwidth-optimal allreduce. P = 2^k + r
-folds the first r adjacent pairs first (SPEC §3): the odd rank of a pair hands its whole vector to the even
+folds the first r adjacent pairs first: the odd rank of a pair hands its whole vector to the even
 one, which combines the two locally, and receives the result at the end.
 """
 
@@ -20,13 +20,16 @@ from typing import Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from . import tree
+from .arrays import NO_SCALE, merge_partials, partial_width
 from .combine import coefficients
-from .fusion import Group, group_pieces, pooled
-from .transport import Transport, scalar_sendrecv
+from .fusion import Operand, group_pieces
+from .transport import Transport
 
 __all__ = ["adasum_reduce", "fold_out", "home", "own"]
 
-def _range(g: Group, lo: int, hi: int, in_parts: bool, layers=None, spans=None):
+
+def _range(g: Operand, lo: int, hi: int, in_parts: bool, layers=None, spans=None):
     """``[lo, hi)`` of the fused index space: a slice of ``g.buffer`` or, ``in_parts``, flat views of the
     pieces of the caller's tensors (``g.parts``) that hold it (``layers``/``spans`` as :func:`pieces`
     gives them, if known)."""
@@ -38,31 +41,28 @@ def _range(g: Group, lo: int, hi: int, in_parts: bool, layers=None, spans=None):
     return [g.parts[i].reshape(-1)[lo + s - b[i]:lo + e - b[i]] for i, (s, e) in zip(layers, spans)]
 
 
-def own(g: Group, lo: int, hi: int, layers=None, spans=None):
+def own(g: Operand, lo: int, hi: int, layers=None, spans=None):
     """This rank's current values of ``[lo, hi)``: in ``g.buffer``, or in the caller's tensors before they
     are packed or when the result is written there."""
     return _range(g, lo, hi, not g.packed, layers, spans)
 
 
-def home(g: Group, lo: int, hi: int, layers=None, spans=None):
+def home(g: Operand, lo: int, hi: int, layers=None, spans=None):
     """Where the combined values of ``[lo, hi)`` go: ``g.buffer``, or the caller's tensors themselves."""
     return _range(g, lo, hi, g.writes_parts, layers, spans)
 
 
-# With ``split``, a range travels as one message per layer piece of at least this many bytes, and one
-# per run of smaller consecutive pieces (packed by a sender that holds them apart).
-CHUNK_BYTES = 256 << 10
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
-def _cuts(g: Group, lo: int, hi: int) -> list[int]:
+def _cuts(g: Operand, lo: int, hi: int) -> list[int]:
     """Where layers start inside ``[lo, hi)``, relative to ``lo`` (without 0)."""
     return [s for s, _ in group_pieces(g, lo, hi)[1] if s > 0]
 
 
-def _coalesce(g: Group, cuts: list[int], n: int) -> list[int]:
-    """Keeps the cuts around segments of at least CHUNK_BYTES; merges runs of shorter segments."""
-    small = max(1, CHUNK_BYTES // _ITEMSIZE.get(g.dtype, 1))
+def _coalesce(g: Operand, cuts: list[int], n: int, chunk_bytes: int) -> list[int]:
+    """Keeps the cuts around segments of at least ``chunk_bytes``; merges runs of shorter segments."""
+    small = max(1, chunk_bytes // _ITEMSIZE.get(g.dtype, 1))
     out, start, run = [], 0, False
     for c in [*cuts, n]:
         if c - start >= small:
@@ -81,19 +81,19 @@ def _coalesce(g: Group, cuts: list[int], n: int) -> list[int]:
     return out
 
 
-def chunks(g: Group, lo: int, hi: int, split: bool) -> list[tuple[int, int]]:
-    """The messages that carry ``[lo, hi)`` one way: one, or with ``split`` one per layer piece of at
-    least CHUNK_BYTES and one per run of smaller pieces. A function of the layer table alone, so that
-    sender and receiver cut alike."""
+def chunks(g: Operand, lo: int, hi: int, split: int) -> list[tuple[int, int]]:
+    """The messages that carry ``[lo, hi)`` one way: one, or with ``split`` (the chunk size in bytes, 0 for
+    none) one per layer piece of at least ``split`` bytes and one per run of smaller pieces. A function of
+    the layer table alone, so that sender and receiver cut alike."""
     if hi <= lo:
         return []
     if not split:
         return [(lo, hi)]
-    ends = _coalesce(g, _cuts(g, lo, hi), hi - lo)
+    ends = _coalesce(g, _cuts(g, lo, hi), hi - lo, split)
     return [(lo + a, lo + b) for a, b in zip([0, *ends[:-1]], ends)]
 
 
-def exchange_chunks(g: Group, slo: int, shi: int, rlo: int, rhi: int, split: bool):
+def exchange_chunks(g: Operand, slo: int, shi: int, rlo: int, rhi: int, split: int):
     """Messages for swapping ``[slo, shi)`` (sent) against ``[rlo, rhi)`` (received): each range cut by
     :func:`chunks`, on its own. The partner, swapping the same two ranges the other way round, cuts its
     sends as we cut our receives, so message i of one direction has the same length on both sides; the
@@ -101,10 +101,10 @@ def exchange_chunks(g: Group, slo: int, shi: int, rlo: int, rhi: int, split: boo
     list one way)."""
     if not split:
         return chunks(g, slo, shi, False), chunks(g, rlo, rhi, False)
-    key = ("exchange", slo, shi, rlo, rhi)
+    key = ("exchange", slo, shi, rlo, rhi, split)
     out = g.memo.get(key)
     if out is None:
-        out = g.memo[key] = (chunks(g, slo, shi, True), chunks(g, rlo, rhi, True))
+        out = g.memo[key] = (chunks(g, slo, shi, split), chunks(g, rlo, rhi, split))
     return out
 
 
@@ -114,25 +114,40 @@ def exchange(t: Transport, partner: int, sends: list, recvs: list) -> None:
     t.exchange(sends, partner, recvs, partner)
 
 
+def widths(groups) -> list[tuple[int, int]]:
+    """(layers, columns) of every group's block of partials (see :func:`adasum.arrays.merge_partials`)."""
+    return [(len(g.bounds) - 1, partial_width(g.dtype)) for g in groups]
+
+
 def _layer_partials(groups, scratches, los, his, swap: bool):
-    """Per-layer [left·right, ‖left‖², ‖right‖²] over this rank's segments, for all groups, flattened."""
+    """Per-layer [left·right, ‖left‖², ‖right‖²] (and the scale, for float64) over this rank's segments, for
+    all groups, flattened."""
     out, spans_by_group = [], []
     for g, scr, lo, hi in zip(groups, scratches, los, his):
-        full = np.zeros((len(g.bounds) - 1, 3))
+        width = partial_width(g.dtype)
+        full = np.zeros((len(g.bounds) - 1, width))
+        if width == 4:
+            full[:, 3] = NO_SCALE  # layers this rank holds nothing of
         layers, spans = group_pieces(g, lo, hi)
         if spans:
             part = g.adapter.partial_dots(own(g, lo, hi, layers, spans), scr, spans)
             if swap:  # this rank holds the right-hand vector
-                part = part[:, [0, 2, 1]]
+                part = part[:, [0, 2, 1, 3][:width]]
             full[layers] = part
         out.append(full)
         spans_by_group.append((layers, spans))
-    return np.concatenate(out).ravel() if out else np.zeros(0), spans_by_group
+    return np.concatenate([o.ravel() for o in out]) if out else np.zeros(0), spans_by_group
 
 
 def _combine(groups, scratches, los, his, spans_by_group, sums, count_left, count_right, upper: bool):
     """Apply the coefficients of the summed partials to this rank's piece of every layer."""
-    sums = sums.reshape(-1, 3)
+    rows = []
+    at = 0
+    for g in groups:
+        n, width = len(g.bounds) - 1, partial_width(g.dtype)
+        rows.append(sums[at:at + n * width].reshape(n, width)[:, :3])
+        at += n * width
+    sums = np.concatenate(rows) if rows else np.zeros((0, 3))
     c_left, c_right = coefficients(sums[:, 0], sums[:, 1], sums[:, 2], count_left, count_right)
     mine, theirs = (c_right, c_left) if upper else (c_left, c_right)
     offset = 0
@@ -145,103 +160,85 @@ def _combine(groups, scratches, los, his, spans_by_group, sums, count_left, coun
         offset += len(g.bounds) - 1
 
 
-def fold_out(groups: Sequence[Group], transports: Sequence[Transport], rank: int, extra: int,
-             split: bool = False) -> bool:
-    """The folded-out rank of a pair (SPEC §3): hands its vector to its even partner and receives the
-    result. True if this rank is one (and has its result); False for every other rank."""
-    if not (rank < 2 * extra and rank % 2 == 1):
-        return False
+def fold_out(groups: Sequence[Operand], transports: Sequence[Transport], partner: int, split: int = 0) -> None:
+    """The folded-out rank of a pair: hands its vector to its even ``partner`` and receives the result."""
     for g, t in zip(groups, transports):
-        exchange(t, rank - 1, [own(g, a, b) for a, b in chunks(g, 0, g.size, split)], [])
+        exchange(t, partner, [own(g, a, b) for a, b in chunks(g, 0, g.size, split)], [])
     for g, t in zip(groups, transports):
-        exchange(t, rank - 1, [], [home(g, a, b) for a, b in chunks(g, 0, g.size, split)])
-    return True
+        exchange(t, partner, [], [home(g, a, b) for a, b in chunks(g, 0, g.size, split)])
 
 
-def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Group], transports: Sequence[Transport], *,
-                  counts: Sequence[int] | None = None, split: bool = False,
-                  local_sum: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Operand], transports: Sequence[Transport], *,
+                  counts: Sequence[int] | None = None, split: int = 0,
+                  local_sum: Callable[[np.ndarray, list], np.ndarray] | None = None) -> None:
     """Replace every group's buffer, in place and on every rank, by the Adasum of all ranks' buffers.
 
     ``counts[r]`` is how many ranks rank r's vector stands for (1 each for plain Adasum; ranks per node in
     the hierarchical mode). ``local_sum``, if given, sums a rank's partial dot products with those of the
-    ranks outside ``comm`` that hold the other pieces of the same vectors (the hierarchical mode).
+    ranks outside ``comm`` that hold the other pieces of the same vectors (the hierarchical mode); it is
+    given the partials and their :func:`widths`.
 
     A group that is not ``packed`` is read from ``parts`` (flat views of the caller's tensors) until its
     first combine: halves are sent from there without packing them. A group that ``writes_parts`` (an
     in-place call on tensors that lie apart) is combined and gathered in the caller's tensors themselves,
     with no fused buffer at all; otherwise the result is left in ``buffer``. ``split`` (the same on every
-    rank) cuts each exchange into the messages of :func:`chunks`; unpacked groups need it, since MPI sends
-    fastest from contiguous memory.
+    rank; bytes, 0 for none) cuts each exchange into the messages of :func:`chunks`; unpacked groups need it,
+    since MPI sends fastest from contiguous memory.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1 or not groups:
         return
-    counts = list(counts) if counts is not None else [1] * size
-    sum_local = local_sum or (lambda v: v)
-    k = size.bit_length() - 1
-    extra = size - (1 << k)
+    r = tree.role(size, rank, None if counts is None else tuple(counts))
+    layout = widths(groups)
 
-    def real(u: int) -> int:
-        return 2 * u if u < extra else u + extra
+    def sum_local(v: np.ndarray) -> np.ndarray:
+        return v if local_sum is None else local_sum(v, layout)
 
-    # --- fold the first `extra` adjacent pairs -----------------------------------------------------------
-    if fold_out(groups, transports, rank, extra, split):
+    scalars = transports[0]
+
+    # --- fold the first adjacent pairs ------------------------------------------------------------------
+    if r.out_of is not None:
+        fold_out(groups, transports, r.out_of, split)
         return
-    if rank < 2 * extra:
-        scratches = [pooled(g, g.size, "recv") for g in groups]
+    if r.fold is not None:
+        partner, count_self, count_partner = r.fold
+        scratches = [t.kept(g.dtype, g.size) for g, t in zip(groups, transports)]
         for g, t, scr in zip(groups, transports, scratches):
-            exchange(t, rank + 1, [], [scr[a:b] for a, b in chunks(g, 0, g.size, split)])
+            exchange(t, partner, [], [scr[a:b] for a, b in chunks(g, 0, g.size, split)])
         los, his = [0] * len(groups), [g.size for g in groups]
         partials, spans = _layer_partials(groups, scratches, los, his, swap=False)
-        _combine(groups, scratches, los, his, spans, sum_local(partials), counts[rank], counts[rank + 1],
-                 upper=False)
-        v = rank // 2
-    else:
-        v = rank - extra
-    vcounts = [counts[2 * u] + counts[2 * u + 1] if u < extra else counts[u + extra] for u in range(1 << k)]
+        _combine(groups, scratches, los, his, spans, sum_local(partials), count_self, count_partner, upper=False)
 
     # --- reduce-scatter with the combine at every level ----------------------------------------------------
-    los, his = [0] * len(groups), [g.size for g in groups]
-    history = []
-    for level in range(1, k + 1):
-        d = 1 << (level - 1)
-        upper = bool(v & d)
-        partner = real(v ^ d)
-        history.append((los, his))
-        new_los, new_his, scratches = [], [], []
-        for g, t, lo, hi in zip(groups, transports, los, his):
-            mid = lo + (hi - lo) // 2
-            (klo, khi), (slo, shi) = ((mid, hi), (lo, mid)) if upper else ((lo, mid), (mid, hi))
-            scr = pooled(g, khi - klo, "recv")
+    ranges = [tree.kept_ranges(g.size, r) for g in groups]
+    for i, level in enumerate(r.levels):
+        los, his = [rg[i + 1][0] for rg in ranges], [rg[i + 1][1] for rg in ranges]
+        scratches = []
+        for g, t, rg in zip(groups, transports, ranges):
+            (lo, hi), (klo, khi) = rg[i], rg[i + 1]
+            slo, shi = (lo, klo) if level.upper else (khi, hi)  # the half the partner keeps
+            scr = t.kept(g.dtype, khi - klo)
             sc, rc = exchange_chunks(g, slo, shi, klo, khi, split)
-            exchange(t, partner, [own(g, a, b) for a, b in sc], [scr[a - klo:b - klo] for a, b in rc])
-            new_los.append(klo)
-            new_his.append(khi)
+            exchange(t, level.partner, [own(g, a, b) for a, b in sc], [scr[a - klo:b - klo] for a, b in rc])
             scratches.append(scr)
-        los, his = new_los, new_his
-        partials, spans = _layer_partials(groups, scratches, los, his, swap=upper)
+        partials, spans = _layer_partials(groups, scratches, los, his, swap=level.upper)
         sums = sum_local(partials)
-        # Sum over the 2^level ranks of this subtree by recursive doubling, always lower half + upper half,
+        # Sum over the ranks of this level's subtree by recursive doubling, always lower half + upper half,
         # so that every rank of the subtree gets bitwise the same sums, hence the same coefficients.
-        for j in range(level):
-            other = scalar_sendrecv(comm, sums, real(v ^ (1 << j)))
-            sums = other + sums if v & (1 << j) else sums + other
-        base = (v >> level) << level
-        _combine(groups, scratches, los, his, spans, sums,
-                 sum(vcounts[base:base + d]), sum(vcounts[base + d:base + 2 * d]), upper)
+        for j, other_rank in enumerate(level.sum_partners):
+            other = scalars.swap_scalars(sums, other_rank)
+            sums = merge_partials(other, sums, layout) if r.virtual & (1 << j) else merge_partials(sums, other, layout)
+        _combine(groups, scratches, los, his, spans, sums, level.count_left, level.count_right, level.upper)
 
     # --- allgather by recursive doubling -------------------------------------------------------------------
-    for level in range(k, 0, -1):
-        d = 1 << (level - 1)
-        partner = real(v ^ d)
-        plos, phis = history[level - 1]
-        for g, t, lo, hi, plo, phi in zip(groups, transports, los, his, plos, phis):
-            olo, ohi = (plo, lo) if v & d else (hi, phi)
+    for i in range(len(r.levels) - 1, -1, -1):
+        level = r.levels[i]
+        for g, t, rg in zip(groups, transports, ranges):
+            (plo, phi), (lo, hi) = rg[i], rg[i + 1]
+            olo, ohi = (plo, lo) if level.upper else (hi, phi)
             sc, rc = exchange_chunks(g, lo, hi, olo, ohi, split)
-            exchange(t, partner, [own(g, a, b) for a, b in sc], [own(g, a, b) for a, b in rc])
-        los, his = plos, phis
+            exchange(t, level.partner, [own(g, a, b) for a, b in sc], [own(g, a, b) for a, b in rc])
 
-    if rank < 2 * extra:
+    if r.fold is not None:
         for g, t in zip(groups, transports):
-            exchange(t, rank + 1, [own(g, a, b) for a, b in chunks(g, 0, g.size, split)], [])
+            exchange(t, r.fold[0], [own(g, a, b) for a, b in chunks(g, 0, g.size, split)], [])

@@ -28,22 +28,24 @@ def size(comm: MPI.Intracomm | None = None) -> int:
 
 
 def _layout(comm: MPI.Intracomm | None):
-    from .hierarchical import node_layout
-    from .transport import library_comm
+    from .context import context_for
 
-    return node_layout(library_comm(_comm(comm)))
+    return context_for(_comm(comm)).node_layout()
 
 
 def local_rank(comm: MPI.Intracomm | None = None) -> int:
-    """This rank's position among the ranks of ``comm`` on its node (0 for the node's lowest rank).
+    """This rank's position among the ranks of ``comm`` on its node: 0 for the node's lowest rank, then 1,
+    2, … in rank order, up to ``local_size(comm) - 1``. One GPU per rank: ``torch.cuda.set_device(local_rank())``.
 
     Collective the first time on a communicator (every rank of ``comm`` must call it, or
-    :func:`local_size`, or a hierarchical allreduce): the node layout is found then and kept.
+    :func:`local_size`, or a hierarchical allreduce): the node layout is found then and kept with the
+    communicator, so later calls do not communicate.
     """
     return _layout(comm).local_rank
 
 
 def local_size(comm: MPI.Intracomm | None = None) -> int:
-    """The number of ranks of ``comm`` on this rank's node. Collective the first time, as :func:`local_rank`."""
+    """The number of ranks of ``comm`` on this rank's node (nodes may differ in size). Collective the first
+    time on a communicator, as :func:`local_rank`."""
     layout = _layout(comm)
     return len(layout.nodes[layout.node])

@@ -1,8 +1,10 @@
 """Times adasum_allreduce against MPI's own allreduce on the same data, interleaved in one run.
 
-Run under MPI, for example::
+Run under MPI, from the repository root, for example::
 
-    mpiexec -n 4 python benchmarks/allreduce.py --json benchmarks/out/np4.json
+    mpiexec -n 4 python benchmarks/allreduce.py --json benchmarks/out/np4.json --plot benchmarks/out/np4
+
+``--plot DIR`` draws time.png, busbw.png and ratio.png there, as ``sweep.py`` does for several world sizes.
 
 Each size is a float32 model of ten layers of uneven sizes (in proportion 1, 2, 3, 5, …, 89). Each
 repeat runs every method once, in a rotating order, between barriers; a method's time for a repeat is
@@ -20,6 +22,7 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -189,6 +192,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=0, help="repeats per size (default: by size)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", help="write the results to this JSON file (rank 0)")
+    ap.add_argument("--plot", metavar="DIR", help="draw time.png, busbw.png and ratio.png in this folder (rank 0)")
     args = ap.parse_args(argv)
 
     comm = MPI.COMM_WORLD
@@ -210,7 +214,22 @@ def main(argv=None) -> int:
                 "argv": sys.argv}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
+    if comm.Get_rank() == 0 and args.plot:
+        plot(results, args.plot)
     return 0
+
+
+def plot(results: list[dict], folder: str) -> None:
+    """The plots of sweep.py for this one world size."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import sweep
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    r = results[0]
+    label = f"P = {r['world_size']}, {r['kind']}, layout {r['layout']}, pages {r['pages']}"
+    sweep.plot(sweep.rows([{"results": results}]), out, label)
+    print(f"wrote {out}/time.png, busbw.png, ratio.png", flush=True)
 
 
 def _print_row(res, first: bool) -> None:
@@ -227,7 +246,7 @@ def _print_row(res, first: bool) -> None:
 
 
 def _human(n: int) -> str:
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             return f"{n / scale:g}{unit}"
     return f"{n}B"

@@ -88,10 +88,16 @@ def plot(table: list[dict], out: Path, label: str) -> None:
 
     sizes = sorted({r["world_size"] for r in table})
     ops = sorted({r["op"] for r in table}, key=lambda o: (o != "raw", o))
-    styles = {"raw": "-", "adasum": "-", "sum": "--", "mean": ":", "adasum-hier": "-."}
-    markers = {"raw": "o", "adasum": "s", "sum": "^", "mean": "v", "adasum-hier": "D"}
-    cmap = plt.get_cmap("viridis")
-    colors = {p: cmap(i / max(1, len(sizes) - 1) * 0.85) for i, p in enumerate(sizes)}
+    # One colour per op (raw in black), one line style and marker per world size.
+    palette = {"raw": "black", "adasum": "tab:blue", "sum": "tab:orange", "mean": "tab:green",
+               "adasum-hier": "tab:purple"}
+    spare = iter(["tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"])
+    colors = {op: palette.get(op) or next(spare, "tab:gray") for op in ops}
+    line_styles = ["-", "--", ":", "-."]
+    marker_list = ["o", "s", "^", "D", "v"]
+    styles = {p: line_styles[i % len(line_styles)] for i, p in enumerate(sizes)}
+    markers = {p: marker_list[i % len(marker_list)] for i, p in enumerate(sizes)}
+    ticks = sorted({r["bytes"] for r in table})
 
     def lines(ax, key, skip_raw=False):
         for p in sizes:
@@ -100,9 +106,11 @@ def plot(table: list[dict], out: Path, label: str) -> None:
                     continue
                 pts = sorted((r["bytes"], r[key]) for r in table if r["world_size"] == p and r["op"] == op)
                 if pts:
-                    ax.plot([b for b, _ in pts], [v for _, v in pts], styles.get(op, "-"),
-                            marker=markers.get(op, "."), color=colors[p], label=f"{op}, P={p}", ms=4)
+                    ax.plot([b for b, _ in pts], [v for _, v in pts], styles[p], marker=markers[p],
+                            color=colors[op], label=f"{op}, P={p}", ms=4)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [human_bytes(b) for b in ticks])
+        ax.minorticks_off()
         ax.set_xlabel("bytes per call")
         ax.grid(True, which="both", alpha=0.3)
 
@@ -123,6 +131,14 @@ def plot(table: list[dict], out: Path, label: str) -> None:
         fig.tight_layout()
         fig.savefig(out / name, dpi=90)
         plt.close(fig)
+
+
+def human_bytes(n: int) -> str:
+    """4096 -> '4 KiB', 16777216 -> '16 MiB'."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
 
 
 def main(argv=None) -> int:

@@ -1,8 +1,10 @@
 """Train a small 1-D CNN on MNIST-1D, data-parallel over MPI, with adasum.torch.DistributedOptimizer.
 
-Each rank trains on its own shard of the training set; at every accumulation boundary the ranks combine
-their updates (Adasum of the weight deltas, or the sum/mean of the gradients). The test accuracy is
-measured after every epoch. Progress and logging come from rank 0 only.
+Each rank trains on its own shard of the training set (torch's DistributedSampler, with the rank and size
+from ``adasum.rank()`` and ``adasum.size()``); at every accumulation boundary the ranks combine their
+updates (Adasum of the weight deltas, or the sum/mean of the gradients). The test accuracy is measured after
+every epoch. Progress and logging come from rank 0 only; with ``--hierarchical`` rank 0 first shows the
+nodes it found.
 
     mpiexec -n 4 python -m mpi4py examples/train.py                 # Adasum, the defaults
     mpiexec -n 4 python -m mpi4py examples/train.py --op mean --accumulation-steps 2
@@ -24,11 +26,13 @@ import time
 
 import torch
 from mpi4py import MPI
+from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import adasum  # noqa: E402
 import adasum.torch as at  # noqa: E402
-from model import build_model, evaluate, load_or_make_data, shard_batches, sleeping_barrier  # noqa: E402
+from model import build_model, evaluate, load_or_make_data, sleeping_barrier  # noqa: E402
 
 log = logging.getLogger("train")
 
@@ -84,10 +88,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
     comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
+    rank, size = adasum.rank(), adasum.size()
     _setup_logging(rank)
     torch.set_num_threads(args.threads)
-    device = _device(args, comm)
+    device = _device(args)
+    if args.hierarchical:
+        _log_nodes(comm)
 
     # Rank 0 generates the dataset while the others sleep, then sends it to them.
     started = time.perf_counter()
@@ -115,7 +121,16 @@ def main(argv=None) -> dict | None:
     at.broadcast_parameters(model, root=0)
     at.broadcast_optimizer_state(optimizer, root=0)
 
-    micro_per_epoch = len(shard_batches(len(data.y), args.batch_size, rank, size, 0, args.seed))
+    # Every rank gets as many samples (drop_last), so every rank takes as many steps.
+    sampler = DistributedSampler(TensorDataset(data.x, data.y), num_replicas=size, rank=rank, shuffle=True,
+                                 seed=args.seed, drop_last=True)
+
+    def shard(epoch: int) -> list[torch.Tensor]:
+        """This rank's micro-batches of the epoch, as index tensors into the data (already in memory)."""
+        sampler.set_epoch(epoch)
+        return [torch.tensor(b) for b in BatchSampler(sampler, args.batch_size, drop_last=False)]
+
+    micro_per_epoch = len(shard(0))
     steps_per_epoch = math.ceil(micro_per_epoch / args.accumulation_steps)
     scheduler = at.BoundaryScheduler(
         torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * steps_per_epoch), optimizer)
@@ -157,7 +172,7 @@ def main(argv=None) -> dict | None:
     t0 = time.perf_counter()
     done = 0
     while epoch < args.epochs:
-        batches = shard_batches(len(data.y), args.batch_size, rank, size, epoch, args.seed)
+        batches = shard(epoch)
         bar = _progress(args, rank, epoch, len(batches), micro)
         train_loss = torch.zeros(2, dtype=torch.float64)
         for i in range(micro, len(batches)):
@@ -217,16 +232,33 @@ def _setup_logging(rank: int) -> None:
         logging.basicConfig(level=logging.ERROR)
 
 
-def _device(args, comm) -> torch.device:
+def _device(args) -> torch.device:
     if args.device == "cpu":
         return torch.device("cpu")
+    local = adasum.local_rank()  # collective the first time: every rank calls it
     if not torch.cuda.is_available():
-        raise RuntimeError(f"rank {comm.Get_rank()}: --device cuda, but torch sees no CUDA device")
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    index = local.Get_rank() % torch.cuda.device_count()
-    local.Free()
+        raise RuntimeError(f"rank {adasum.rank()}: --device cuda, but torch sees no CUDA device")
+    index = local % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def _log_nodes(comm) -> None:
+    """Rank 0 logs the nodes hierarchical Adasum will use: the ranks that share memory, as MPI groups them
+    (``Split_type(COMM_TYPE_SHARED)``), each node named by the host of its first rank."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    first = node.allreduce(comm.Get_rank(), op=MPI.MIN)
+    node.Free()
+    everyone = comm.gather((first, MPI.Get_processor_name()), root=0)
+    if everyone is None:
+        return
+    nodes: dict[int, list[int]] = {}
+    for r, (leader, _) in enumerate(everyone):
+        nodes.setdefault(leader, []).append(r)
+    described = "; ".join(f"node {i} ({everyone[leader][1]}): ranks {', '.join(map(str, ranks))}"
+                          for i, (leader, ranks) in enumerate(sorted(nodes.items())))
+    log.info("hierarchical Adasum: mean within each node, Adasum across %d node%s: %s", len(nodes),
+             "" if len(nodes) == 1 else "s", described)
 
 
 def _exists(comm, path: str) -> bool:

@@ -11,7 +11,9 @@ import torch
 from mpi4py import MPI
 
 import adasum
-from adasum import AdasumMismatchError, doubling
+from adasum import AdasumMismatchError
+from adasum.context import context_for
+from adasum.doubling import native_enabled
 from adasum.reference import reference_allreduce
 from helpers import (EPS, KIND_DTYPES, KINDS, all_ranks_data, as_f64, assert_identical_across_ranks, kind_context,
                      make, rel_l2)
@@ -271,17 +273,16 @@ def test_inplace_on_views_of_one_buffer_needs_no_copy(comm, kind):
 
 
 @pytest.fixture(params=["packed", "direct", "split"])
-def chunk_bytes(request, monkeypatch):
-    """How halving treats separate tensors, by call size (adasum.allreduce.DIRECT_MIN_BYTES and
-    SPLIT_MIN_BYTES): "packed" as small calls (packed, written back), "direct" as mid-size ones (read and
+def chunk_bytes(request):
+    """How halving treats separate tensors, by call size (the settings direct_min_bytes and
+    split_min_bytes): "packed" as small calls (packed, written back), "direct" as mid-size ones (read and
     combined where they lie, what is sent packed first), "split" as large ones (one message per layer
-    piece of at least CHUNK_BYTES, here 64, and per run of smaller pieces)."""
-    if request.param in ("direct", "split"):
-        monkeypatch.setattr(adasum.allreduce, "DIRECT_MIN_BYTES", 0)
-    if request.param == "split":
-        monkeypatch.setattr(adasum.allreduce, "SPLIT_MIN_BYTES", 0)
-        monkeypatch.setattr(adasum.vhdd, "CHUNK_BYTES", 64)
-    return request.param
+    piece of at least chunk_bytes, here 64, and per run of smaller pieces)."""
+    changes = {"packed": {}, "direct": {"direct_min_bytes": 0},
+               "split": {"direct_min_bytes": 0, "split_min_bytes": 0, "chunk_bytes": 64}}[request.param]
+    old = adasum.configure(**changes)
+    yield request.param
+    adasum.configure(old)
 
 
 def test_unpacked_inputs_give_the_bits_of_the_packed_path(comm, algorithm, chunk_bytes):
@@ -375,40 +376,25 @@ def test_torch_views_of_one_tensor_are_marked_modified(comm, algorithm, op):
             assert all(t._version > v for t, v in zip(views, versions)), f"rank {rank}: {versions}"
 
 
-def test_torch_cpu_tensors_travel_as_numpy_arrays_do(comm, algorithm, chunk_bytes, monkeypatch):
-    """Torch CPU tensors make the transport calls numpy arrays make, with the same messages: an exchange
-    of several messages posts them all at once for both kinds (taking them one after another costs a
-    hand-shake each), in place and out of place. The results are bitwise those of numpy."""
-    from adasum.transport import Transport
-
-    steps: list = []
-
-    def spy(name):
-        orig = getattr(Transport, name)
-
-        def call(self, *args, **kwargs):
-            if name == "_post_all":
-                steps.append((name, len(args[0]), len(args[2])))
-            else:
-                steps.append((name,))
-            return orig(self, *args, **kwargs)
-        return call
-
-    for name in ("_post_all", "sendrecv", "send", "recv"):
-        monkeypatch.setattr(Transport, name, spy(name))
+def test_torch_cpu_tensors_travel_as_numpy_arrays_do(comm, algorithm, chunk_bytes):
+    """Torch CPU tensors make the messages numpy arrays make (the same count and bytes), in place and out of
+    place, and the results are bitwise those of numpy."""
     rank = comm.Get_rank()
     rng = np.random.default_rng([16, rank])
     layers = [rng.standard_normal(n).astype(np.float32) for n in (3000, 1, 0, 700, 5000, 64)]
     runs = {}
     for kind in ("numpy", "torch"):
         wrap = (lambda x: torch.from_numpy(x.copy())) if kind == "torch" else (lambda x: x.copy())
-        steps.clear()
         inplace = [wrap(x) for x in layers]
-        adasum.adasum_allreduce_inplace(inplace, comm=comm)
-        out = adasum.adasum_allreduce([wrap(x) for x in layers], comm=comm)
-        runs[kind] = (list(steps), [np.asarray(t).tobytes() for t in inplace + list(out)])
+        with adasum.count_traffic(comm) as t1:
+            adasum.adasum_allreduce_inplace(inplace, comm=comm)
+        with adasum.count_traffic(comm) as t2:
+            out = adasum.adasum_allreduce([wrap(x) for x in layers], comm=comm)
+        runs[kind] = ((t1, t2), [np.asarray(t).tobytes() for t in inplace + list(out)])
     assert runs["torch"][0] == runs["numpy"][0], f"rank {rank}: torch {runs['torch'][0]} numpy {runs['numpy'][0]}"
     assert runs["torch"][1] == runs["numpy"][1], f"rank {rank}: torch results differ from numpy's"
+    if comm.Get_size() > 1:
+        assert runs["numpy"][0][0].messages > 0
 
 
 def _mixed_layers(rank: int, dtype: str):
@@ -423,13 +409,14 @@ def test_compiled_small_call_gives_the_bits_of_the_python_one(comm, algorithm, d
     step by step in Python: the same bits, in place on separate arrays, on views of one buffer, on torch
     CPU tensors and out of place."""
     if platform.system() == "Linux" and platform.machine() in ("x86_64", "aarch64"):
-        assert doubling.native_enabled(), "the compiled small call did not bind to MPI here"
+        assert adasum.current_settings().native_mpi and native_enabled(), \
+            "the compiled small call did not bind to MPI here"
     rank = comm.Get_rank()
     layers = _mixed_layers(rank, dtype)
     results = {}
     try:
         for native in (False, True):
-            doubling.set_native(native)
+            adasum.configure(native_mpi=native)
             separate = [x.copy() for x in layers]
             adasum.adasum_allreduce_inplace(separate, comm=comm)
             views = np.split(np.concatenate(layers), np.cumsum([len(x) for x in layers])[:-1])
@@ -440,7 +427,7 @@ def test_compiled_small_call_gives_the_bits_of_the_python_one(comm, algorithm, d
             results[native] = [np.concatenate(r).tobytes() for r in
                                (separate, views, [t.numpy() for t in tensors], [np.asarray(o) for o in out])]
     finally:
-        doubling.set_native(True)
+        adasum.configure(native_mpi=True)
     assert results[True] == results[False]
     assert len(set(results[True])) == 1  # every way of passing the tensors gives the same bits
 
@@ -495,11 +482,11 @@ def test_small_calls_on_torch_tensors_follow_their_memory(comm, algorithm):
         adasum.adasum_allreduce_inplace(tensors, comm=comm)
         assert [t.numpy().tobytes() for t in tensors] == expected
     # freed tensors leave nothing behind: no kept view holds their memory
-    kept = adasum.arrays.adapter_for(tensors[0])._views
-    assert kept, "the views of the live tensors are kept"
+    torch_adapter = context_for(comm).adapters.of("torch")
+    assert torch_adapter.kept_view_lists(), "the views of the live tensors are kept"
     del tensors, old
     gc.collect()
-    assert not kept, f"rank {rank}: views of freed tensors are still kept"
+    assert not torch_adapter.kept_view_lists(), f"rank {rank}: views of freed tensors are still kept"
 
 
 def test_ranks_may_mix_compiled_and_python_small_calls(comm, algorithm):
@@ -510,7 +497,7 @@ def test_ranks_may_mix_compiled_and_python_small_calls(comm, algorithm):
     want = [x.copy() for x in layers]
     adasum.adasum_allreduce_inplace(want, comm=comm)
     try:
-        doubling.set_native(rank % 2 == 0)
+        adasum.configure(native_mpi=rank % 2 == 0)
         mine = [x.copy() for x in layers]
         adasum.adasum_allreduce_inplace(mine, comm=comm)
         assert np.concatenate(mine).tobytes() == np.concatenate(want).tobytes()
@@ -522,7 +509,7 @@ def test_ranks_may_mix_compiled_and_python_small_calls(comm, algorithm):
                 adasum.adasum_allreduce_inplace(bad, comm=comm)
             assert np.concatenate(bad[:4]).tobytes() == np.concatenate(layers[:4]).tobytes()  # nothing written
     finally:
-        doubling.set_native(True)
+        adasum.configure(native_mpi=True)
     again = [x.copy() for x in layers]
     adasum.adasum_allreduce_inplace(again, comm=comm)  # the communicator still works
     assert np.concatenate(again).tobytes() == np.concatenate(want).tobytes()

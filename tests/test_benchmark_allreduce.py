@@ -40,3 +40,45 @@ def test_huge_page_arrays_stay_valid_after_their_builder_returns():
     b = bench._array(values[::-1].copy(), "huge")  # a second mapping must not disturb the first
     assert a.ctypes.data % bench.HUGE_PAGE == 0 and np.array_equal(a, values)
     assert np.array_equal(b, values[::-1])
+
+
+def _sweep():
+    spec = importlib.util.spec_from_file_location("benchmark_sweep", os.path.join(os.path.dirname(_PATH), "sweep.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plots_label_sizes_in_kib_and_mib_and_give_each_op_its_colour(tmp_path):
+    sweep = _sweep()
+    assert [sweep.human_bytes(n) for n in (512, 4096, 65536, 1 << 20, 16 << 20, 3 << 29)] == \
+        ["512 B", "4 KiB", "64 KiB", "1 MiB", "16 MiB", "1.5 GiB"]
+    ops = {"raw": 1.0, "adasum": 1.5, "sum": 2.0}
+    results = [{"bytes": n, "world_size": 2, "results": {
+        op: {"median_s": ratio * n * 1e-9, "ratio_to_raw": ratio, "algbw_GBps": 1.0, "busbw_GBps": 1.0,
+             "sent_bytes_max_rank": n} for op, ratio in ops.items()}, "repeats": 3} for n in (4096, 1 << 20)]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drawn = {}
+    real_savefig = plt.Figure.savefig
+
+    def keep(fig, path, **kw):
+        ax = fig.axes[0]
+        drawn[os.path.basename(str(path))] = ({ln.get_label(): ln.get_color() for ln in ax.get_lines()
+                                               if not ln.get_label().startswith("_")},
+                                              [t.get_text() for t in ax.get_xticklabels()])
+        return real_savefig(fig, path, **kw)
+
+    plt.Figure.savefig = keep
+    try:
+        sweep.plot(sweep.rows([{"results": results}]), tmp_path, "test")
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["busbw.png", "ratio.png", "time.png"]
+    colours, ticks = drawn["time.png"]
+    assert set(colours) == {"raw, P=2", "adasum, P=2", "sum, P=2"}
+    assert len(set(colours.values())) == 3, f"ops share a colour: {colours}"
+    assert ticks == ["4 KiB", "1 MiB"]

@@ -1,4 +1,4 @@
-"""The pairwise rule (SPEC §1) and its size weights (SPEC §3), serially."""
+"""The pairwise rule and its size weights, serially."""
 
 import itertools
 

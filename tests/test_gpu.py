@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import adasum
-from adasum import transport
 from adasum.reference import reference_allreduce
 from helpers import CUDA, CUPY_IS_REAL, as_f64, assert_identical_across_ranks, cupy, gpu_transport, make, rel_l2
 from test_optimizer import _amp_run
@@ -73,18 +72,19 @@ def test_cpu_array_among_device_arrays_is_rejected(comm):
         adasum.adasum_allreduce([make(np.ones(3), "cupy", "float32"), np.ones(3, np.float32)])
 
 
-def test_transport_mode_validation_and_env_override(monkeypatch):
+def test_transport_mode_validation_and_cuda_aware_override():
     with pytest.raises(ValueError, match="gpu transport must be one of"):
         adasum.set_gpu_transport("nvlink")
-    monkeypatch.setattr(transport, "_cuda_aware", None)
-    monkeypatch.setenv("ADASUM_CUDA_AWARE", "1")
-    assert adasum.cuda_aware_mpi() is True
-    monkeypatch.setattr(transport, "_cuda_aware", None)
-    monkeypatch.setenv("ADASUM_CUDA_AWARE", "0")
-    assert adasum.cuda_aware_mpi() is False
-    monkeypatch.setattr(transport, "_cuda_aware", None)
-    monkeypatch.delenv("ADASUM_CUDA_AWARE")
-    assert isinstance(adasum.cuda_aware_mpi(), bool)  # asks the MPI library itself
+    assert adasum.get_gpu_transport() in ("auto", "direct", "staged")
+    old = adasum.configure(cuda_aware=True)
+    try:
+        assert adasum.cuda_aware_mpi() is True
+        adasum.configure(cuda_aware=False)
+        assert adasum.cuda_aware_mpi() is False
+        adasum.configure(cuda_aware=None)
+        assert isinstance(adasum.cuda_aware_mpi(), bool)  # asks the MPI library itself
+    finally:
+        adasum.configure(old)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -15,11 +15,11 @@ import pytest
 from mpi4py import MPI
 
 import adasum
-from adasum.arrays import adapter_for
-from adasum.fusion import Group
-from adasum.hierarchical import _slice_bounds, _slice_group, hierarchical_reduce, node_layout
+from adasum.arrays import NumpyAdapter
+from adasum.context import context_for
+from adasum.fusion import Group, Operand
+from adasum.hierarchical import _slice_bounds, _slice_group, hierarchical_reduce
 from adasum.reference import reference_allreduce, reference_hierarchical
-from adasum.transport import library_comm
 
 from helpers import (EPS, KIND_DTYPES, as_f64, assert_identical_across_ranks, cupy, gpu_transport, kind_context,
                      make, rel_l2)
@@ -72,9 +72,10 @@ def check(comm, got, want, dtypes) -> None:
 
 def test_slices_cover_every_layer_exactly_once():
     shapes = [(5,), (0,), (1,), (40,), (3,)]
-    a = adapter_for(np.zeros(1))
+    a = NumpyAdapter()
     bounds = np.concatenate([[0], np.cumsum([int(np.prod(s)) for s in shapes])])
-    g = Group(a, "cpu", "float64", list(range(len(shapes))), shapes, bounds, np.arange(bounds[-1], dtype=float))
+    g = Operand(Group(a, "cpu", "float64", list(range(len(shapes))), shapes, bounds),
+                np.arange(bounds[-1], dtype=float))
     for m in (1, 2, 3, 4, 7, 60):
         edges = _slice_bounds(g.size, m)
         parts = [_slice_group(g, lo, hi) for lo, hi in zip(edges[:-1], edges[1:])]
@@ -95,13 +96,14 @@ def test_single_process_returns_input_unchanged():
 
 @pytest.mark.mpi
 def test_layout_is_the_shared_memory_split(comm):
-    layout = node_layout(library_comm(comm))
+    layout = context_for(comm).node_layout()
     nodes = world_nodes(comm)
     assert layout.nodes == nodes
     assert comm.Get_rank() in layout.nodes[layout.node]
     assert layout.slices == min(len(n) for n in nodes)
     assert layout.counts == [len(n) for n in nodes]
-    assert node_layout(library_comm(comm)) is layout  # cached, not rebuilt
+    assert context_for(comm).node_layout() is layout  # kept, not rebuilt
+    assert (adasum.local_rank(comm), adasum.local_size(comm)) == (layout.local_rank, len(layout.nodes[layout.node]))
     want = expected_nodes()
     if want is not None:
         assert nodes == want, f"this launch should make nodes {want}, Split_type(COMM_TYPE_SHARED) gives {nodes}"
@@ -173,7 +175,7 @@ def test_orthogonal_nodes_give_the_sum_of_node_means(comm):
 @pytest.mark.mpi
 def test_one_rank_per_node_is_plain_adasum(comm):
     """On a communicator with one rank per node (each node's lowest rank) the hierarchical mode is the
-    plain Adasum of SPEC §3 by recursive halving, bitwise."""
+    plain Adasum tree by recursive halving, bitwise."""
     lowest = [min(ranks) for ranks in world_nodes(comm)]
     leaders = comm.Split(0 if comm.Get_rank() in lowest else MPI.UNDEFINED, comm.Get_rank())
     if leaders == MPI.COMM_NULL:
@@ -252,9 +254,10 @@ def test_hierarchical_needs_op_adasum(comm):
 @pytest.mark.mpi
 def test_direct_call_skips_empty_groups(comm):
     """hierarchical_reduce on groups of which some are empty leaves those alone and reduces the rest."""
-    a = adapter_for(np.zeros(1))
-    empty = Group(a, "cpu", "float64", [0], [(0,)], np.array([0, 0]), np.zeros(0))
-    full = Group(a, "cpu", "float64", [1], [(4,)], np.array([0, 4]), np.full(4, comm.Get_rank() + 1.0))
-    hierarchical_reduce(library_comm(comm), [empty, full])
+    ctx = context_for(comm)
+    a = ctx.adapters.numpy
+    empty = Operand(Group(a, "cpu", "float64", [0], [(0,)], np.array([0, 0])), np.zeros(0))
+    full = Operand(Group(a, "cpu", "float64", [1], [(4,)], np.array([0, 4])), np.full(4, comm.Get_rank() + 1.0))
+    hierarchical_reduce(ctx, [empty, full])
     np.testing.assert_allclose(full.buffer, np.full(4, (comm.Get_size() + 1) / 2), rtol=1e-14)
 

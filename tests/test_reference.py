@@ -1,4 +1,4 @@
-"""The serial tree of SPEC §3 at every rank count."""
+"""The serial tree at every rank count."""
 
 import numpy as np
 import pytest

@@ -9,7 +9,10 @@ import sys
 import pytest
 
 import adasum
-from adasum.allreduce import small_message_limit
+
+
+def small_message_limit(size: int) -> int:
+    return adasum.current_settings().small_message_limit(size)
 
 
 @pytest.fixture
@@ -43,3 +46,11 @@ def test_environment_sets_it_at_import(text, want):
     env = dict(os.environ, ADASUM_SMALL_MESSAGE_BYTES=text)
     out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
     assert out.stdout.strip() == str(want)
+
+
+@pytest.mark.parametrize("text,want", [("1", True), ("0", False)])
+def test_cuda_aware_environment_is_read_at_import(text, want):
+    code = "import adasum; print(adasum.cuda_aware_mpi(), adasum.current_settings().cuda_aware)"
+    env = dict(os.environ, ADASUM_CUDA_AWARE=text)
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
+    assert out.stdout.split() == [str(want), str(want)]

@@ -11,7 +11,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
+
+from adasum.torch import read_checkpoint
 
 from helpers import raw_bytes
 
@@ -30,7 +31,7 @@ def _train_module():
 
 
 def _model_bytes(path) -> list[bytes]:
-    state = torch.load(path, weights_only=True)["model"]
+    state = read_checkpoint(path)["model"]
     return [raw_bytes(t.reshape(-1)) for t in state.values()]
 
 
@@ -56,7 +57,7 @@ def test_example_resumes_bitwise_from_a_mid_window_checkpoint(tmp_path, op):
     want = train.main(common + ["--checkpoint", str(straight)])
     # Epoch 1 has windows of 3, 3, 3 and 1 micro-batches; stopping after 12 leaves 2 in a window.
     assert train.main(common + ["--checkpoint", str(resumed), "--stop-after", "12"]) is None
-    extra = torch.load(resumed, weights_only=True)["extra"]
+    extra = read_checkpoint(resumed)["extra"]
     assert (extra["epoch"], extra["micro"]) == (1, 2)
     got = train.main(common + ["--checkpoint", str(resumed)])
     assert _model_bytes(resumed) == _model_bytes(straight)

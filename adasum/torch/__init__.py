@@ -4,7 +4,7 @@ root rank, and checkpoints that resume bitwise."""
 
 from .accumulate import AccumulationWindow, BoundaryScheduler
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 from .optimizer import DistributedOptimizer
 
 __all__ = [
@@ -15,4 +15,5 @@ __all__ = [
     "broadcast_optimizer_state",
     "save_checkpoint",
     "load_checkpoint",
+    "read_checkpoint",
 ]

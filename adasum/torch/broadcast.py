@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from mpi4py import MPI
 
-from ..transport import library_comm
+from ..context import library_comm
 from .optimizer import DistributedOptimizer
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state"]

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..transport import _record
+from ..context import context_for
 
 __all__ = ["WIRE_DTYPES", "wire_dtype", "reduce_16bit"]
 
@@ -34,8 +34,12 @@ def reduce_16bit(tensors: list[torch.Tensor], dtype: torch.dtype, comm: MPI.Intr
     """Sum (or mean) of ``tensors`` over ``comm``, in place, travelling as ``dtype``; identical on every rank.
 
     ``tensors`` may be of any float dtype and device; the result is the float32 sum of the 16-bit values
-    every rank sent, rounded once to ``dtype`` and stored back in each tensor's own dtype.
+    every rank sent, rounded once to ``dtype`` and stored back in each tensor's own dtype. The messages go
+    over the library's duplicate of ``comm`` and count in ``adasum.count_traffic(comm)`` as
+    ``allreduce_bytes`` (the 16-bit buffer each rank contributes).
     """
+    ctx = context_for(comm)
+    comm = ctx.lcomm
     size = comm.Get_size()
     flat = torch.cat([t.detach().reshape(-1).to("cpu", dtype) for t in tensors]) if tensors else \
         torch.empty(0, dtype=dtype)
@@ -44,7 +48,7 @@ def reduce_16bit(tensors: list[torch.Tensor], dtype: torch.dtype, comm: MPI.Intr
     send = torch.zeros(chunk * size, dtype=dtype)
     send[:n] = flat
     recv = torch.empty_like(send)
-    _record("allreduce_bytes", n * 2)
+    ctx.record("allreduce_bytes", n * 2)
     if chunk:
         comm.Alltoall(_raw(send), _raw(recv))
     parts = recv.view(size, chunk)

@@ -1,5 +1,5 @@
 """``DistributedOptimizer``: any torch optimizer, data-parallel over MPI with Adasum on weight deltas
-(SPEC §7), or with a plain sum/mean of the gradients, with local micro-batch accumulation.
+(docs/design.md), or with a plain sum/mean of the gradients, with local micro-batch accumulation.
 
 Adasum combines what each rank's optimizer *would do*: at a boundary every rank takes its own local step,
 the per-parameter deltas (new - start) are combined with Adasum, one layer per parameter tensor, and every
@@ -20,7 +20,8 @@ import torch
 from mpi4py import MPI
 
 from ..allreduce import Op, adasum_allreduce_inplace
-from ..transport import library_comm
+from ..context import library_comm
+from ..launch import check_launch
 from .accumulate import AccumulationWindow
 from .compress import reduce_16bit, wire_dtype
 from .overlap import BucketPlan, CommThread
@@ -123,6 +124,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(comm, MPI.Intracomm):
             raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
+        check_launch()  # a job whose processes MPI does not see raises here
         if start_copy not in ("device", "host"):
             raise ValueError(f"start_copy must be 'device' or 'host', got {start_copy!r}")
         if hierarchical and self.op != "adasum":
@@ -154,7 +156,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._check_agreement()
         # Overlap state: the thread's own duplicate of comm, the thread, the hooks, the bucket plan (None
         # until a boundary has been observed), this backward's progress, and why overlap is off for good.
-        self._ocomm: MPI.Intracomm | None = None
+        self._ocomm: MPI.Intracomm | None = None  # public as overlap_comm
         self._thread: CommThread | None = None
         self._hooks: list = []
         self._hooked: list[int] = []
@@ -194,6 +196,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
         if self.overlap:
             self._install_hooks()
+
+    @property
+    def overlap_comm(self) -> MPI.Intracomm | None:
+        """The communicator the overlap thread reduces on (a duplicate of ``comm``; None without overlap):
+        ``adasum.count_traffic(opt.overlap_comm)`` counts what the overlapped buckets send."""
+        return self._ocomm if self.overlap else None
 
     def close(self) -> None:
         """Stop the overlap thread, remove the hooks and free the thread's communicator (done on garbage
@@ -407,7 +415,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._wire is None:
             adasum_allreduce_inplace(tensors + [have], op=self.op, comm=comm)
         else:
-            reduce_16bit(tensors + [have], self._wire, library_comm(comm), self.op == "mean")
+            reduce_16bit(tensors + [have], self._wire, comm, self.op == "mean")
         out = []
         if missing:
             somewhere = (have > 0).tolist()
@@ -730,6 +738,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if grads is not None and len(grads) != len(params):
             raise ValueError(f"the state holds accumulated gradients for {len(grads)} parameters, the optimizer "
                              f"has {len(params)}")
+        for i, (p, g) in enumerate(zip(params, grads or [])):
+            if g is not None and tuple(g.shape) != tuple(p.shape):
+                raise ValueError(f"accumulated gradient {i} has shape {tuple(g.shape)}, parameter {i} has "
+                                 f"{tuple(p.shape)}")
         self.optimizer.load_state_dict(state)
         self._window.load_state_dict(own)
         self.boundaries = int(own.get("boundaries", 0))
@@ -737,10 +749,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._scaler_good_steps = int(own.get("scaler_good_steps", 0))
         self.is_boundary = self.step_was_skipped = self._prepared = False
         if grads is not None:
-            for i, (p, g) in enumerate(zip(params, grads)):
-                if g is not None and tuple(g.shape) != tuple(p.shape):
-                    raise ValueError(f"accumulated gradient {i} has shape {tuple(g.shape)}, parameter {i} has "
-                                     f"{tuple(p.shape)}")
+            for p, g in zip(params, grads):
                 p.grad = None if g is None else g.detach().to(device=p.device, dtype=p.dtype, copy=True)
 
     # --- helpers ----------------------------------------------------------------------------------------------
@@ -802,10 +811,7 @@ def _release(thread: CommThread, ocomm: MPI.Intracomm, hooks: list) -> None:
     hooks.clear()
     thread.close()  # when the collector runs this on the thread itself, the thread ends after this job
     if not MPI.Is_finalized():
-        lib = library_comm(ocomm)
-        if lib != ocomm:
-            lib.Free()
-        ocomm.Free()
+        ocomm.Free()  # the library's state on it (and its own duplicate) goes with it
 
 
 def _grads(params: list[torch.Tensor]) -> list[torch.Tensor]:

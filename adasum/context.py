@@ -1,0 +1,312 @@
+"""The library's state, one :class:`Context` per user communicator.
+
+Everything the library keeps between calls on a communicator lives in its context: the library's own
+duplicate of the communicator, the kept plans (layer tables of recent calls), the kept buffers, the
+agreement scratch, the array adapters with their scratch and kept views, the node layout of the hierarchical
+mode and the active traffic counters. A context is made on the first call on a communicator (its duplicate then, collectively),
+hangs on that communicator as an MPI attribute, and is freed when the communicator is freed (the attribute's
+delete callback) or, its buffers and plans, by :func:`release_buffers`.
+
+Calls on different communicators share nothing but the immutable settings, so they may run in different
+threads at the same time. Calls on one communicator must not overlap: the context says so at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+from mpi4py import MPI
+
+from .arrays import Adapters
+
+__all__ = ["Context", "Traffic", "context_for", "count_traffic", "library_comm", "release_buffers"]
+
+# Plans kept per communicator: a training loop reduces a few lists of the same shapes over and over.
+MAX_PLANS = 64
+
+
+@dataclass
+class Traffic:
+    """Bytes and messages this rank handed to MPI while :func:`count_traffic` was active.
+
+    ``sent_bytes`` counts the vector exchanges; ``scalar_bytes`` the per-level dot-product sums and the
+    agreement check; ``allreduce_bytes`` the buffers given to ``MPI_Allreduce`` (sum, mean);
+    ``node_bytes`` the buffers given to the collectives inside a node (hierarchical mode: the
+    reduce-scatter's input and the slice this rank broadcasts).
+    """
+
+    sent_bytes: int = 0
+    messages: int = 0
+    scalar_bytes: int = 0
+    allreduce_bytes: int = 0
+    node_bytes: int = 0
+
+
+class Buffers:
+    """The buffers a context keeps between calls, one per (slot, array kind, device, dtype), each grown to
+    the largest request and shared by all plans: the receive buffer of the schedules (half the largest fused
+    buffer, or all of it for small calls), the fused buffer of in-place calls that need one, the float32
+    buffers of the hierarchical mode's 16-bit sums, and the page-locked host buffers of staged transfers."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple, list] = {}
+
+    def get(self, adapters: Adapters, kind: str, device: str, dtype: str, n: int, slot: str):
+        """``n`` elements of a kept flat buffer of ``kind`` (as ``adapters`` make it), on ``device``."""
+        key = (slot, kind, device, dtype)
+        entry = self._kept.get(key)
+        if entry is None or len(entry[0]) < n:
+            entry = self._kept[key] = [adapters.of(kind).empty(max(n, 1), dtype, device), None]
+        buf = entry[0]
+        return buf if len(buf) == n else buf[:n]
+
+    def host(self, adapters: Adapters, kind: str, dtype: str, n: int, slot: str) -> np.ndarray:
+        """:meth:`get` of a host buffer, as a numpy array (the same memory, for torch CPU buffers)."""
+        key = (slot, kind, "cpu", dtype)
+        entry = self._kept.get(key)
+        if entry is None or len(entry[0]) < n:
+            self.get(adapters, kind, "cpu", dtype, n, slot)
+            entry = self._kept[key]
+        if entry[1] is None:
+            entry[1] = entry[0] if type(entry[0]) is np.ndarray else entry[0].numpy()
+        view = entry[1]
+        return view if len(view) == n else view[:n]
+
+    def staging(self, adapters: Adapters, kind: str, device: str, which: int, nbytes: int) -> np.ndarray:
+        """Host bytes for staged transfers of ``kind``/``device`` buffers (``which``: 0 send, 1 receive),
+        page-locked where the device has such memory."""
+        key = ("staging", kind, device, which)
+        entry = self._kept.get(key)
+        if entry is None or entry[0].nbytes < nbytes:
+            entry = self._kept[key] = [adapters.of(kind).host_bytes_empty(max(nbytes, 1 << 16), device), None]
+        return entry[0][:nbytes]
+
+    def nbytes(self) -> int:
+        """Bytes held now."""
+        return sum(_nbytes(e[0]) for e in self._kept.values())
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+
+def _nbytes(buf) -> int:
+    if hasattr(buf, "element_size"):
+        return int(buf.numel() * buf.element_size())
+    return int(buf.nbytes)
+
+
+class Context:
+    """The library's state on one user communicator (see the module docstring)."""
+
+    def __init__(self, comm: MPI.Intracomm):
+        self.name = _describe(comm)
+        self._comm = comm
+        self._lcomm: MPI.Intracomm | None = comm if comm == MPI.COMM_SELF else None
+        self._dup_lock = threading.Lock()
+        self.size = comm.Get_size()
+        self.rank = comm.Get_rank()
+        self.plans: collections.OrderedDict = collections.OrderedDict()
+        self.buffers = Buffers()
+        self.adapters = Adapters()
+        # the agreement: what this rank sends [0:4], what all saw [4:8], a request left waiting [8]
+        self.agree_scratch = np.zeros(9, dtype=np.int64)
+        self._agree_handles: tuple | None = None
+        self.stall_sends: list = []  # the stall inspector's messages in flight
+        self.broken: str | None = None  # why the library's communicator cannot be used any more
+        self.counters: list[Traffic] = []
+        self.calls = 0  # calls started on this communicator, this rank
+        self.extras = None  # (settings, what the ranks agree on besides the tensors), made from those settings
+        self._nodes = None
+        self._busy = threading.Lock()
+        self._current: str | None = None
+        self._freed = False
+
+    @property
+    def lcomm(self) -> MPI.Intracomm:
+        """The library's duplicate of the user's communicator, made (collectively) on first use: our messages
+        never match a receive the application posted on its own communicator."""
+        lcomm = self._lcomm
+        if lcomm is None:
+            with self._dup_lock:
+                if self._lcomm is None:
+                    from . import stall
+
+                    # Nonblocking, so that the stall inspector can name a rank that does not come.
+                    lcomm, req = self._comm.Idup()
+                    stall.wait(self, req, None, None, via=self._comm)
+                    self._lcomm = lcomm
+                lcomm = self._lcomm
+        return lcomm
+
+    def has_lcomm(self) -> bool:
+        return self._lcomm is not None
+
+    @property
+    def agree_handles(self) -> tuple[int, int, int]:
+        """The handles of the library's communicator, MPI.INT64_T and MPI.MAX, as the compiled kernels
+        take them."""
+        if self._agree_handles is None:
+            from .kernels import handle
+
+            self._agree_handles = (handle(self.lcomm), handle(MPI.INT64_T), handle(MPI.MAX))
+        return self._agree_handles
+
+    # --- calls ---------------------------------------------------------------------------------------------
+    def enter(self, what: str) -> int:
+        """Start a call on this communicator (end it with :meth:`leave`, in a ``finally``): numbers it, and
+        raises RuntimeError at once if another thread has a call in flight here (two calls on one
+        communicator would mix their messages)."""
+        if self.broken is not None:
+            from .stall import AdasumStallError
+
+            raise AdasumStallError(f"{what} on {self.name}: the library can no longer use this communicator, "
+                                   f"an earlier call timed out there ({self.broken})")
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"rank {self.rank}: {what} on {self.name} while another thread's call is in flight there "
+                f"({self._current}); calls on one communicator must not overlap: give each thread its own "
+                "communicator (comm.Dup()) or serialise the calls")
+        self.calls += 1
+        self._current = f"call #{self.calls}, {what}"
+        return self.calls
+
+    def leave(self) -> None:
+        self._current = None
+        self._busy.release()
+
+    # --- kept state ------------------------------------------------------------------------------------------
+    def plan(self, key, make):
+        """The kept plan under ``key``, or ``make()`` kept (the oldest dropped beyond MAX_PLANS)."""
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = make()
+            if len(self.plans) >= MAX_PLANS:
+                self.plans.popitem(last=False)
+            self.plans[key] = plan
+        return plan
+
+    def node_layout(self):
+        """The node layout of the hierarchical mode on this communicator, built (collectively) once."""
+        if self._nodes is None:
+            from .hierarchical import build_node_layout
+
+            self._nodes = build_node_layout(self.lcomm)
+        return self._nodes
+
+    def record(self, field: str, nbytes: int, messages: int = 0) -> None:
+        for t in self.counters:
+            setattr(t, field, getattr(t, field) + nbytes)
+            t.messages += messages
+
+    def kept_bytes(self) -> int:
+        """Bytes of buffers this context holds now."""
+        return self.buffers.nbytes()
+
+    def release(self) -> None:
+        """Drop the kept buffers, plans and adapter scratch (the next call makes them again)."""
+        self.buffers.clear()
+        self.plans.clear()
+        self.adapters.clear()
+
+    def free(self) -> None:
+        """Release everything and free the communicators this context made."""
+        if self._freed:
+            return
+        self._freed = True
+        self.release()
+        if self._nodes is not None:
+            self._nodes.free()
+            self._nodes = None
+        if self._lcomm is not None and self._lcomm != MPI.COMM_SELF and not MPI.Is_finalized():
+            self._lcomm.Free()
+        self._lcomm = None
+
+
+def _describe(comm: MPI.Intracomm) -> str:
+    if comm == MPI.COMM_WORLD:
+        return "MPI.COMM_WORLD"
+    if comm == MPI.COMM_SELF:
+        return "MPI.COMM_SELF"
+    name = comm.Get_name()
+    return f"communicator {name!r}" if name else f"a communicator of {comm.Get_size()} ranks"
+
+
+class _Registry:
+    """The live contexts (for :func:`release_buffers`) and the MPI attribute key they hang on."""
+
+    def __init__(self) -> None:
+        self.keyval: int | None = None
+        self.live: "weakref.WeakSet[Context]" = weakref.WeakSet()
+        self.lock = threading.Lock()
+
+    def key(self) -> int:
+        if self.keyval is None:
+            with self.lock:
+                if self.keyval is None:
+                    self.keyval = MPI.Comm.Create_keyval(delete_fn=_on_free)
+        return self.keyval
+
+
+def _on_free(comm, keyval, ctx) -> int:
+    """The attribute delete callback: the user's communicator is being freed, so is its context."""
+    ctx.free()
+    return MPI.SUCCESS
+
+
+_registry = _Registry()
+
+
+def context_for(comm: MPI.Intracomm | None) -> Context:
+    """The context of ``comm`` (default ``MPI.COMM_WORLD``), made on first use: collective then, since it
+    duplicates the communicator."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if not isinstance(comm, MPI.Intracomm):
+        raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
+    key = _registry.key()
+    ctx = comm.Get_attr(key)
+    if ctx is None:
+        with _registry.lock:  # two threads on one new communicator get one context
+            ctx = comm.Get_attr(key)
+            if ctx is None:
+                ctx = Context(comm)
+                comm.Set_attr(key, ctx)
+                _registry.live.add(ctx)
+    return ctx
+
+
+def library_comm(comm: MPI.Intracomm | None = None) -> MPI.Intracomm:
+    """The library's duplicate of ``comm``: its messages never meet the application's."""
+    return context_for(comm).lcomm
+
+
+def release_buffers(comm: MPI.Intracomm | None = None) -> None:
+    """Free what the library keeps between calls: buffers, plans and scratch, of every communicator (or of
+    ``comm`` only). Nothing is lost: the next call makes what it needs again. Call it from the thread that
+    makes the library's calls (or when no call is in flight)."""
+    targets = [context_for(comm)] if comm is not None else list(_registry.live)
+    for ctx in targets:
+        ctx.release()
+
+
+@contextlib.contextmanager
+def count_traffic(comm: MPI.Intracomm | None = None) -> Iterator[Traffic]:
+    """Count what this rank sends in calls on ``comm`` (default ``MPI.COMM_WORLD``) inside the block::
+
+        with adasum.count_traffic() as t:
+            adasum.adasum_allreduce(grads)
+        print(t.sent_bytes)
+    """
+    ctx = context_for(comm)
+    t = Traffic()
+    ctx.counters.append(t)
+    try:
+        yield t
+    finally:
+        ctx.counters.remove(t)
+

@@ -1,0 +1,213 @@
+"""Every switch of the library, in one place, read from the environment once at import.
+
+The settings are one immutable :class:`Settings` value. :func:`configure` replaces it (every rank must make
+the same change: calls on ranks whose settings differ raise); :func:`current` reads it. A call reads the
+settings once when it starts, so a change made by another thread never takes effect half-way through a call.
+
+Environment variables (read at import, never again):
+
+=============================  ==========================================================================
+``ADASUM_SMALL_MESSAGE_BYTES`` ``small_message_bytes``: ``auto`` (default) or a number of bytes
+``ADASUM_KERNELS``             ``kernels``: ``c`` (default; the compiled kernels where they were built) or
+                               ``numpy``
+``ADASUM_NATIVE_MPI``          ``native_mpi``: ``1`` (default) or ``0``
+``ADASUM_GPU_TRANSPORT``       ``gpu_transport``: ``auto`` (default), ``direct`` or ``staged``
+``ADASUM_CUDA_AWARE``          ``cuda_aware``: ``1`` or ``0`` overrides what MPI reports
+``ADASUM_STALL_WARNING``       ``stall_warning``: seconds (default 60; ``off`` disables)
+``ADASUM_STALL_TIMEOUT``       ``stall_timeout``: seconds (default ``off``)
+=============================  ==========================================================================
+
+The environment of other launchers (torchrun's ``WORLD_SIZE``, Slurm's ``SLURM_NTASKS``, …) is kept as it
+was at import in :func:`launch_environment`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from dataclasses import dataclass
+from typing import Mapping
+
+__all__ = ["Settings", "configure", "current", "get_small_message_bytes", "launch_environment",
+           "set_small_message_bytes"]
+
+_GPU_TRANSPORTS = ("auto", "direct", "staged")
+_KERNELS = ("c", "numpy")
+_FALSE = ("0", "false", "no", "off")
+_TRUE = ("1", "true", "yes", "on")
+# Variables that tell whether (and how) the process was launched as part of a larger job.
+_LAUNCH_PREFIXES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_",
+                    "MASTER_ADDR", "MASTER_PORT", "SLURM_", "PMI_", "PMIX_", "OMPI_", "MPI_LOCALNRANKS",
+                    "HYDRA_", "MPIR_", "PALS_", "PBS_", "LSB_", "JSM_", "OMPI_COMM_WORLD_", "MV2_", "HOROVOD_")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The library's switches. Every rank of a communicator must use the same values.
+
+    Attributes:
+        small_message_bytes: Adasum calls of at most this many bytes (all tensors together) exchange whole
+            vectors by recursive doubling (log2 P message rounds); larger calls use recursive halving (about
+            2·N bytes sent per rank). ``0`` always halves. ``None``: chosen from the world size (3 MiB for 2
+            and 3 ranks, 1 MiB for 4 to 7, 1 MiB / (log2 P - 1) from 8 on).
+        kernels: ``"c"``: float32/float64 host buffers go through the compiled kernels where they were built;
+            ``"numpy"``: always the numpy kernels (same results to rounding; the compiled ones are faster).
+        native_mpi: small calls on host buffers run their MPI calls and kernels in one compiled call, where
+            the MPI library can be bound; off, the same steps run from Python, with the same messages and bits.
+        gpu_transport: how device buffers reach MPI: ``"auto"`` (directly where MPI is CUDA-aware, else
+            staged), ``"direct"`` or ``"staged"`` (copied through page-locked host buffers; applied to host
+            buffers too, where it only adds a copy).
+        cuda_aware: ``None``: ask MPI (``MPIX_Query_cuda_support``); ``True``/``False`` overrides the answer.
+        direct_min_bytes: from this many bytes per call, halving reads separate host tensors where they lie
+            (and an in-place call combines in them) instead of packing them into one buffer.
+        split_min_bytes: from this many bytes per call, halving on separate tensors cuts each exchange into
+            one message per layer piece of at least ``chunk_bytes`` (MPI sends fastest from contiguous memory).
+        chunk_bytes: the smallest layer piece that travels as a message of its own when exchanges are cut.
+        stall_warning: seconds a rank waits for the others at the start of a call before the library logs
+            which ranks have not arrived (``None``: never).
+        stall_timeout: seconds after which every waiting rank raises ``AdasumStallError`` (``None``: never).
+    """
+
+    small_message_bytes: int | None = None
+    kernels: str = "c"
+    native_mpi: bool = True
+    gpu_transport: str = "auto"
+    cuda_aware: bool | None = None
+    direct_min_bytes: int = 2 << 20
+    split_min_bytes: int = 2 << 20
+    chunk_bytes: int = 256 << 10
+    stall_warning: float | None = 60.0
+    stall_timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("direct_min_bytes", "split_min_bytes", "chunk_bytes"):
+            if int(getattr(self, name)) < 0:
+                raise ValueError(f"{name} must be >= 0 bytes, got {getattr(self, name)}")
+        if self.small_message_bytes is not None and int(self.small_message_bytes) < 0:
+            raise ValueError(f"small message threshold must be >= 0 bytes, got {self.small_message_bytes}")
+        if self.kernels not in _KERNELS:
+            raise ValueError(f"kernels backend must be 'c' or 'numpy', got {self.kernels!r}")
+        if self.gpu_transport not in _GPU_TRANSPORTS:
+            raise ValueError(f"gpu transport must be one of {_GPU_TRANSPORTS}, got {self.gpu_transport!r}")
+        for name in ("stall_warning", "stall_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+
+    def small_message_limit(self, size: int) -> int:
+        """The schedule threshold in effect for a communicator of ``size`` ranks."""
+        if self.small_message_bytes is not None:
+            return self.small_message_bytes
+        k = size.bit_length() - 1
+        if k <= 1:
+            return 3 << 20  # one pair after the fold: both schedules send N bytes per rank
+        return (1 << 20) // (k - 1)
+
+    def agreed(self) -> tuple[tuple[str, int], ...]:
+        """The settings that change the messages of an Adasum call: the ranks check them in every call."""
+        return (("small-message bytes", -1 if self.small_message_bytes is None else self.small_message_bytes),
+                ("chunk bytes", self.chunk_bytes))
+
+
+def _seconds(text: str | None, default: float | None) -> float | None:
+    if text is None or text.strip() == "":
+        return default
+    text = text.strip().lower()
+    return None if text in _FALSE or text == "none" else float(text)
+
+
+def _flag(text: str | None) -> bool | None:
+    if text is None or text.strip() == "":
+        return None
+    text = text.strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"expected 1/0, true/false, yes/no or on/off, got {text!r}")
+
+
+def from_environment(env: Mapping[str, str]) -> Settings:
+    """The settings that ``env`` (the process environment at import) asks for."""
+    small = env.get("ADASUM_SMALL_MESSAGE_BYTES", "auto").strip().lower()
+    native = _flag(env.get("ADASUM_NATIVE_MPI"))
+    return Settings(
+        small_message_bytes=None if small in ("", "auto") else int(small),
+        kernels=env.get("ADASUM_KERNELS", "c").strip().lower() or "c",
+        native_mpi=True if native is None else native,
+        gpu_transport=env.get("ADASUM_GPU_TRANSPORT", "auto").strip().lower() or "auto",
+        cuda_aware=_flag(env.get("ADASUM_CUDA_AWARE")),
+        stall_warning=_seconds(env.get("ADASUM_STALL_WARNING"), 60.0),
+        stall_timeout=_seconds(env.get("ADASUM_STALL_TIMEOUT"), None),
+    )
+
+
+class _Holder:
+    """The current settings and the launch environment: the library's only process-wide switches."""
+
+    def __init__(self, env: Mapping[str, str]):
+        self.value = from_environment(env)
+        self.launch = {k: v for k, v in env.items() if k.startswith(_LAUNCH_PREFIXES)}
+        self.launch_verified = False  # the launch check passed (adasum.launch.check_launch)
+        self.lock = threading.Lock()
+
+
+_holder = _Holder(os.environ)
+
+
+def current() -> Settings:
+    """The settings in effect now."""
+    return _holder.value
+
+
+def configure(settings: Settings | None = None, **changes) -> Settings:
+    """Replace the settings (by a whole :class:`Settings`, or by some of its fields) and return the previous
+    ones, so that a caller can put them back: ``old = adasum.configure(chunk_bytes=64); …;
+    adasum.configure(old)``. Raises ValueError (and changes nothing) for an invalid value.
+
+    Every rank must make the same change: an Adasum call on ranks whose schedule settings differ raises
+    ``AdasumMismatchError`` on every rank.
+    """
+    with _holder.lock:
+        old = _holder.value
+        new = settings if settings is not None else old
+        if changes:
+            unknown = set(changes) - {f.name for f in dataclasses.fields(Settings)}
+            if unknown:
+                raise TypeError(f"unknown setting(s) {', '.join(sorted(unknown))}; the settings are "
+                                f"{', '.join(f.name for f in dataclasses.fields(Settings))}")
+            new = dataclasses.replace(new, **changes)
+        _holder.value = new
+        return old
+
+
+def launch_verified() -> bool:
+    """Whether this process's launch was checked and found right (:func:`adasum.launch.check_launch`)."""
+    return _holder.launch_verified
+
+
+def set_launch_verified() -> None:
+    _holder.launch_verified = True
+
+
+def launch_environment() -> dict[str, str]:
+    """The launcher-related environment variables (torchrun, Slurm, MPI process managers) at import."""
+    return dict(_holder.launch)
+
+
+def set_small_message_bytes(nbytes: int | None) -> None:
+    """Adasum calls of at most ``nbytes`` (all tensors together) exchange whole vectors by recursive
+    doubling, in log2(P) message rounds; larger calls use recursive halving, which sends about 2·N bytes
+    per rank instead of log2(P)·N but makes about three times the rounds. ``0`` always uses halving.
+    ``None`` (the default; ``ADASUM_SMALL_MESSAGE_BYTES=auto``) picks the threshold from the world size
+    (:meth:`Settings.small_message_limit`). The setting ``small_message_bytes`` of :func:`configure`.
+
+    Every rank must use the same setting: a call on ranks that differ raises AdasumMismatchError.
+    """
+    configure(small_message_bytes=None if nbytes is None else int(nbytes))
+
+
+def get_small_message_bytes() -> int | None:
+    """The threshold set with :func:`set_small_message_bytes` (None: chosen from the world size)."""
+    return current().small_message_bytes

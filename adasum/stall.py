@@ -1,0 +1,154 @@
+"""The stall inspector: a rank that never arrives becomes a message that names it.
+
+Every call starts with the agreement, one small allreduce on the library's communicator (see
+:mod:`adasum.validate`). It is posted nonblocking and waited for like a blocking allreduce (without the GIL,
+by the compiled kernels where they are bound) for a short patience. A rank still waiting after that tells
+every other rank of the communicator, with one small message, that it is in call #N (its op, number of
+tensors and bytes), and goes on waiting while it collects the others' messages. So the ranks that have
+arrived know of each other, and the ranks nobody heard from are the ones that have not entered call #N:
+
+- after ``stall_warning`` seconds (setting, default 60; ``ADASUM_STALL_WARNING``) the lowest waiting rank
+  logs once, on the ``adasum`` logger, which ranks have not entered the call and what the waiting ranks
+  passed;
+- after ``stall_timeout`` seconds (default off; ``ADASUM_STALL_TIMEOUT``) every waiting rank raises
+  :class:`AdasumStallError` with that text. Under ``python -m mpi4py`` this ends the job. The library's
+  communicator is left with the unfinished agreement, so later calls on that communicator raise the same
+  error at once: a stall timeout is the end of that communicator for the library.
+
+Messages from ranks that waited in an earlier call are received and dropped when they are next looked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from .transport import TAG
+
+__all__ = ["AdasumStallError", "patience", "wait", "drain"]
+
+_log = logging.getLogger("adasum")
+
+# The tag of the "I am waiting in call #N" messages on the library's communicator.
+STALL_TAG = TAG + 2
+# A rank tells the others that it is waiting once it has waited this long (or less, with shorter settings).
+ANNOUNCE_AFTER = 1.0
+_OPS = ("adasum", "sum", "mean")
+_FIELDS = 5  # call number, op, tensors, bytes, rank
+
+
+class AdasumStallError(RuntimeError):
+    """A call waited ``stall_timeout`` seconds for ranks that did not enter it; the text names them."""
+
+
+def patience(s) -> float:
+    """Seconds a call waits for the agreement as a blocking allreduce would, before the inspector looks:
+    0 (for ever) when neither a warning nor a timeout is set."""
+    if s.stall_warning is None and s.stall_timeout is None:
+        return 0.0
+    return min(t for t in (ANNOUNCE_AFTER, s.stall_warning, s.stall_timeout) if t is not None)
+
+
+def _describe(op: str | None, descs) -> tuple[int, int, int]:
+    if op is None:
+        return -2, -1, -1
+    if descs is None:
+        return -1, -1, -1
+    nbytes = sum(math.prod(d.shape) * np.dtype("float32" if d.dtype == "bfloat16" else d.dtype).itemsize
+                 for d in descs)
+    return (_OPS.index(op) if op in _OPS else -1), len(descs), nbytes
+
+
+def _what(fields) -> str:
+    op, n, nbytes = (int(v) for v in fields)
+    if n < 0:
+        return "making the library's duplicate of it" if op == -2 else "inputs it could not describe"
+    return f"op '{_OPS[op] if 0 <= op < len(_OPS) else '?'}', {n} tensor{'s' * (n != 1)}, {nbytes} bytes"
+
+
+def _announce(ctx, comm: MPI.Intracomm, mine: np.ndarray) -> None:
+    ctx.stall_sends = [r for r in ctx.stall_sends if not r.Test()]
+    for other in range(ctx.size):
+        if other != ctx.rank:
+            ctx.stall_sends.append(comm.Isend([mine, MPI.INT64_T], other, STALL_TAG))
+
+
+def _collect(comm: MPI.Intracomm, seq: int, heard: dict) -> None:
+    """Receive every waiting message that has arrived on ``comm``; keep those of call ``seq``."""
+    status = MPI.Status()
+    buf = np.empty(_FIELDS, dtype=np.int64)
+    while comm.Iprobe(MPI.ANY_SOURCE, STALL_TAG, status):
+        comm.Recv([buf, MPI.INT64_T], status.Get_source(), STALL_TAG)
+        if int(buf[0]) == seq:
+            heard[int(buf[4])] = buf[1:4].copy()
+
+
+def drain(ctx) -> None:
+    """Drop waiting messages of earlier calls (a rank that arrived late never looked for them)."""
+    if ctx.has_lcomm():
+        _collect(ctx.lcomm, -1, {})
+
+
+def wait(ctx, req: MPI.Request, op: str | None, descs, waited: float = 0.0,
+         via: MPI.Intracomm | None = None) -> None:
+    """Wait for ``req``, the first collective of the call in flight on ``ctx`` (``op`` and ``descs``: what
+    this rank passed; ``op`` None: the duplicate of a first call), ``waited`` seconds after it was posted,
+    watching for ranks that do not arrive. The inspector's messages go over the library's communicator, or
+    over ``via`` (the user's communicator, while the library's is being made)."""
+    from .settings import current
+
+    s = current()
+    warn, timeout = s.stall_warning, s.stall_timeout
+    if warn is None and timeout is None:
+        req.Wait()
+        return
+    comm = ctx.lcomm if via is None else via
+    first = patience(s)
+    start = time.monotonic() - waited
+    spins = 0
+    while time.monotonic() - start < first:  # as a blocking allreduce waits (mpi4py's own, without kernels)
+        if req.Test():
+            if via is not None:  # drop what an earlier stall left on the user's communicator
+                _collect(via, -1, {})
+            return
+        spins += 1
+        if spins % 64 == 0:
+            time.sleep(0)
+    seq = ctx.calls
+    mine = np.array([seq, *_describe(op, descs), ctx.rank], dtype=np.int64)
+    heard: dict[int, np.ndarray] = {ctx.rank: mine[1:4]}
+    _announce(ctx, comm, mine)
+    reported, delay = False, 1e-4
+    while not req.Test():
+        _collect(comm, seq, heard)
+        elapsed = time.monotonic() - start
+        if warn is not None and not reported and elapsed >= warn + first:
+            reported = True
+            if ctx.rank == min(heard):
+                _log.warning("adasum: %s", _report(ctx, seq, heard, elapsed))
+        if timeout is not None and elapsed >= timeout:
+            text = _report(ctx, seq, heard, elapsed)
+            ctx.broken = text
+            raise AdasumStallError(text)
+        time.sleep(delay)
+        delay = min(2 * delay, 0.01)
+    if via is not None:
+        _collect(via, -1, {})
+
+
+def _report(ctx, seq: int, heard: dict, elapsed: float) -> str:
+    missing = [r for r in range(ctx.size) if r not in heard]
+    mine = heard[ctx.rank]
+    others = [f"rank {r} with {_what(f)}" for r, f in sorted(heard.items())
+              if r != ctx.rank and not np.array_equal(f, mine)]
+    text = (f"rank {ctx.rank}: call #{seq} on {ctx.name} ({_what(mine)}) has waited {elapsed:.1f} s for "
+            f"rank{'s' * (len(missing) != 1)} {', '.join(map(str, missing)) or '(none: all announced)'}, "
+            f"which {'has' if len(missing) == 1 else 'have'} not entered it; "
+            f"waiting in it: rank{'s' * (len(heard) != 1)} {', '.join(map(str, sorted(heard)))}")
+    if others:
+        text += "; of those, " + "; ".join(others)
+    return text

@@ -1,0 +1,88 @@
+"""adasum.rank, size, local_rank and local_size against MPI's own answers.
+
+The node layout is computed here from ``Split_type(COMM_TYPE_SHARED)`` independently of the library. Under a
+plain ``mpiexec -n N`` every rank is on one node, so local_rank equals rank; scripts/run_tests.py also runs
+this file on emulated nodes (hostfiles/emulated-*.txt) and sets ``ADASUM_TEST_NODES`` to the layout that
+launch must produce (e.g. ``"0,2,4;1,3"``), where local_rank differs from rank.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from mpi4py import MPI
+
+import adasum
+
+
+def nodes_of(comm: MPI.Intracomm) -> list[list[int]]:
+    """The ranks of ``comm`` on each node, nodes ordered by their lowest rank."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    lowest = node.allreduce(comm.Get_rank(), op=MPI.MIN)
+    node.Free()
+    firsts = comm.allgather(lowest)
+    return [[r for r, f in enumerate(firsts) if f == first] for first in sorted(set(firsts))]
+
+
+def expected_nodes() -> list[list[int]] | None:
+    text = os.environ.get("ADASUM_TEST_NODES", "").strip()
+    return [[int(r) for r in node.split(",")] for node in text.split(";")] if text else None
+
+
+def check_helpers(comm: MPI.Intracomm, nodes: list[list[int]]) -> None:
+    me = comm.Get_rank()
+    mine = next(n for n in nodes if me in n)
+    got = (adasum.rank(comm), adasum.size(comm), adasum.local_rank(comm), adasum.local_size(comm))
+    want = (me, comm.Get_size(), mine.index(me), len(mine))
+    assert got == want, f"rank {me}: (rank, size, local_rank, local_size) is {got}, want {want} for nodes {nodes}"
+
+
+def test_one_process():
+    assert (adasum.rank(MPI.COMM_SELF), adasum.size(MPI.COMM_SELF)) == (0, 1)
+    assert (adasum.local_rank(MPI.COMM_SELF), adasum.local_size(MPI.COMM_SELF)) == (0, 1)
+
+
+@pytest.mark.mpi
+def test_defaults_are_comm_world(comm):
+    world = MPI.COMM_WORLD
+    assert (adasum.rank(), adasum.size()) == (world.Get_rank(), world.Get_size())
+    assert (adasum.local_rank(), adasum.local_size()) == (adasum.local_rank(world), adasum.local_size(world))
+
+
+@pytest.mark.mpi
+def test_world_matches_the_shared_memory_split(comm):
+    nodes = nodes_of(comm)
+    check_helpers(comm, nodes)
+    check_helpers(comm, nodes)  # the kept layout gives the same answer
+    want = expected_nodes()
+    if want is not None:
+        assert nodes == want, f"this launch should make nodes {want}, Split_type(COMM_TYPE_SHARED) gives {nodes}"
+        # On more than one node some rank's position on its node differs from its rank in the job.
+        if len(want) > 1:
+            differs = comm.allreduce(int(adasum.local_rank(comm) != comm.Get_rank()), op=MPI.SUM)
+            assert differs > 0, f"nodes {want}: local_rank equals rank on every rank"
+    else:
+        # One node: a plain mpiexec on this machine.
+        assert nodes == [list(range(comm.Get_size()))]
+        assert adasum.local_rank(comm) == comm.Get_rank() and adasum.local_size(comm) == comm.Get_size()
+
+
+@pytest.mark.mpi
+def test_sub_communicator_counts_its_own_ranks(comm):
+    """The helpers answer for the communicator passed: here the ranks split by parity, in reverse order."""
+    sub = comm.Split(comm.Get_rank() % 2, key=-comm.Get_rank())
+    try:
+        check_helpers(sub, nodes_of(sub))
+        assert adasum.size(sub) == len(range(comm.Get_rank() % 2, comm.Get_size(), 2))
+    finally:
+        sub.Free()
+
+
+@pytest.mark.mpi
+def test_local_ranks_on_a_node_are_0_to_local_size(comm):
+    """The local ranks of one node are 0, 1, …, local_size - 1, one each, what torch.cuda.set_device needs."""
+    pairs = comm.allgather((adasum.local_rank(comm), adasum.local_size(comm)))
+    for node in nodes_of(comm):
+        assert sorted(pairs[r][0] for r in node) == list(range(len(node)))
+        assert {pairs[r][1] for r in node} == {len(node)}
