@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+
 import pytest
 
 
@@ -11,3 +14,13 @@ def comm():
     from mpi4py import MPI
 
     return MPI.COMM_WORLD
+
+
+@pytest.fixture
+def shared_dir(comm):
+    """A directory every rank sees (made by rank 0, removed after the test)."""
+    path = comm.bcast(tempfile.mkdtemp(prefix="adasum-ckpt-") if comm.Get_rank() == 0 else None, root=0)
+    yield path
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)

@@ -8,8 +8,6 @@ import hashlib
 import logging
 import os
 import re
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
@@ -23,15 +21,6 @@ from adasum.torch.checkpoint import HEADER_BYTES
 from helpers import raw_bytes
 
 HEX = "[0-9a-f]{64}"
-
-
-@pytest.fixture
-def shared_dir(comm):
-    path = comm.bcast(tempfile.mkdtemp(prefix="adasum-ckpt-") if comm.Get_rank() == 0 else None, root=0)
-    yield path
-    comm.Barrier()
-    if comm.Get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def model_of(seed: int, hidden: int = 4) -> torch.nn.Module:

@@ -29,7 +29,7 @@ def broadcast_parameters(params, *, root: int = 0, comm: MPI.Intracomm | None = 
     items = _named_tensors(params)
     desc = [(name, tuple(t.shape), str(t.dtype)) for name, t in items]
     root_desc = comm.bcast(desc if rank == root else None, root=root)
-    _raise_everywhere(comm, _difference(desc, root_desc, rank, root))
+    raise_everywhere(comm, _difference(desc, root_desc, rank, root))
 
     # Each tensor starts at a multiple of 16 bytes so that its slice can be viewed as its own dtype.
     spans, end = [], 0
@@ -60,7 +60,7 @@ def broadcast_optimizer_state(optimizer, *, root: int = 0, comm: MPI.Intracomm |
     """
     comm, rank = _comm_and_rank(comm, root)
     inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
-    state = _to_cpu(inner.state_dict()) if rank == root else None
+    state = to_cpu(inner.state_dict()) if rank == root else None
     state = comm.bcast(state, root=root)
     mine = [len(g["params"]) for g in inner.param_groups]
     theirs = [len(g["params"]) for g in state["param_groups"]]
@@ -68,7 +68,7 @@ def broadcast_optimizer_state(optimizer, *, root: int = 0, comm: MPI.Intracomm |
     if mine != theirs:
         problem = (f"rank {rank}: the optimizer has param groups of sizes {mine}, rank {root} (the root) has "
                    f"{theirs}")
-    _raise_everywhere(comm, problem)
+    raise_everywhere(comm, problem)
     if rank != root:
         inner.load_state_dict(state)
 
@@ -114,7 +114,7 @@ def _difference(mine, theirs, rank: int, root: int) -> str | None:
     return None
 
 
-def _raise_everywhere(comm: MPI.Intracomm, problem: str | None) -> None:
+def raise_everywhere(comm: MPI.Intracomm, problem: str | None) -> None:
     """One small collective; the first rank's problem becomes a ValueError on every rank."""
     problems = comm.allgather(problem)
     first = next((p for p in problems if p is not None), None)
@@ -122,14 +122,14 @@ def _raise_everywhere(comm: MPI.Intracomm, problem: str | None) -> None:
         raise ValueError(f"(raised on rank {comm.Get_rank()}) {first}")
 
 
-def _to_cpu(obj: Any) -> Any:
+def to_cpu(obj: Any) -> Any:
     """A copy of a nested state (dicts, lists, tuples) with every tensor moved to host memory."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu")
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
+        return {k: to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
+        return [to_cpu(v) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_to_cpu(v) for v in obj)
+        return tuple(to_cpu(v) for v in obj)
     return obj

@@ -26,7 +26,7 @@ import torch
 from mpi4py import MPI
 
 from ..context import library_comm
-from .broadcast import _raise_everywhere, _to_cpu
+from .broadcast import raise_everywhere, to_cpu
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint"]
 
@@ -54,17 +54,17 @@ def save_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimize
     optimizer states in host memory while it writes. An error writing the file is raised on every rank.
     """
     comm, rank, size = _setup(comm, root)
-    local = _to_cpu(optimizer.state_dict()) if optimizer is not None else None
+    local = to_cpu(optimizer.state_dict()) if optimizer is not None else None
     states = comm.gather(local, root=root)
     problem = None
     if rank == root:
-        payload = {"format": _FORMAT, "world_size": size, "model": _to_cpu(model.state_dict()),
+        payload = {"format": _FORMAT, "world_size": size, "model": to_cpu(model.state_dict()),
                    "optimizer": states if optimizer is not None else None, "extra": extra}
         try:
             _atomic_save(payload, os.fspath(path))
         except Exception as exc:  # reported to every rank below
             problem = f"rank {rank}: writing checkpoint {os.fspath(path)!r} failed: {exc}"
-    _raise_everywhere(comm, problem)
+    raise_everywhere(comm, problem)
 
 
 def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = None, optimizer=None,
@@ -95,14 +95,14 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
                                  "resume with as many ranks, or load the model alone (optimizer=None)")
         except Exception as exc:
             problem = f"rank {rank}: cannot load checkpoint {os.fspath(path)!r}: {exc}"
-    _raise_everywhere(comm, problem)
+    raise_everywhere(comm, problem)
     header = comm.bcast(None if payload is None else
                         {"model": payload["model"] if model is not None else None, "extra": payload["extra"]},
                         root=root)
     states = comm.scatter(payload["optimizer"] if rank == root and optimizer is not None else None, root=root)
     # Nothing is changed until every rank knows that its part fits.
     problem = None if model is None else _model_misfit(model, header["model"], rank, os.fspath(path))
-    _raise_everywhere(comm, problem)
+    raise_everywhere(comm, problem)
     if optimizer is not None:
         before = optimizer.state_dict()
         grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
@@ -111,7 +111,7 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
         except Exception as exc:
             problem = f"rank {rank}: cannot load checkpoint {os.fspath(path)!r} into the optimizer: {exc}"
         try:
-            _raise_everywhere(comm, problem)
+            raise_everywhere(comm, problem)
         except ValueError:  # failed here or elsewhere: back to how it was
             optimizer.load_state_dict(before)
             for p, g in grads:

@@ -10,7 +10,6 @@ sends 2·(P-1)/P of the 16-bit buffer, half of what a float32 allreduce sends.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from mpi4py import MPI
 

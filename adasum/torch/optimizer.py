@@ -826,19 +826,13 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
         if t.numel():
             by_device.setdefault(t.device, []).append(t)
     for device, ts in by_device.items():
-        flags = _flags.get(device)
-        if flags is None:
-            flags = _flags[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
-        found, one = flags
-        found.zero_()
+        # Made per call (two one-element tensors): the communication thread checks buckets meanwhile.
+        found, one = torch.zeros(1, device=device), torch.ones(1, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(ts, found, one)
         if found.item():
             return False
     return True
 
-
-# Per device: the "found a non-finite value" flag and the factor 1.0 that _all_finite hands to torch.
-_flags: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _host_like(p: torch.Tensor) -> torch.Tensor:
