@@ -18,7 +18,8 @@ from . import settings as _settings
 from . import stall
 from .arrays import array_kind
 from .context import Context, context_for
-from .doubling import SmallCall, adasum_reduce_doubling, native_enabled
+from .doubling import SmallCall, adasum_reduce_doubling
+from .kernels import mpi_bound
 from .fusion import Group, Operand, TensorLayout, layer_spans, make_groups
 from .launch import check_launch
 from .transport import Transport, use_staging
@@ -217,14 +218,13 @@ def _small_adasum(ctx: Context, s: _settings.Settings, items: list, inplace: boo
     same collective, messages and kernels as the general path, so ranks may take either. Returns
     ``(result, plan)``: the result None when the call is not one of those (or some check fails: the general
     path then reports it), with the call's kept plan if it found one."""
-    if s.gpu_transport == "staged" or _kernels is None or s.kernels != "c" or not native_enabled():
+    if s.gpu_transport == "staged" or _kernels is None or s.kernels != "c" or not (s.native_mpi and mpi_bound()):
         return None, None
     try:
         plan = ctx.plans.get(_plan_key(items, "adasum", extras["adasum"]))
     except (AttributeError, TypeError):
         return None, None
-    if plan is None or plan.small is None or plan.small.program is None \
-            or plan.nbytes > s.small_message_limit(ctx.size):
+    if plan is None or plan.small is None or plan.small.program is None or plan.nbytes > extras["small limit"]:
         return None, plan
     call = plan.small
     live = call.live(items)
@@ -238,7 +238,7 @@ def _small_adasum(ctx: Context, s: _settings.Settings, items: list, inplace: boo
         return None, plan  # the general path writes each result back in turn
     out = None if inplace else g.adapter.empty(g.size, g.dtype, g.device)
     dst = host if inplace else out if type(out) is np.ndarray else out.numpy()
-    rc = call(host, dst, plan.signature, plan.descs)
+    rc = call(host, dst, plan.signature, plan.descs, extras["patience"])
     if rc == -1:
         raise explain(ctx.lcomm, "adasum", plan.descs, None, extras["adasum"])
     if rc:
@@ -257,8 +257,11 @@ def _extras(ctx: Context, s: _settings.Settings) -> dict:
     if kept is None or kept[0] is not s:
         agreed = s.agreed()
         adasum = (("hierarchical", False), *agreed)
-        kept = ctx.extras = (s, {"adasum": adasum, "hierarchical": (("hierarchical", True), *agreed),
-                                 "sum": (("hierarchical", False),), "mean": (("hierarchical", False),)})
+        extras = {"adasum": adasum, "hierarchical": (("hierarchical", True), *agreed),
+                  "sum": (("hierarchical", False),), "mean": (("hierarchical", False),),
+                  # and what these settings make of this communicator's calls
+                  "patience": stall.patience(s), "small limit": s.small_message_limit(ctx.size)}
+        kept = ctx.extras = (s, extras)
     return kept[1]
 
 

@@ -57,41 +57,50 @@ class Buffers:
     def __init__(self) -> None:
         self._kept: dict[tuple, list] = {}
 
+    def entry(self, key: tuple) -> list:
+        """The kept ``[buffer, numpy view of it or None]`` of ``key``, ``[None, None]`` until first used. An
+        entry is updated in place when its buffer is replaced or released, so a holder of the entry never
+        keeps an old buffer alive."""
+        entry = self._kept.get(key)
+        if entry is None:
+            entry = self._kept[key] = [None, None]
+        return entry
+
     def get(self, adapters: Adapters, kind: str, device: str, dtype: str, n: int, slot: str):
         """``n`` elements of a kept flat buffer of ``kind`` (as ``adapters`` make it), on ``device``."""
-        key = (slot, kind, device, dtype)
-        entry = self._kept.get(key)
-        if entry is None or len(entry[0]) < n:
-            entry = self._kept[key] = [adapters.of(kind).empty(max(n, 1), dtype, device), None]
+        entry = self.entry((slot, kind, device, dtype))
+        if entry[0] is None or len(entry[0]) < n:
+            entry[1] = None
+            entry[0] = None  # the old buffer goes before the new one is made
+            entry[0] = adapters.of(kind).empty(max(n, 1), dtype, device)
         buf = entry[0]
         return buf if len(buf) == n else buf[:n]
 
     def host(self, adapters: Adapters, kind: str, dtype: str, n: int, slot: str) -> np.ndarray:
         """:meth:`get` of a host buffer, as a numpy array (the same memory, for torch CPU buffers)."""
-        key = (slot, kind, "cpu", dtype)
-        entry = self._kept.get(key)
-        if entry is None or len(entry[0]) < n:
-            self.get(adapters, kind, "cpu", dtype, n, slot)
-            entry = self._kept[key]
-        if entry[1] is None:
-            entry[1] = entry[0] if type(entry[0]) is np.ndarray else entry[0].numpy()
+        entry = self.entry((slot, kind, "cpu", dtype))
         view = entry[1]
+        if view is None or len(view) < n:
+            self.get(adapters, kind, "cpu", dtype, n, slot)
+            view = entry[1] = entry[0] if type(entry[0]) is np.ndarray else entry[0].numpy()
         return view if len(view) == n else view[:n]
 
     def staging(self, adapters: Adapters, kind: str, device: str, which: int, nbytes: int) -> np.ndarray:
         """Host bytes for staged transfers of ``kind``/``device`` buffers (``which``: 0 send, 1 receive),
         page-locked where the device has such memory."""
-        key = ("staging", kind, device, which)
-        entry = self._kept.get(key)
-        if entry is None or entry[0].nbytes < nbytes:
-            entry = self._kept[key] = [adapters.of(kind).host_bytes_empty(max(nbytes, 1 << 16), device), None]
+        entry = self.entry(("staging", kind, device, which))
+        if entry[0] is None or entry[0].nbytes < nbytes:
+            entry[0] = None
+            entry[0] = adapters.of(kind).host_bytes_empty(max(nbytes, 1 << 16), device)
         return entry[0][:nbytes]
 
     def nbytes(self) -> int:
         """Bytes held now."""
-        return sum(_nbytes(e[0]) for e in self._kept.values())
+        return sum(_nbytes(e[0]) for e in self._kept.values() if e[0] is not None)
 
     def clear(self) -> None:
+        for entry in self._kept.values():
+            entry[0] = entry[1] = None
         self._kept.clear()
 
 
@@ -124,7 +133,7 @@ class Context:
         self.extras = None  # (settings, what the ranks agree on besides the tensors), made from those settings
         self._nodes = None
         self._busy = threading.Lock()
-        self._current: str | None = None
+        self._current: tuple | None = None  # (call number, what) of the call in flight
         self._freed = False
 
     @property
@@ -170,10 +179,11 @@ class Context:
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(
                 f"rank {self.rank}: {what} on {self.name} while another thread's call is in flight there "
-                f"({self._current}); calls on one communicator must not overlap: give each thread its own "
+                f"(call #{self._current[0]}, {self._current[1]}); calls on one communicator must not overlap: "
+                "give each thread its own "
                 "communicator (comm.Dup()) or serialise the calls")
         self.calls += 1
-        self._current = f"call #{self.calls}, {what}"
+        self._current = (self.calls, what)
         return self.calls
 
     def leave(self) -> None:
@@ -268,7 +278,9 @@ def context_for(comm: MPI.Intracomm | None) -> Context:
     comm = MPI.COMM_WORLD if comm is None else comm
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
-    key = _registry.key()
+    key = _registry.keyval
+    if key is None:
+        key = _registry.key()
     ctx = comm.Get_attr(key)
     if ctx is None:
         with _registry.lock:  # two threads on one new communicator get one context

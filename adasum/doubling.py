@@ -97,10 +97,24 @@ class SmallCall:
         self.ctx, self.group = ctx, group
         self.layers, self.span_array, self.count = layers, span_array, count
         self.role = tree.role(ctx.size, ctx.rank)
-        self.nbytes = group.size * (4 if group.dtype == "float32" else 8)
+        self.n = group.size
+        self.nbytes = self.n * (4 if group.dtype == "float32" else 8)
         self.program = self._program(ctx.lcomm) if self.nbytes < 1 << 31 else None
         fold, levels = self.role.fold, self.role.levels
         self.messages = 1 if self.role.out_of is not None else len(levels) + (fold is not None)
+        self._keys = [(slot, group.adapter.kind, "cpu", group.dtype) for slot in ("fused", "recv")]
+        self._entries = [ctx.buffers.entry(key) for key in self._keys]
+
+    def _buffers(self) -> tuple:
+        """The context's fused and receive buffers as numpy arrays of the group's size: read from the kept
+        entries (which follow the buffers, so this holds none of its own)."""
+        n = self.n
+        (_, buf), (_, scr) = self._entries
+        if buf is None or scr is None or len(buf) < n or len(scr) < n:
+            ctx, g = self.ctx, self.group
+            buf, scr = (ctx.buffers.host(ctx.adapters, g.adapter.kind, g.dtype, n, key[0]) for key in self._keys)
+            self._entries = [ctx.buffers.entry(key) for key in self._keys]
+        return (buf if len(buf) == n else buf[:n]), (scr if len(scr) == n else scr[:n])
 
     def _program(self, lcomm) -> np.ndarray:
         """The schedule as ``_kernels.small_doubling`` takes it (int64 fields, then 4 per level)."""
@@ -112,16 +126,15 @@ class SmallCall:
         body = [x for level in r.levels for x in (level.partner, level.count_left, level.count_right, int(level.upper))]
         return np.array(head + body, dtype=np.int64)
 
-    def __call__(self, live: list, dst, digest: int, descs) -> int:
+    def __call__(self, live: list, dst, digest: int, descs, patience: float) -> int:
         """The whole call, agreement on ``digest`` included, in one ``_kernels.small_doubling``: 0, -1 if
         the ranks disagree (nothing was sent; every rank must then explain), or MPI's error code. An
-        agreement still waiting after the stall inspector's patience goes on in :func:`adasum.stall.wait`
-        (``descs`` describe the call there), and the call then resumes where it stopped."""
-        ctx, g = self.ctx, self.group
-        buf = ctx.buffers.host(ctx.adapters, g.adapter.kind, g.dtype, g.size, "fused")
-        scr = ctx.buffers.host(ctx.adapters, g.adapter.kind, g.dtype, g.size, "recv")
+        agreement still waiting after ``patience`` seconds (the stall inspector's) goes on in
+        :func:`adasum.stall.wait` (``descs`` describe the call there), and the call then resumes where it
+        stopped."""
+        ctx = self.ctx
+        buf, scr = self._buffers()
         scratch = ctx.agree_scratch
-        patience = stall.patience(_settings.current())
         rc = _kernels.small_doubling(buf, scr, live, dst, self.span_array, self.program, digest, scratch, patience)
         if rc == -2:
             stall.wait(ctx, request(int(scratch[8])), "adasum", descs, waited=patience)
