@@ -16,7 +16,7 @@ pytestmark = pytest.mark.mpi
 
 @pytest.fixture
 def quick_stalls():
-    old = adasum.configure(stall_warning=0.3, stall_timeout=1.5)
+    old = adasum.configure(stall_warning=0.3, stall_timeout=1.0)
     yield
     adasum.configure(old)
 
@@ -54,7 +54,7 @@ def test_a_rank_that_never_calls_is_named_and_the_others_raise(comm, quick_stall
                                  rf"waited \d+\.\d s for rank 0, which has not entered it; waiting in it: "
                                  rf"ranks? {others}$"):
             adasum.adasum_allreduce(_x(rank), comm=dup)
-        assert 1.4 < time.monotonic() - started < 10
+        assert 0.9 < time.monotonic() - started < 10
         dup.Barrier()  # rank 0 gets out
         with pytest.raises(adasum.AdasumStallError, match="an earlier call timed out there"):
             adasum.adasum_allreduce(_x(rank), comm=dup)
@@ -87,7 +87,7 @@ def test_a_late_rank_is_warned_about_and_the_call_completes(comm, caplog):
     try:
         dup = comm.Dup()
         if rank == 0:
-            time.sleep(2.5)
+            time.sleep(1.2)
         with caplog.at_level(logging.WARNING, logger="adasum"):
             out = adasum.adasum_allreduce(_x(rank), comm=dup)
         want = reference_allreduce([_x(r) for r in range(size)])

@@ -1,0 +1,96 @@
+"""Times this checkout's adasum against another version of it, side by side in one MPI job.
+
+Run under MPI, with the other version's checkout (its compiled extension built in place, e.g.
+``git worktree add /tmp/base <commit> && (cd /tmp/base && python setup.py build_ext --inplace)``)::
+
+    mpiexec -n 2 python benchmarks/compare.py --base /tmp/base
+
+The other version's ``adasum`` package is copied under the name ``adasum_base`` (its imports are relative,
+so it runs as it is) and imported next to this checkout's. Every repeat times, between barriers and in an
+order that alternates, ``comm.Allreduce`` on one buffer of the same bytes (``raw``), the base version, the
+base version once more under a second name (the same code twice: what the ratio of two identical
+contenders spreads by is the noise of the measurement), and this checkout: in-place Adasum of a float32
+model of ten layers (sizes in proportion 1, 2, 3, 5, …, 89). A contender's time for a repeat is its
+slowest rank's. The table shows medians over repeats of per-repeat ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's adasum first
+
+import adasum  # noqa: E402
+from allreduce import layer_sizes, parse_size  # noqa: E402
+
+
+def _import_copy(src: Path, name: str, where: str):
+    """The package at ``src`` imported as ``name`` (a copy under ``where``)."""
+    shutil.copytree(src, Path(where) / name)
+    if where not in sys.path:
+        sys.path.insert(0, where)
+    return __import__(name)
+
+
+def _layers(nbytes: int, seed: int, rank: int) -> list[np.ndarray]:
+    rng = np.random.default_rng([seed, rank])
+    return [rng.standard_normal(n).astype(np.float32) for n in layer_sizes(nbytes)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True, help="checkout of the version to compare with (extension built)")
+    ap.add_argument("--sizes", default="64KiB,2MiB,16MiB,64MiB")
+    ap.add_argument("--seconds", type=float, default=6.0, help="about how long to spend per size")
+    args = ap.parse_args()
+    comm = MPI.COMM_WORLD
+    where = tempfile.mkdtemp(prefix="adasum-compare-")  # each rank its own copies
+    src = Path(args.base) / "adasum"
+    base, twin = _import_copy(src, "adasum_base", where), _import_copy(src, "adasum_twin", where)
+    rows = []
+    for text in args.sizes.split(","):
+        nbytes = parse_size(text)
+        data = {k: _layers(nbytes, 1, comm.Get_rank()) for k in ("base", "twin", "new")}
+        raw = np.zeros(sum(x.size for x in data["new"]), np.float32)
+        fns = {"raw": lambda: comm.Allreduce(MPI.IN_PLACE, raw, op=MPI.SUM),
+               "base": lambda: base.adasum_allreduce_inplace(data["base"]),
+               "twin": lambda: twin.adasum_allreduce_inplace(data["twin"]),
+               "new": lambda: adasum.adasum_allreduce_inplace(data["new"])}
+        for f in fns.values():
+            f()
+            f()
+        comm.Barrier()
+        started = time.perf_counter()
+        for f in fns.values():
+            f()
+        each = comm.allreduce(time.perf_counter() - started, op=MPI.MAX)
+        repeats = max(5, min(3000, int(args.seconds / max(each, 1e-6))))
+        times: dict[str, list[float]] = {k: [] for k in fns}
+        for r in range(repeats):
+            for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+                comm.Barrier()
+                t = time.perf_counter()
+                fns[k]()
+                times[k].append(comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
+        t = {k: np.array(v) for k, v in times.items()}
+        rows.append((text, repeats, *(float(np.median(a / b)) for a, b in
+                                      ((t["base"], t["raw"]), (t["new"], t["raw"]), (t["new"], t["base"]),
+                                       (t["twin"], t["base"])))))
+    if comm.Get_rank() == 0:
+        print(f"P = {comm.Get_size()}; medians of per-repeat ratios; base: {args.base}")
+        print(f"{'size':>8} {'repeats':>8} {'base/raw':>9} {'new/raw':>8} {'new/base':>9} {'twin/base':>10}")
+        for text, repeats, a, b, c, d in rows:
+            print(f"{text:>8} {repeats:>8} {a:9.2f} {b:8.2f} {c:9.2f} {d:10.2f}")
+    shutil.rmtree(where, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
