@@ -94,20 +94,10 @@ class Buffers:
             entry[0] = adapters.of(kind).host_bytes_empty(max(nbytes, 1 << 16), device)
         return entry[0][:nbytes]
 
-    def nbytes(self) -> int:
-        """Bytes held now."""
-        return sum(_nbytes(e[0]) for e in self._kept.values() if e[0] is not None)
-
     def clear(self) -> None:
         for entry in self._kept.values():
             entry[0] = entry[1] = None
         self._kept.clear()
-
-
-def _nbytes(buf) -> int:
-    if hasattr(buf, "element_size"):
-        return int(buf.numel() * buf.element_size())
-    return int(buf.nbytes)
 
 
 class Context:
@@ -213,10 +203,6 @@ class Context:
         for t in self.counters:
             setattr(t, field, getattr(t, field) + nbytes)
             t.messages += messages
-
-    def kept_bytes(self) -> int:
-        """Bytes of buffers this context holds now."""
-        return self.buffers.nbytes()
 
     def release(self) -> None:
         """Drop the kept buffers, plans and adapter scratch (the next call makes them again)."""
