@@ -1,6 +1,6 @@
 """Runs the test suite: once serially, then under mpiexec at each world size in --sizes, the core tests
 again on the numpy kernels (--numpy-kernels-sizes), then the hierarchical-mode tests on emulated nodes
-(--hostfile-runs).
+(--hostfile-runs), and last the convergence study's --quick run with a check of its outputs.
 
 Rank 0 of each MPI run prints to the terminal; the other ranks write to logs that are printed, and kept,
 only when their run fails. After each run one line says how it went ("np=3: 512 passed, 0 failed,
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -86,6 +87,8 @@ def main() -> int:
                     help="world sizes at which the core tests run again on the numpy kernels")
     ap.add_argument("--no-serial", action="store_true", help="skip the serial (non-MPI) run")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds allowed for each mpiexec run")
+    ap.add_argument("--no-convergence", action="store_true",
+                    help="skip the convergence study's --quick run (benchmarks/convergence.py on 6 ranks)")
     ap.add_argument("--hostfile-runs", default="all",
                     help="emulated-node runs of the hierarchical tests: 'all', 'none' or names from "
                          f"{', '.join(name for name, _, _ in HOSTFILE_RUNS)} (comma-separated)")
@@ -125,6 +128,15 @@ def main() -> int:
         cmd = [str(VENV_BIN / "mpiexec"), "-launcher", "fork", "-f", str(hostfile), "-n", str(n), *_quiet_ranks(),
                py, "-m", "mpi4py", "-m", "pytest", "-q", "--with-mpi", "-m", "mpi", *HOSTFILE_TESTS, *extra]
         runs.append((f"nodes {name} (np={n})", cmd, logdir, {"ADASUM_TEST_NODES": nodes}))
+    if not args.no_convergence:
+        # The study at toy sizes, end to end on 6 ranks (world sizes 1, 2, 3, 6), then its outputs checked.
+        logdir = tempfile.mkdtemp(prefix="adasum-convergence-")
+        out = os.path.join(logdir, "quick")
+        study = [str(VENV_BIN / "mpiexec"), "-n", "6", *_quiet_ranks(), py, "-m", "mpi4py",
+                 "benchmarks/convergence.py", "--quick", "--out", out]
+        check = [py, "-m", "pytest", "-q", "tests/test_benchmark_convergence.py", "-k", "quick_outputs", *extra]
+        cmd = ["sh", "-c", f"{shlex.join(study)} && {shlex.join(check)}"]
+        runs.append(("convergence --quick (np=6)", cmd, logdir, {"ADASUM_CONVERGENCE_QUICK": out}))
 
     summaries = []
     for number, (name, cmd, logdir, run_vars) in enumerate(runs, 1):
