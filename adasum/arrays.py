@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from . import segmented as _segmented
 from . import settings as _settings
 from .combine import coefficients
 
@@ -372,9 +373,26 @@ class CupyAdapter(_NumpyLike):
         self.xp = xp
         self._pinned_empty = pinned_empty
         self._scratch: dict = {}
+        self._segmented: _segmented.SegmentedKernels | None = None
 
     def clear(self) -> None:
         self._scratch.clear()
+        if self._segmented is not None:
+            self._segmented.clear()
+
+    def _torch_views(self, *operands):
+        """Zero-copy torch views (DLPack) of flat cupy buffers where they take the segmented Triton
+        kernels under the setting ``device_kernels``, else None (the per-layer cupy kernels)."""
+        setting = _settings.current().device_kernels
+        if setting == "per-layer" or not _segmented.wanted(setting, True):  # raises for "triton" without it
+            return None
+        torch = sys.modules["torch"]
+        views = [torch.from_dlpack(x) for x in operands]
+        if not _segmented.wanted(setting, views[0].is_cuda):
+            return None
+        if self._segmented is None:
+            self._segmented = _segmented.SegmentedKernels(torch)
+        return views
 
     def device(self, t) -> str:
         return f"cuda:{t.device.id}"
@@ -402,6 +420,10 @@ class CupyAdapter(_NumpyLike):
         return buf
 
     def partial_dots(self, a, b, pieces):
+        views = self._torch_views(a, b)
+        if views is not None:
+            out = self._segmented.dots(*views, pieces)
+            return extend_range(out, *views, pieces) if a.dtype == self.xp.float64 else out
         xp = self.xp
         out = xp.zeros((len(pieces), 3), dtype=xp.float64)
         native = a.dtype == xp.float64
@@ -421,6 +443,10 @@ class CupyAdapter(_NumpyLike):
         return extend_range(out, a, b, pieces) if native else out
 
     def scaled_add(self, a, b, pieces, ca, cb, dst=None):
+        views = self._torch_views(a, b, a if dst is None else dst)
+        if views is not None:
+            self._segmented.combine(*views, pieces, ca, cb)
+            return
         if dst is not None and dst is not a:
             self.scaled_add(a, b, pieces, ca, cb)
             dst[...] = a
@@ -477,10 +503,25 @@ class TorchAdapter(Adapter):
         self._numpy = host  # computes on the numpy views of CPU tensors
         self._scratch: dict = {}
         self._views: dict = {}
+        self._segmented: _segmented.SegmentedKernels | None = None
 
     def clear(self) -> None:
         self._scratch.clear()
         self._views.clear()
+        if self._segmented is not None:
+            self._segmented.clear()
+
+    def _segmented_for(self, *operands) -> _segmented.SegmentedKernels | None:
+        """The segmented Triton kernels where flat tensor ``operands`` take them under the setting
+        ``device_kernels``, else None (lists of host pieces never do)."""
+        setting = _settings.current().device_kernels
+        if setting == "per-layer" or any(type(x) is list for x in operands):
+            return None
+        if not _segmented.wanted(setting, operands[0].device.type == "cuda"):
+            return None
+        if self._segmented is None:
+            self._segmented = _segmented.SegmentedKernels(self.torch)
+        return self._segmented
 
     def dtype_name(self, t) -> str:
         return str(t.dtype).replace("torch.", "")
@@ -595,6 +636,10 @@ class TorchAdapter(Adapter):
 
     def partial_dots(self, a, b, pieces):
         torch = self.torch
+        fast = self._segmented_for(a, b)
+        if fast is not None:
+            out = fast.dots(a, b, pieces)
+            return extend_range(out, a, b, pieces) if a.dtype == torch.float64 else out
         if self._numpy_path(a):
             # numpy's kernels, on the same memory: they vectorise over many small layers
             return self._numpy.partial_dots(_host(a), _host(b), pieces)
@@ -618,13 +663,17 @@ class TorchAdapter(Adapter):
         return extend_range(out, a, b, pieces) if native else out
 
     def pair(self, left, right, dst, pieces, span_array, count_left, count_right):
-        if self._numpy_path(left):
+        if self._numpy_path(left) and self._segmented_for(left, right, dst) is None:
             self._numpy.pair(_host(left), _host(right), _host(dst), pieces, span_array, count_left, count_right)
             return
         super().pair(left, right, dst, pieces, span_array, count_left, count_right)
 
     def scaled_add(self, a, b, pieces, ca, cb, dst=None):
         torch = self.torch
+        fast = self._segmented_for(a, b, a if dst is None else dst)
+        if fast is not None:
+            fast.combine(a, b, a if dst is None else dst, pieces, ca, cb)
+            return
         if self._numpy_path(a):
             self._numpy.scaled_add(_host(a), _host(b), pieces, ca, cb, None if dst is None else _host(dst))
             return
