@@ -6,14 +6,26 @@ takes the same code paths as cupy on a GPU; with real cupy or CUDA they run on t
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
 
 import adasum
 from adasum.reference import reference_allreduce
-from helpers import CUDA, CUPY_IS_REAL, as_f64, assert_identical_across_ranks, cupy, gpu_transport, make, rel_l2
+from helpers import (CUDA, CUPY_IS_REAL, FLOATS, as_f64, assert_identical_across_ranks, cupy, gpu_transport, make,
+                     rel_l2)
+from test_allreduce import _tolerance
 from test_optimizer import _amp_run
+
+TRITON = importlib.util.find_spec("triton") is not None
+if not CUDA:
+    # the segmented Triton kernels then run on CPU tensors, under triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -54,6 +66,47 @@ def test_staging_reuses_host_buffers_and_synchronises(comm):
         adasum.adasum_allreduce(_layers(comm, comm.Get_rank()))
     assert calls["get"] == before["get"] and calls["set"] == before["set"], "direct mode must not stage"
     assert calls["synchronize"] > before["synchronize"], "the device must be synchronised before MPI reads"
+
+
+@pytest.mark.skipif(not TRITON, reason="needs triton")
+@pytest.mark.parametrize("kind", ["torch-cuda" if CUDA else "torch", "cupy"])
+@pytest.mark.parametrize("schedule", ["doubling", "halving"])
+def test_triton_kernels_match_the_per_layer_kernels(comm, kind, schedule):
+    """The whole call through the segmented Triton kernels (device_kernels="triton"; torch CPU tensors and
+    the cupy stand-in under triton's interpreter where no GPU exists) against the per-layer kernels and the
+    float64 reference, for every dtype of the kind at once."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    shapes = [(1000,), (3,), (0,), (4097,), (17, 2), (20000,)]
+    dtypes = list(itertools.islice(itertools.cycle(FLOATS[kind]), len(shapes)))
+
+    def layers(r):
+        rng = np.random.default_rng([43, r])
+        return [make(rng.standard_normal(s), kind, d) for s, d in zip(shapes, dtypes)]
+
+    data = [[as_f64(t) for t in layers(r)] for r in range(size)]
+    old = adasum.configure(small_message_bytes=0 if schedule == "halving" else 1 << 30)
+    try:
+        adasum.configure(device_kernels="per-layer")
+        per_layer = adasum.adasum_allreduce(layers(rank))
+        adasum.configure(device_kernels="triton")
+        fast = adasum.adasum_allreduce(layers(rank))
+        inplace = layers(rank)
+        adasum.adasum_allreduce_inplace(inplace)
+    finally:
+        adasum.configure(old)
+    assert "adasum._triton" in sys.modules, "the Triton kernels were never loaded"
+    for f, i, p, w, d in zip(fast, inplace, per_layer, reference_allreduce(data), dtypes):
+        assert f.dtype == p.dtype and f.shape == p.shape
+        assert rel_l2(as_f64(f), w) <= _tolerance(d, size)
+        assert rel_l2(as_f64(f), as_f64(p)) <= _tolerance(d, size)
+        np.testing.assert_array_equal(as_f64(i), as_f64(f))
+    assert_identical_across_ranks(comm, fast)
+
+
+def test_device_kernels_setting_is_validated():
+    with pytest.raises(ValueError, match="device kernels must be one of"):
+        adasum.configure(device_kernels="cuda")
+    assert adasum.current_settings().device_kernels in ("auto", "triton", "per-layer")
 
 
 def test_sum_and_mean_on_device_buffers(comm):
