@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from mpi4py import MPI
 
 import adasum
 from adasum.reference import reference_allreduce
@@ -94,13 +95,14 @@ def test_triton_kernels_match_the_per_layer_kernels(comm, kind, schedule):
         adasum.adasum_allreduce_inplace(inplace)
     finally:
         adasum.configure(old)
-    assert "adasum._triton" in sys.modules, "the Triton kernels were never loaded"
+    assert_identical_across_ranks(comm, fast)
+    # a folded-out rank combines nothing: the ranks that combine load the kernels
+    assert comm.allreduce(int("adasum._triton" in sys.modules), op=MPI.MAX), "the Triton kernels never ran"
     for f, i, p, w, d in zip(fast, inplace, per_layer, reference_allreduce(data), dtypes):
         assert f.dtype == p.dtype and f.shape == p.shape
         assert rel_l2(as_f64(f), w) <= _tolerance(d, size)
         assert rel_l2(as_f64(f), as_f64(p)) <= _tolerance(d, size)
         np.testing.assert_array_equal(as_f64(i), as_f64(f))
-    assert_identical_across_ranks(comm, fast)
 
 
 def test_device_kernels_setting_is_validated():
