@@ -23,7 +23,7 @@ from . import segmented as _segmented
 from . import settings as _settings
 from .combine import coefficients
 
-__all__ = ["extend_range", "merge_partials", "partial_width", "Adapter", "Adapters", "NumpyAdapter", "CupyAdapter", "TorchAdapter", "array_kind", "FLOAT_DTYPES",
+__all__ = ["extend_range", "merge_partials", "partial_width", "Adapter", "Adapters", "CopyStream", "NumpyAdapter", "CupyAdapter", "TorchAdapter", "array_kind", "FLOAT_DTYPES",
            "kernels_backend", "set_kernels_backend", "nonempty"]
 
 from .kernels import compiled as _c_kernels  # None where the install could not build them
@@ -186,6 +186,51 @@ class Adapter:
 
     def synchronize(self, device: str) -> None:
         """Wait for queued device work, so that MPI reads finished data."""
+
+    def byte_view(self, buf):
+        """The flat buffer ``buf`` as a flat buffer of its bytes (uint8), of the same kind and device."""
+        return buf.view(np.uint8)
+
+    def copy_stream(self, device: str) -> "CopyStream":
+        """The :class:`CopyStream` of staged transfers on ``device``, made once and kept with the adapter."""
+        key = ("copy stream", device)
+        stream = self._scratch.get(key)
+        if stream is None:
+            stream = self._scratch[key] = self._make_copy_stream(device)
+        return stream
+
+    def _make_copy_stream(self, device: str) -> "CopyStream":
+        return CopyStream(self)
+
+
+class CopyStream:
+    """Copies between device buffers and host bytes for staged transfers, queued on a side stream of the
+    device so that they overlap the messages (:meth:`adasum.transport.Transport` sends a chunk while the
+    next is copied). This base class copies at once, for host buffers; device adapters queue the copies and
+    mark them with events, which it keeps and reuses.
+
+    A transfer is :meth:`begin` (the side stream waits for the work queued so far), copies, and :meth:`end`
+    (the host waits for every copy queued on the side stream)."""
+
+    def __init__(self, adapter: "Adapter"):
+        self.adapter = adapter
+
+    def begin(self) -> None:
+        pass
+
+    def to_host(self, buf, host: np.ndarray):
+        """Queue ``host ← buf`` (bytes); returns a mark for :meth:`wait`."""
+        self.adapter.to_host(buf, host)
+
+    def wait(self, mark) -> None:
+        """Wait on the host until the copy that returned ``mark`` is done."""
+
+    def from_host(self, host: np.ndarray, buf) -> None:
+        """Queue ``buf ← host`` (bytes)."""
+        self.adapter.from_host(host, buf)
+
+    def end(self) -> None:
+        pass
 
 
 # On a device, blocks are larger: each block costs a few kernel launches.
@@ -490,6 +535,60 @@ class CupyAdapter(_NumpyLike):
         with self._on(device):
             self.xp.cuda.get_current_stream().synchronize()
 
+    def _make_copy_stream(self, device):
+        return _CupyCopyStream(self, device)
+
+
+class _EventPool:
+    """Events reused from one transfer to the next: ``take`` hands out the next, making one only when a
+    transfer has more chunks than any before it."""
+
+    def __init__(self, make):
+        self._make = make
+        self._events: list = []
+        self._used = 0
+
+    def reset(self) -> None:
+        self._used = 0
+
+    def take(self):
+        if self._used == len(self._events):
+            self._events.append(self._make())
+        self._used += 1
+        return self._events[self._used - 1]
+
+
+class _CupyCopyStream(CopyStream):
+    def __init__(self, adapter, device):
+        super().__init__(adapter)
+        xp = adapter.xp
+        self._device = device
+        with adapter._on(device):
+            self._stream = xp.cuda.Stream(non_blocking=True)
+        self._events = _EventPool(lambda: xp.cuda.Event())
+
+    def begin(self):
+        self._events.reset()
+        ready = self._events.take()
+        with self.adapter._on(self._device):
+            ready.record(self.adapter.xp.cuda.get_current_stream())
+        self._stream.wait_event(ready)
+
+    def to_host(self, buf, host):
+        buf.get(stream=self._stream, out=host, blocking=False)
+        mark = self._events.take()
+        mark.record(self._stream)
+        return mark
+
+    def wait(self, mark):
+        mark.synchronize()
+
+    def from_host(self, host, buf):
+        buf.set(host, stream=self._stream)
+
+    def end(self):
+        self._stream.synchronize()
+
 
 class TorchAdapter(Adapter):
     """torch tensors on the CPU or a CUDA device; the arithmetic runs in torch on the tensor's device."""
@@ -730,6 +829,45 @@ class TorchAdapter(Adapter):
     def synchronize(self, device):
         if device.startswith("cuda"):
             self.torch.cuda.synchronize(device)
+
+    def byte_view(self, buf):
+        return buf.view(self.torch.uint8)
+
+    def _make_copy_stream(self, device):
+        return _TorchCopyStream(self, device) if device.startswith("cuda") else CopyStream(self)
+
+
+class _TorchCopyStream(CopyStream):
+    def __init__(self, adapter, device):
+        super().__init__(adapter)
+        torch = adapter.torch
+        self._torch = torch
+        self._device = torch.device(device)
+        self._stream = torch.cuda.Stream(device=self._device)
+        self._events = _EventPool(torch.cuda.Event)
+
+    def begin(self):
+        self._events.reset()
+        self._stream.wait_stream(self._torch.cuda.current_stream(self._device))
+
+    def to_host(self, buf, host):
+        torch = self._torch
+        with torch.cuda.stream(self._stream):
+            torch.from_numpy(host).copy_(buf, non_blocking=True)
+            mark = self._events.take()
+            mark.record(self._stream)
+        return mark
+
+    def wait(self, mark):
+        mark.synchronize()
+
+    def from_host(self, host, buf):
+        torch = self._torch
+        with torch.cuda.stream(self._stream):
+            buf.copy_(torch.from_numpy(host), non_blocking=True)
+
+    def end(self):
+        self._stream.synchronize()
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,7 +19,7 @@ from mpi4py import MPI
 import adasum
 from adasum.reference import reference_allreduce
 from helpers import (CUDA, CUPY_IS_REAL, FLOATS, as_f64, assert_identical_across_ranks, cupy, gpu_transport, make,
-                     rel_l2)
+                     raw_bytes, rel_l2)
 from test_allreduce import _tolerance
 from test_optimizer import _amp_run
 
@@ -109,6 +109,40 @@ def test_device_kernels_setting_is_validated():
     with pytest.raises(ValueError, match="device kernels must be one of"):
         adasum.configure(device_kernels="cuda")
     assert adasum.current_settings().device_kernels in ("auto", "triton", "per-layer")
+
+
+@pytest.mark.skipif(CUPY_IS_REAL, reason="counts calls of the stand-in module")
+@pytest.mark.parametrize("small", [None, 0], ids=["doubling", "halving"])
+def test_chunked_staging_is_bitwise_unchunked_staging_and_reuses_its_buffers(comm, small):
+    """Staged exchanges in chunks of chunk_bytes, copied on a side stream, give the bits of one-piece
+    staging; after a first call, later calls make no host buffer, stream or event."""
+    from cupy_standin import calls
+
+    if comm.Get_size() == 1:
+        pytest.skip("a single rank exchanges nothing")
+    rank = comm.Get_rank()
+    adasum.release_buffers()
+    out, copies = {}, {}
+    for chunk in (0, 1000):
+        old = adasum.configure(chunk_bytes=chunk, small_message_bytes=small)
+        try:
+            with gpu_transport("staged"):
+                adasum.adasum_allreduce(_layers(comm, rank))
+                before = dict(calls)
+                for _ in range(2):
+                    out[chunk] = adasum.adasum_allreduce(_layers(comm, rank))
+        finally:
+            adasum.configure(old)
+        for what in ("pinned", "streams", "events"):
+            assert calls[what] == before[what], f"{what} must be made once and reused"
+        copies[chunk] = calls["get"] - before["get"]
+        assert calls["event_synchronize"] - before["event_synchronize"] == copies[chunk], \
+            "each chunk is sent once its own copy to the host is done"
+    if comm.allreduce(int(copies[0] > 0), op=MPI.MIN):  # every rank sent something (no rank folded out)
+        assert copies[1000] > copies[0], "1000-byte chunks must cut the 4 KiB and larger messages"
+    for a, b in zip(out[0], out[1000]):
+        assert raw_bytes(a) == raw_bytes(b)
+    assert_identical_across_ranks(comm, out[1000])
 
 
 def test_sum_and_mean_on_device_buffers(comm):
