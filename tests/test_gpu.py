@@ -212,6 +212,18 @@ def test_optimizer_on_a_cuda_model_follows_the_cpu_run(comm, op, start_copy):
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("op", ["adasum", "mean"])
+def test_overlapped_optimizer_on_a_cuda_model_follows_the_cpu_run(comm, op):
+    """overlap=True: buckets reduced during backward from CUDA gradients, against the same run on the CPU."""
+    gpu, _, _ = _amp_run(comm, op, None, device="cuda", amp=False, overlap=True)
+    cpu, _, _ = _amp_run(comm, op, None, device="cpu", amp=False, overlap=True)
+    assert all(p.is_cuda for p in gpu.parameters())
+    assert_identical_across_ranks(comm, list(gpu.parameters()))
+    for g, c in zip(gpu.parameters(), cpu.parameters()):
+        assert rel_l2(as_f64(g), as_f64(c)) <= 1e-4, "the overlapped CUDA run left the CPU run's trajectory"
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("op", ["adasum", "mean"])
 def test_float16_grad_scaler_on_cuda(comm, op):
     """float16 autocast with a GradScaler on a CUDA model: the scale grows every 2 good windows and backs
     off on every rank alike after an Inf on one rank, whose update is skipped everywhere."""
