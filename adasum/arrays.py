@@ -19,10 +19,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from . import segmented as _segmented
 from . import settings as _settings
 from .combine import coefficients
 
-__all__ = ["extend_range", "merge_partials", "partial_width", "Adapter", "Adapters", "NumpyAdapter", "CupyAdapter", "TorchAdapter", "array_kind", "FLOAT_DTYPES",
+__all__ = ["extend_range", "merge_partials", "partial_width", "Adapter", "Adapters", "CopyStream", "NumpyAdapter", "CupyAdapter", "TorchAdapter", "array_kind", "FLOAT_DTYPES",
            "kernels_backend", "set_kernels_backend", "nonempty"]
 
 from .kernels import compiled as _c_kernels  # None where the install could not build them
@@ -185,6 +186,51 @@ class Adapter:
 
     def synchronize(self, device: str) -> None:
         """Wait for queued device work, so that MPI reads finished data."""
+
+    def byte_view(self, buf):
+        """The flat buffer ``buf`` as a flat buffer of its bytes (uint8), of the same kind and device."""
+        return buf.view(np.uint8)
+
+    def copy_stream(self, device: str) -> "CopyStream":
+        """The :class:`CopyStream` of staged transfers on ``device``, made once and kept with the adapter."""
+        key = ("copy stream", device)
+        stream = self._scratch.get(key)
+        if stream is None:
+            stream = self._scratch[key] = self._make_copy_stream(device)
+        return stream
+
+    def _make_copy_stream(self, device: str) -> "CopyStream":
+        return CopyStream(self)
+
+
+class CopyStream:
+    """Copies between device buffers and host bytes for staged transfers, queued on a side stream of the
+    device so that they overlap the messages (:meth:`adasum.transport.Transport` sends a chunk while the
+    next is copied). This base class copies at once, for host buffers; device adapters queue the copies and
+    mark them with events, which it keeps and reuses.
+
+    A transfer is :meth:`begin` (the side stream waits for the work queued so far), copies, and :meth:`end`
+    (the host waits for every copy queued on the side stream)."""
+
+    def __init__(self, adapter: "Adapter"):
+        self.adapter = adapter
+
+    def begin(self) -> None:
+        pass
+
+    def to_host(self, buf, host: np.ndarray):
+        """Queue ``host ← buf`` (bytes); returns a mark for :meth:`wait`."""
+        self.adapter.to_host(buf, host)
+
+    def wait(self, mark) -> None:
+        """Wait on the host until the copy that returned ``mark`` is done."""
+
+    def from_host(self, host: np.ndarray, buf) -> None:
+        """Queue ``buf ← host`` (bytes)."""
+        self.adapter.from_host(host, buf)
+
+    def end(self) -> None:
+        pass
 
 
 # On a device, blocks are larger: each block costs a few kernel launches.
@@ -372,9 +418,26 @@ class CupyAdapter(_NumpyLike):
         self.xp = xp
         self._pinned_empty = pinned_empty
         self._scratch: dict = {}
+        self._segmented: _segmented.SegmentedKernels | None = None
 
     def clear(self) -> None:
         self._scratch.clear()
+        if self._segmented is not None:
+            self._segmented.clear()
+
+    def _torch_views(self, *operands):
+        """Zero-copy torch views (DLPack) of flat cupy buffers where they take the segmented Triton
+        kernels under the setting ``device_kernels``, else None (the per-layer cupy kernels)."""
+        setting = _settings.current().device_kernels
+        if setting == "per-layer" or not _segmented.wanted(setting, True):  # raises for "triton" without it
+            return None
+        torch = sys.modules["torch"]
+        views = [torch.from_dlpack(x) for x in operands]
+        if not _segmented.wanted(setting, views[0].is_cuda):
+            return None
+        if self._segmented is None:
+            self._segmented = _segmented.SegmentedKernels(torch)
+        return views
 
     def device(self, t) -> str:
         return f"cuda:{t.device.id}"
@@ -402,6 +465,10 @@ class CupyAdapter(_NumpyLike):
         return buf
 
     def partial_dots(self, a, b, pieces):
+        views = self._torch_views(a, b)
+        if views is not None:
+            out = self._segmented.dots(*views, pieces)
+            return extend_range(out, *views, pieces) if a.dtype == self.xp.float64 else out
         xp = self.xp
         out = xp.zeros((len(pieces), 3), dtype=xp.float64)
         native = a.dtype == xp.float64
@@ -421,6 +488,10 @@ class CupyAdapter(_NumpyLike):
         return extend_range(out, a, b, pieces) if native else out
 
     def scaled_add(self, a, b, pieces, ca, cb, dst=None):
+        views = self._torch_views(a, b, a if dst is None else dst)
+        if views is not None:
+            self._segmented.combine(*views, pieces, ca, cb)
+            return
         if dst is not None and dst is not a:
             self.scaled_add(a, b, pieces, ca, cb)
             dst[...] = a
@@ -464,6 +535,60 @@ class CupyAdapter(_NumpyLike):
         with self._on(device):
             self.xp.cuda.get_current_stream().synchronize()
 
+    def _make_copy_stream(self, device):
+        return _CupyCopyStream(self, device)
+
+
+class _EventPool:
+    """Events reused from one transfer to the next: ``take`` hands out the next, making one only when a
+    transfer has more chunks than any before it."""
+
+    def __init__(self, make):
+        self._make = make
+        self._events: list = []
+        self._used = 0
+
+    def reset(self) -> None:
+        self._used = 0
+
+    def take(self):
+        if self._used == len(self._events):
+            self._events.append(self._make())
+        self._used += 1
+        return self._events[self._used - 1]
+
+
+class _CupyCopyStream(CopyStream):
+    def __init__(self, adapter, device):
+        super().__init__(adapter)
+        xp = adapter.xp
+        self._device = device
+        with adapter._on(device):
+            self._stream = xp.cuda.Stream(non_blocking=True)
+        self._events = _EventPool(lambda: xp.cuda.Event())
+
+    def begin(self):
+        self._events.reset()
+        ready = self._events.take()
+        with self.adapter._on(self._device):
+            ready.record(self.adapter.xp.cuda.get_current_stream())
+        self._stream.wait_event(ready)
+
+    def to_host(self, buf, host):
+        buf.get(stream=self._stream, out=host, blocking=False)
+        mark = self._events.take()
+        mark.record(self._stream)
+        return mark
+
+    def wait(self, mark):
+        mark.synchronize()
+
+    def from_host(self, host, buf):
+        buf.set(host, stream=self._stream)
+
+    def end(self):
+        self._stream.synchronize()
+
 
 class TorchAdapter(Adapter):
     """torch tensors on the CPU or a CUDA device; the arithmetic runs in torch on the tensor's device."""
@@ -477,10 +602,25 @@ class TorchAdapter(Adapter):
         self._numpy = host  # computes on the numpy views of CPU tensors
         self._scratch: dict = {}
         self._views: dict = {}
+        self._segmented: _segmented.SegmentedKernels | None = None
 
     def clear(self) -> None:
         self._scratch.clear()
         self._views.clear()
+        if self._segmented is not None:
+            self._segmented.clear()
+
+    def _segmented_for(self, *operands) -> _segmented.SegmentedKernels | None:
+        """The segmented Triton kernels where flat tensor ``operands`` take them under the setting
+        ``device_kernels``, else None (lists of host pieces never do)."""
+        setting = _settings.current().device_kernels
+        if setting == "per-layer" or any(type(x) is list for x in operands):
+            return None
+        if not _segmented.wanted(setting, operands[0].device.type == "cuda"):
+            return None
+        if self._segmented is None:
+            self._segmented = _segmented.SegmentedKernels(self.torch)
+        return self._segmented
 
     def dtype_name(self, t) -> str:
         return str(t.dtype).replace("torch.", "")
@@ -595,6 +735,10 @@ class TorchAdapter(Adapter):
 
     def partial_dots(self, a, b, pieces):
         torch = self.torch
+        fast = self._segmented_for(a, b)
+        if fast is not None:
+            out = fast.dots(a, b, pieces)
+            return extend_range(out, a, b, pieces) if a.dtype == torch.float64 else out
         if self._numpy_path(a):
             # numpy's kernels, on the same memory: they vectorise over many small layers
             return self._numpy.partial_dots(_host(a), _host(b), pieces)
@@ -618,13 +762,17 @@ class TorchAdapter(Adapter):
         return extend_range(out, a, b, pieces) if native else out
 
     def pair(self, left, right, dst, pieces, span_array, count_left, count_right):
-        if self._numpy_path(left):
+        if self._numpy_path(left) and self._segmented_for(left, right, dst) is None:
             self._numpy.pair(_host(left), _host(right), _host(dst), pieces, span_array, count_left, count_right)
             return
         super().pair(left, right, dst, pieces, span_array, count_left, count_right)
 
     def scaled_add(self, a, b, pieces, ca, cb, dst=None):
         torch = self.torch
+        fast = self._segmented_for(a, b, a if dst is None else dst)
+        if fast is not None:
+            fast.combine(a, b, a if dst is None else dst, pieces, ca, cb)
+            return
         if self._numpy_path(a):
             self._numpy.scaled_add(_host(a), _host(b), pieces, ca, cb, None if dst is None else _host(dst))
             return
@@ -681,6 +829,45 @@ class TorchAdapter(Adapter):
     def synchronize(self, device):
         if device.startswith("cuda"):
             self.torch.cuda.synchronize(device)
+
+    def byte_view(self, buf):
+        return buf.view(self.torch.uint8)
+
+    def _make_copy_stream(self, device):
+        return _TorchCopyStream(self, device) if device.startswith("cuda") else CopyStream(self)
+
+
+class _TorchCopyStream(CopyStream):
+    def __init__(self, adapter, device):
+        super().__init__(adapter)
+        torch = adapter.torch
+        self._torch = torch
+        self._device = torch.device(device)
+        self._stream = torch.cuda.Stream(device=self._device)
+        self._events = _EventPool(torch.cuda.Event)
+
+    def begin(self):
+        self._events.reset()
+        self._stream.wait_stream(self._torch.cuda.current_stream(self._device))
+
+    def to_host(self, buf, host):
+        torch = self._torch
+        with torch.cuda.stream(self._stream):
+            torch.from_numpy(host).copy_(buf, non_blocking=True)
+            mark = self._events.take()
+            mark.record(self._stream)
+        return mark
+
+    def wait(self, mark):
+        mark.synchronize()
+
+    def from_host(self, host, buf):
+        torch = self._torch
+        with torch.cuda.stream(self._stream):
+            buf.copy_(torch.from_numpy(host), non_blocking=True)
+
+    def end(self):
+        self._stream.synchronize()
 
 
 @functools.lru_cache(maxsize=None)

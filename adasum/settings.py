@@ -13,6 +13,7 @@ Environment variables (read at import, never again):
 ``ADASUM_NATIVE_MPI``          ``native_mpi``: ``1`` (default) or ``0``
 ``ADASUM_GPU_TRANSPORT``       ``gpu_transport``: ``auto`` (default), ``direct`` or ``staged``
 ``ADASUM_CUDA_AWARE``          ``cuda_aware``: ``1`` or ``0`` overrides what MPI reports
+``ADASUM_DEVICE_KERNELS``      ``device_kernels``: ``auto`` (default), ``triton`` or ``per-layer``
 ``ADASUM_STALL_WARNING``       ``stall_warning``: seconds (default 60; ``off`` disables)
 ``ADASUM_STALL_TIMEOUT``       ``stall_timeout``: seconds (default ``off``)
 =============================  ==========================================================================
@@ -34,6 +35,7 @@ __all__ = ["Settings", "configure", "current", "get_small_message_bytes", "launc
 
 _GPU_TRANSPORTS = ("auto", "direct", "staged")
 _KERNELS = ("c", "numpy")
+_DEVICE_KERNELS = ("auto", "triton", "per-layer")
 _FALSE = ("0", "false", "no", "off")
 _TRUE = ("1", "true", "yes", "on")
 # Variables that tell whether (and how) the process was launched as part of a larger job.
@@ -59,6 +61,12 @@ class Settings:
             staged), ``"direct"`` or ``"staged"`` (copied through page-locked host buffers; applied to host
             buffers too, where it only adds a copy).
         cuda_aware: ``None``: ask MPI (``MPIX_Query_cuda_support``); ``True``/``False`` overrides the answer.
+        device_kernels: the dot products and combine of device buffers: ``"auto"``: the segmented Triton
+            kernels (:mod:`adasum.segmented`, a few kernels per level for all layers) on CUDA devices where
+            triton imports, else the per-layer torch/cupy kernels; ``"triton"``: the Triton kernels for
+            every torch and cupy buffer, CPU tensors included (there they need triton's interpreter,
+            ``TRITON_INTERPRET=1``); ``"per-layer"``: always the per-layer kernels. Every rank should use
+            the same value (results differ in the last bits between the two).
         direct_min_bytes: from this many bytes per call, halving reads separate host tensors where they lie
             (and an in-place call combines in them) instead of packing them into one buffer.
         split_min_bytes: from this many bytes per call, halving on separate tensors cuts each exchange into
@@ -74,6 +82,7 @@ class Settings:
     native_mpi: bool = True
     gpu_transport: str = "auto"
     cuda_aware: bool | None = None
+    device_kernels: str = "auto"
     direct_min_bytes: int = 2 << 20
     split_min_bytes: int = 2 << 20
     chunk_bytes: int = 256 << 10
@@ -88,6 +97,8 @@ class Settings:
             raise ValueError(f"small message threshold must be >= 0 bytes, got {self.small_message_bytes}")
         if self.kernels not in _KERNELS:
             raise ValueError(f"kernels backend must be 'c' or 'numpy', got {self.kernels!r}")
+        if self.device_kernels not in _DEVICE_KERNELS:
+            raise ValueError(f"device kernels must be one of {_DEVICE_KERNELS}, got {self.device_kernels!r}")
         if self.gpu_transport not in _GPU_TRANSPORTS:
             raise ValueError(f"gpu transport must be one of {_GPU_TRANSPORTS}, got {self.gpu_transport!r}")
         for name in ("stall_warning", "stall_timeout"):
@@ -138,6 +149,7 @@ def from_environment(env: Mapping[str, str]) -> Settings:
         native_mpi=True if native is None else native,
         gpu_transport=env.get("ADASUM_GPU_TRANSPORT", "auto").strip().lower() or "auto",
         cuda_aware=_flag(env.get("ADASUM_CUDA_AWARE")),
+        device_kernels=env.get("ADASUM_DEVICE_KERNELS", "auto").strip().lower() or "auto",
         stall_warning=_seconds(env.get("ADASUM_STALL_WARNING"), 60.0),
         stall_timeout=_seconds(env.get("ADASUM_STALL_TIMEOUT"), None),
     )

@@ -30,8 +30,11 @@ class Transport:
     """Moves slices of flat buffers of one adapter and device between the ranks of ``comm``.
 
     ``staged=False`` hands MPI the buffer itself (host memory, or device memory where MPI is CUDA-aware).
-    ``staged=True`` copies through host buffers kept in the context ``ctx`` and reused; the device is
-    synchronised before MPI reads.
+    ``staged=True`` copies through host buffers kept in the context ``ctx`` and reused, in chunks of the
+    setting ``chunk_bytes`` (0: one chunk) on the adapter's side stream (:class:`adasum.arrays.CopyStream`):
+    chunk i is sent as soon as its copy to the host is done while the next ones are copied, and each chunk
+    received is copied to the device while the next arrives. Each chunk is a message of its own; both sides
+    cut alike, since ``chunk_bytes`` is agreed.
     """
 
     def __init__(self, ctx, comm: MPI.Intracomm, adapter: Adapter, device: str, staged: bool):
@@ -93,10 +96,35 @@ class Transport:
             with self._described(send, True) as smsg, self._described(recv, False) as rmsg:
                 self.comm.Sendrecv(smsg, dest, TAG, rmsg, source, TAG)
             return
-        hs, hr = self.stage(0, sbytes), self.stage(1, rbytes)
-        self.adapter.to_host(send, hs)
-        self.comm.Sendrecv([hs, MPI.BYTE], dest, TAG, [hr, MPI.BYTE], source, TAG)
-        self.adapter.from_host(hr, recv)
+        self._staged(send, sbytes, dest, recv, rbytes, source)
+
+    def _staged(self, send, sbytes: int, dest: int, recv, rbytes: int, source: int) -> None:
+        """Send ``send`` (``sbytes``; None: nothing) to ``dest`` and receive ``recv`` (``rbytes``; None:
+        nothing) from ``source`` through the staging buffers, chunk by chunk (see the class docstring)."""
+        a = self.adapter
+        step = _settings.current().chunk_bytes
+        copies = a.copy_stream(self.device)
+        rcuts = _byte_chunks(rbytes, step) if recv is not None else []
+        scuts = _byte_chunks(sbytes, step) if send is not None else []
+        hr = self.stage(1, rbytes) if recv is not None else None
+        rreqs = [self.comm.Irecv([hr[lo:hi], MPI.BYTE], source, TAG) for lo, hi in rcuts]
+        sreqs = []
+        copies.begin()
+        if send is not None:
+            hs, sbuf = self.stage(0, sbytes), a.byte_view(send)
+            marks = [copies.to_host(sbuf[lo:hi], hs[lo:hi]) for lo, hi in scuts]
+            for (lo, hi), mark in zip(scuts, marks):
+                copies.wait(mark)
+                sreqs.append(self.comm.Isend([hs[lo:hi], MPI.BYTE], dest, TAG))
+            if len(scuts) > 1:
+                self._record("sent_bytes", 0, len(scuts) - 1)  # the bytes are counted by the caller
+        if recv is not None:
+            rbuf = a.byte_view(recv)
+            for (lo, hi), req in zip(rcuts, rreqs):
+                req.Wait()
+                copies.from_host(hr[lo:hi], rbuf[lo:hi])
+        MPI.Request.Waitall(sreqs)
+        copies.end()
 
     def exchange(self, sends: list, dest: int, recvs: list, source: int) -> None:
         """Send each of ``sends`` to ``dest`` and receive each of ``recvs`` from ``source``, as separate
@@ -185,18 +213,14 @@ class Transport:
             with self._described(buf, True) as msg:
                 self.comm.Send(msg, dest, TAG)
             return
-        hs = self.stage(0, nbytes)
-        self.adapter.to_host(buf, hs)
-        self.comm.Send([hs, MPI.BYTE], dest, TAG)
+        self._staged(buf, nbytes, dest, None, 0, dest)
 
     def recv(self, buf, source: int) -> None:
         if not self.staged:
             with self._described(buf, False) as msg:
                 self.comm.Recv(msg, source, TAG)
             return
-        hr = self.stage(1, self.nbytes(buf))
-        self.comm.Recv([hr, MPI.BYTE], source, TAG)
-        self.adapter.from_host(hr, buf)
+        self._staged(None, 0, source, buf, self.nbytes(buf), source)
 
 
     def swap_scalars(self, vec: np.ndarray, partner: int) -> np.ndarray:
@@ -255,6 +279,13 @@ class Transport:
         for j in holders:
             lo, hi = bounds[j]
             self.comm.Bcast([a.mpi_bytes(buf[lo:hi]), MPI.BYTE], root=j)
+
+
+def _byte_chunks(nbytes: int, step: int) -> list[tuple[int, int]]:
+    """``[0, nbytes)`` cut into chunks of ``step`` bytes (the last shorter; one chunk for ``step`` 0)."""
+    if not step or nbytes <= step:
+        return [(0, nbytes)]
+    return [(lo, min(lo + step, nbytes)) for lo in range(0, nbytes, step)]
 
 
 # --- device buffers: CUDA-aware MPI or host staging ------------------------------------------------------

@@ -133,8 +133,12 @@ def main(argv=None) -> int:
                     help="also time device memory handed to MPI even where CUDA-awareness is not detected")
     ap.add_argument("--methods", default="raw,host,staged,direct",
                     help="methods to time (raw and host are always timed); direct only where it can run")
+    ap.add_argument("--kernels", choices=["auto", "triton", "per-layer"], default="auto",
+                    help="the device dot products and combine (the setting device_kernels): compare the Triton "
+                         "kernels with the per-layer ones")
     ap.add_argument("--json", help="write the results to this JSON file (rank 0)")
     args = ap.parse_args(argv)
+    adasum.configure(device_kernels=args.kernels)
 
     comm = MPI.COMM_WORLD
     kind = _Torch() if args.kind == "torch" else _Cupy()
@@ -161,7 +165,7 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         meta = {"world_size": comm.Get_size(), "mpi": MPI.Get_library_version().splitlines()[0],
                 "cuda_aware": adasum.cuda_aware_mpi(), "device": kind.name(), "kind": args.kind,
-                "host": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
+                "kernels": args.kernels, "host": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
                 "argv": sys.argv}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)

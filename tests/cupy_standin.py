@@ -2,7 +2,8 @@
 
 Its arrays are a numpy subclass with cupy's device attributes (``.device.id``, ``.get``, ``.set``), so
 :class:`adasum.arrays.CupyAdapter` runs all of its device code paths (device kernels through the module,
-staging through host buffers, stream synchronisation) on the CPU. Counters record the device calls.
+staging through host buffers, side streams, events and stream synchronisation) on the CPU. Counters record
+the device calls (streams and events made, copies, waits).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import types
 
 import numpy as np
 
-calls = {"synchronize": 0, "get": 0, "set": 0, "pinned": 0}
+calls = {"synchronize": 0, "get": 0, "set": 0, "pinned": 0, "streams": 0, "events": 0, "record": 0,
+         "wait_event": 0, "event_synchronize": 0}
 
 
 class _Device:
@@ -31,7 +33,7 @@ class ndarray(np.ndarray):
     def device(self):
         return _Device(0)
 
-    def get(self, out=None):
+    def get(self, stream=None, order="C", out=None, blocking=True):
         calls["get"] += 1
         host = self.view(np.ndarray)
         if out is None:
@@ -39,7 +41,7 @@ class ndarray(np.ndarray):
         out[...] = host
         return out
 
-    def set(self, arr):
+    def set(self, arr, stream=None):
         calls["set"] += 1
         self.view(np.ndarray)[...] = arr
 
@@ -49,8 +51,28 @@ def _wrap(a):
 
 
 class _Stream:
+    """A stream: the stand-in's device work is done when it is queued, so waiting returns at once."""
+
+    def __init__(self, null=False, non_blocking=False, ptds=False):
+        if not null:
+            calls["streams"] += 1
+
     def synchronize(self):
         calls["synchronize"] += 1
+
+    def wait_event(self, event):
+        calls["wait_event"] += 1
+
+
+class _Event:
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        calls["events"] += 1
+
+    def record(self, stream=None):
+        calls["record"] += 1
+
+    def synchronize(self):
+        calls["event_synchronize"] += 1
 
 
 def make_module() -> types.ModuleType:
@@ -63,7 +85,8 @@ def make_module() -> types.ModuleType:
     m.dot = lambda x, y: np.dot(x.view(np.ndarray), y.view(np.ndarray))
     for name in ("multiply", "add", "divide", "isfinite", "float16", "float32", "float64", "uint8"):
         setattr(m, name, getattr(np, name))
-    m.cuda = types.SimpleNamespace(Device=_Device, get_current_stream=lambda: _Stream())
+    m.cuda = types.SimpleNamespace(Device=_Device, Stream=_Stream, Event=_Event,
+                                   get_current_stream=lambda: _Stream(null=True))
 
     def pinned_empty(nbytes):
         calls["pinned"] += 1

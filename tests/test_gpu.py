@@ -6,14 +6,27 @@ takes the same code paths as cupy on a GPU; with real cupy or CUDA they run on t
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
+from mpi4py import MPI
 
 import adasum
 from adasum.reference import reference_allreduce
-from helpers import CUDA, CUPY_IS_REAL, as_f64, assert_identical_across_ranks, cupy, gpu_transport, make, rel_l2
+from helpers import (CUDA, CUPY_IS_REAL, FLOATS, as_f64, assert_identical_across_ranks, cupy, gpu_transport, make,
+                     raw_bytes, rel_l2)
+from test_allreduce import _tolerance
 from test_optimizer import _amp_run
+
+TRITON = importlib.util.find_spec("triton") is not None
+if not CUDA:
+    # the segmented Triton kernels then run on CPU tensors, under triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -54,6 +67,82 @@ def test_staging_reuses_host_buffers_and_synchronises(comm):
         adasum.adasum_allreduce(_layers(comm, comm.Get_rank()))
     assert calls["get"] == before["get"] and calls["set"] == before["set"], "direct mode must not stage"
     assert calls["synchronize"] > before["synchronize"], "the device must be synchronised before MPI reads"
+
+
+@pytest.mark.skipif(not TRITON, reason="needs triton")
+@pytest.mark.parametrize("kind", ["torch-cuda" if CUDA else "torch", "cupy"])
+@pytest.mark.parametrize("schedule", ["doubling", "halving"])
+def test_triton_kernels_match_the_per_layer_kernels(comm, kind, schedule):
+    """The whole call through the segmented Triton kernels (device_kernels="triton"; torch CPU tensors and
+    the cupy stand-in under triton's interpreter where no GPU exists) against the per-layer kernels and the
+    float64 reference, for every dtype of the kind at once."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    shapes = [(1000,), (3,), (0,), (4097,), (17, 2), (20000,)]
+    dtypes = list(itertools.islice(itertools.cycle(FLOATS[kind]), len(shapes)))
+
+    def layers(r):
+        rng = np.random.default_rng([43, r])
+        return [make(rng.standard_normal(s), kind, d) for s, d in zip(shapes, dtypes)]
+
+    data = [[as_f64(t) for t in layers(r)] for r in range(size)]
+    old = adasum.configure(small_message_bytes=0 if schedule == "halving" else 1 << 30)
+    try:
+        adasum.configure(device_kernels="per-layer")
+        per_layer = adasum.adasum_allreduce(layers(rank))
+        adasum.configure(device_kernels="triton")
+        fast = adasum.adasum_allreduce(layers(rank))
+        inplace = layers(rank)
+        adasum.adasum_allreduce_inplace(inplace)
+    finally:
+        adasum.configure(old)
+    assert_identical_across_ranks(comm, fast)
+    # a folded-out rank combines nothing: the ranks that combine load the kernels
+    assert comm.allreduce(int("adasum._triton" in sys.modules), op=MPI.MAX), "the Triton kernels never ran"
+    for f, i, p, w, d in zip(fast, inplace, per_layer, reference_allreduce(data), dtypes):
+        assert f.dtype == p.dtype and f.shape == p.shape
+        assert rel_l2(as_f64(f), w) <= _tolerance(d, size)
+        assert rel_l2(as_f64(f), as_f64(p)) <= _tolerance(d, size)
+        np.testing.assert_array_equal(as_f64(i), as_f64(f))
+
+
+def test_device_kernels_setting_is_validated():
+    with pytest.raises(ValueError, match="device kernels must be one of"):
+        adasum.configure(device_kernels="cuda")
+    assert adasum.current_settings().device_kernels in ("auto", "triton", "per-layer")
+
+
+@pytest.mark.skipif(CUPY_IS_REAL, reason="counts calls of the stand-in module")
+@pytest.mark.parametrize("small", [None, 0], ids=["doubling", "halving"])
+def test_chunked_staging_is_bitwise_unchunked_staging_and_reuses_its_buffers(comm, small):
+    """Staged exchanges in chunks of chunk_bytes, copied on a side stream, give the bits of one-piece
+    staging; after a first call, later calls make no host buffer, stream or event."""
+    from cupy_standin import calls
+
+    if comm.Get_size() == 1:
+        pytest.skip("a single rank exchanges nothing")
+    rank = comm.Get_rank()
+    adasum.release_buffers()
+    out, copies = {}, {}
+    for chunk in (0, 1000):
+        old = adasum.configure(chunk_bytes=chunk, small_message_bytes=small)
+        try:
+            with gpu_transport("staged"):
+                adasum.adasum_allreduce(_layers(comm, rank))
+                before = dict(calls)
+                for _ in range(2):
+                    out[chunk] = adasum.adasum_allreduce(_layers(comm, rank))
+        finally:
+            adasum.configure(old)
+        for what in ("pinned", "streams", "events"):
+            assert calls[what] == before[what], f"{what} must be made once and reused"
+        copies[chunk] = calls["get"] - before["get"]
+        assert calls["event_synchronize"] - before["event_synchronize"] == copies[chunk], \
+            "each chunk is sent once its own copy to the host is done"
+    if comm.allreduce(int(copies[0] > 0), op=MPI.MIN):  # every rank sent something (no rank folded out)
+        assert copies[1000] > copies[0], "1000-byte chunks must cut the 4 KiB and larger messages"
+    for a, b in zip(out[0], out[1000]):
+        assert raw_bytes(a) == raw_bytes(b)
+    assert_identical_across_ranks(comm, out[1000])
 
 
 def test_sum_and_mean_on_device_buffers(comm):
@@ -119,6 +208,18 @@ def test_optimizer_on_a_cuda_model_follows_the_cpu_run(comm, op, start_copy):
     for g, c in zip(gpu.parameters(), cpu.parameters()):
         assert rel_l2(as_f64(g), as_f64(c)) <= 1e-4, "the CUDA run left the CPU run's trajectory"
     assert_identical_across_ranks(comm, list(gpu.parameters()))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("op", ["adasum", "mean"])
+def test_overlapped_optimizer_on_a_cuda_model_follows_the_cpu_run(comm, op):
+    """overlap=True: buckets reduced during backward from CUDA gradients, against the same run on the CPU."""
+    gpu, _, _ = _amp_run(comm, op, None, device="cuda", amp=False, overlap=True)
+    cpu, _, _ = _amp_run(comm, op, None, device="cpu", amp=False, overlap=True)
+    assert all(p.is_cuda for p in gpu.parameters())
+    assert_identical_across_ranks(comm, list(gpu.parameters()))
+    for g, c in zip(gpu.parameters(), cpu.parameters()):
+        assert rel_l2(as_f64(g), as_f64(c)) <= 1e-4, "the overlapped CUDA run left the CPU run's trajectory"
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
