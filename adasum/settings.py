@@ -65,8 +65,9 @@ class Settings:
             kernels (:mod:`adasum.segmented`, a few kernels per level for all layers) on CUDA devices where
             triton imports, else the per-layer torch/cupy kernels; ``"triton"``: the Triton kernels for
             every torch and cupy buffer, CPU tensors included (there they need triton's interpreter,
-            ``TRITON_INTERPRET=1``); ``"per-layer"``: always the per-layer kernels. Every rank should use
-            the same value (results differ in the last bits between the two).
+            ``TRITON_INTERPRET=1``); ``"per-layer"``: always the per-layer kernels. The ranks check that they
+            agree on it (the two paths round differently); under ``"auto"`` every rank needs the same
+            environment (triton importable everywhere or nowhere).
         direct_min_bytes: from this many bytes per call, halving reads separate host tensors where they lie
             (and an in-place call combines in them) instead of packing them into one buffer.
         split_min_bytes: from this many bytes per call, halving on separate tensors cuts each exchange into
@@ -116,9 +117,11 @@ class Settings:
         return (1 << 20) // (k - 1)
 
     def agreed(self) -> tuple[tuple[str, int], ...]:
-        """The settings that change the messages of an Adasum call: the ranks check them in every call."""
+        """The settings that change the messages or the rounding of an Adasum call: the ranks check them in
+        every call (ranks on different device kernels would round differently, and their replicas drift)."""
         return (("small-message bytes", -1 if self.small_message_bytes is None else self.small_message_bytes),
-                ("chunk bytes", self.chunk_bytes))
+                ("chunk bytes", self.chunk_bytes),
+                ("device kernels", _DEVICE_KERNELS.index(self.device_kernels)))
 
 
 def _seconds(text: str | None, default: float | None) -> float | None:

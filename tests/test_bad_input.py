@@ -88,6 +88,19 @@ def test_small_message_threshold_mismatch(comm):
         adasum.set_small_message_bytes(-1)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_device_kernels_mismatch(comm):
+    """Ranks on different device kernels would round the combine differently and drift apart; they raise."""
+    old = adasum.configure(device_kernels="per-layer" if comm.Get_rank() == 1 else "auto")
+    try:
+        with pytest.raises(AdasumMismatchError, match=r"ranks disagree on the settings: rank 1 has "
+                                                      r"\{.*'device kernels': 2.*\}, rank 0 has "):
+            adasum.adasum_allreduce(_inputs(comm))
+    finally:
+        adasum.configure(old)
+    _still_works(comm)
+
+
 def test_unsupported_dtype_on_one_rank_raises_type_error_everywhere(comm):
     tensors = _inputs(comm)
     if comm.Get_rank() == _last(comm):
