@@ -525,10 +525,12 @@ def summarize(results: list[dict]) -> list[dict]:
     order = list(SCHEDULES)
     rows = []
     for task, p, k, name in sorted(keys, key=lambda t: (t[0], t[2], t[1], order.index(t[3]))):
-        runs = [r for r in results if (r["task"], r["world_size"], r["accumulation"], r["schedule"]) == (task, p, k, name)]
+        runs = [r for r in results
+                if (r["task"], r["world_size"], r["accumulation"], r["schedule"]) == (task, p, k, name)]
         rows.append({
             "task": task, "world_size": p, "accumulation": k, "schedule": name, "label": SCHEDULES[name].label,
-            "lr": runs[0]["lr"], "global_batch": runs[0]["global_batch"], "updates_per_epoch": runs[0]["updates_per_epoch"],
+            "lr": runs[0]["lr"], "global_batch": runs[0]["global_batch"],
+            "updates_per_epoch": runs[0]["updates_per_epoch"],
             "seeds": sorted(r["seed"] for r in runs), "final": _spread([r["final"] for r in runs]),
             "best": _spread([r["best"] for r in runs]),
             "epochs_to_target": _spread([_inf(r["epochs_to_target"]) for r in runs]),
@@ -548,8 +550,12 @@ def _range(sp: dict, fmt) -> str:
     return f"{fmt(sp['median'])} [{lo}, {hi}]"
 
 
+def _count(v) -> str:
+    return f"{v:.0f}"
+
+
 def _epochs(v) -> str:
-    return f"{v:g}"
+    return f"{v:.2f}".rstrip("0").rstrip(".")
 
 
 def markdown(study: dict, settings: dict, meta: dict) -> str:
@@ -570,13 +576,14 @@ def markdown(study: dict, settings: dict, meta: dict) -> str:
                          f"{_range(row['epochs_to_target'], _epochs)} | {row['diverged']}/{row['runs']} |")
         lines += ["", "### All configurations", "",
                   "| P | k | schedule | lr | global batch | updates/epoch | final | best | epochs to target "
-                  "| updates to target | reached | diverged |", "|---:|---:|---|---:|---:|---:|---|---|---|---|---:|---|"]
+                  "| updates to target | reached | diverged |",
+                  "|---:|---:|---|---:|---:|---:|---|---|---|---|---:|---|"]
         for r in (r for r in rows if r["task"] == t):
             div = f"{r['diverged']}/{r['runs']}" + (f" ({', '.join(r['divergence'])})" if r["divergence"] else "")
             lines.append(f"| {r['world_size']} | {r['accumulation']} | {r['label']} | {r['lr']:.4g} | "
                          f"{r['global_batch']} | {r['updates_per_epoch']} | {_range(r['final'], fmt)} | "
                          f"{_range(r['best'], fmt)} | {_range(r['epochs_to_target'], _epochs)} | "
-                         f"{_range(r['updates_to_target'], lambda v: f'{v:.0f}')} | {r['reached']}/{r['runs']} | {div} |")
+                         f"{_range(r['updates_to_target'], _count)} | {r['reached']}/{r['runs']} | {div} |")
         lines += _headline(rows, t, fmt)
         lines.append("")
     if meta:
@@ -601,7 +608,7 @@ def _headline(rows: list[dict], t: str, fmt) -> list[str]:
             for n in HEADLINE:
                 r = next((r for r in have if r["world_size"] == p and r["schedule"] == n), None)
                 cells.append("" if r is None else f"{_range(r['epochs_to_target'], _epochs)} "
-                             f"({_range(r['updates_to_target'], lambda v: f'{v:.0f}')}); {fmt(r['final']['median'])}")
+                             f"({_range(r['updates_to_target'], _count)}); {fmt(r['final']['median'])}")
             out.append(f"| {p} | " + " | ".join(cells) + " |")
     return out
 
@@ -643,8 +650,8 @@ def plot_curves(results: list[dict], settings: dict, t: str, k: int, path: str) 
     ops = [op for op in OPS if any(r["op"] == op and r["schedule"] != "single" for r in runs)]
     if not sizes or not ops:
         return
-    fig, axes = plt.subplots(len(sizes), len(ops), figsize=(3.6 * len(ops), 2.5 * len(sizes)), sharex=True,
-                             sharey=True, squeeze=False)
+    fig, axes = plt.subplots(len(sizes), len(ops), figsize=(max(7.0, 3.6 * len(ops)), 2.5 * len(sizes) + 0.6),
+                             sharex=True, sharey=True, squeeze=False)
     single = [r for r in runs if r["world_size"] == 1]
     scale = 100 if task.higher else 1
     for i, p in enumerate(sizes):
@@ -687,7 +694,8 @@ def plot_epochs(results: list[dict], settings: dict, t: str, path: str) -> None:
     if not ops:
         return
     top = s["epochs"] + 1
-    fig, axes = plt.subplots(len(ks), len(ops), figsize=(3.6 * len(ops), 2.8 * len(ks)), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(len(ks), len(ops), figsize=(max(7.0, 3.6 * len(ops)), 2.8 * len(ks) + 0.6),
+                             sharey=True, squeeze=False)
     for i, k in enumerate(ks):
         base = next((r for r in rows if r["accumulation"] == k and r["world_size"] == 1), None)
         for j, op in enumerate(ops):
