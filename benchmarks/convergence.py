@@ -713,6 +713,8 @@ def plot_epochs(results: list[dict], settings: dict, t: str, path: str) -> None:
                 hi = [min(top, r["epochs_to_target"]["max"]) - y for y, r in zip(ys, mine)]
                 ax.errorbar(xs, ys, yerr=[lo, hi], fmt="-o", color=_COLORS[name], ms=4, lw=1.2, capsize=2,
                             label=sch.label)
+            if not ax.lines:
+                ax.text(0.5, 0.5, "not in the grid", transform=ax.transAxes, ha="center", color="gray")
             ax.axhline(s["epochs"] + 0.5, color="gray", ls=":", lw=1)
             ax.set_xscale("log", base=2)
             sizes = sorted({r["world_size"] for r in rows})
