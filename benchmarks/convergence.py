@@ -32,7 +32,7 @@ global batch is P × batch × k.
 
 One MPI job runs the study::
 
-    mpiexec -n 16 python -m mpi4py benchmarks/convergence.py            # the study (about 60-90 min on 2 cores)
+    mpiexec -n 16 python -m mpi4py benchmarks/convergence.py            # the study (195 runs, 66 min on 2 cores)
     mpiexec -n 6 python -m mpi4py benchmarks/convergence.py --quick     # the same at toy sizes (2-3 min)
     python benchmarks/convergence.py --replot benchmarks/results/convergence/study.json   # redraw only
 
