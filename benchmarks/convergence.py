@@ -543,11 +543,11 @@ def summarize(results: list[dict]) -> list[dict]:
 
 
 def _range(sp: dict, fmt) -> str:
-    if not math.isfinite(sp["median"]):
-        return "–"
-    lo = fmt(sp["min"]) if math.isfinite(sp["min"]) else "–"
-    hi = fmt(sp["max"]) if math.isfinite(sp["max"]) else "–"
-    return f"{fmt(sp['median'])} [{lo}, {hi}]"
+    """"median [min, max]"; a value that is None or infinite (not reached) shows as –."""
+    def one(v):
+        return "–" if v is None or not math.isfinite(v) else fmt(v)
+
+    return "–" if one(sp["median"]) == "–" else f"{one(sp['median'])} [{one(sp['min'])}, {one(sp['max'])}]"
 
 
 def _count(v) -> str:
@@ -753,8 +753,8 @@ def write_outputs(study: dict, settings: dict, out: str, meta: dict, figures: bo
     os.makedirs(out, exist_ok=True)
     paths = [os.path.join(out, "study.json"), os.path.join(out, "study.md")]
     with open(paths[0], "w") as f:
-        json.dump({"settings": settings, "meta": meta, "summary": summarize(study["results"]), **study}, f, indent=1,
-                  default=_json_default)
+        json.dump(_plain({"settings": settings, "meta": meta, "summary": summarize(study["results"]), **study}), f,
+                  indent=1, allow_nan=False)
     with open(paths[1], "w") as f:
         f.write(markdown(study, settings, meta))
     if figures:
@@ -767,8 +767,16 @@ def write_outputs(study: dict, settings: dict, out: str, meta: dict, figures: bo
     return [p for p in paths if os.path.exists(p)]
 
 
-def _json_default(v):
-    raise TypeError(f"not JSON: {v!r}")
+def _plain(v):
+    """``v`` with every non-finite float (a target not reached: infinitely many epochs) as None, so that
+    the JSON is standard."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
 
 
 # --- the command line -----------------------------------------------------------------------------------------
