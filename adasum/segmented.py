@@ -110,7 +110,7 @@ class SegmentedKernels:
         key = (name, str(device))
         buf = self._scratch.get(key)
         if buf is None or buf.numel() < n:
-            self._scratch[key] = None
+            self._scratch.pop(key, None)  # free the smaller buffer before making the larger one
             buf = self._scratch[key] = self.torch.empty(max(n, 256), dtype=self.torch.float64, device=device)
         return buf[:n]
 
