@@ -112,17 +112,21 @@ def stall_comm(comm):
     comm.Barrier()
 
 
+def trained_three_steps(comm, overlap: bool):
+    model = model_for()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), overlap=overlap, bucket_bytes=64,
+                               comm=comm)
+    g = torch.Generator().manual_seed(comm.Get_rank())
+    train(model, opt, g, 3)
+    return model, opt, g
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_rank_leaving_early_is_named_on_every_waiting_rank(stall_comm, overlap):
-    comm = stall_comm
-    size, rank = comm.Get_size(), comm.Get_rank()
-    model = model_for()
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), overlap=overlap, bucket_bytes=64,
-                               comm=comm)
-    g = torch.Generator().manual_seed(rank)
-    train(model, opt, g, 3)
+    size, rank = stall_comm.Get_size(), stall_comm.Get_rank()
+    model, opt, g = trained_three_steps(stall_comm, overlap)
     if rank == size - 1:
         return  # its shard ended: it leaves the loop
     start = time.monotonic()
@@ -135,13 +139,8 @@ def test_a_rank_leaving_early_is_named_on_every_waiting_rank(stall_comm, overlap
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_rank_skipping_step_is_named_not_the_graph(stall_comm, overlap):
-    comm = stall_comm
-    size, rank = comm.Get_size(), comm.Get_rank()
-    model = model_for()
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), overlap=overlap, bucket_bytes=64,
-                               comm=comm)
-    g = torch.Generator().manual_seed(rank)
-    train(model, opt, g, 3)
+    size, rank = stall_comm.Get_size(), stall_comm.Get_rank()
+    model, opt, g = trained_three_steps(stall_comm, overlap)
     if rank == size - 1:
         micro(model, g)  # no step() after this backward
         opt.zero_grad()

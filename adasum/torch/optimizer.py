@@ -61,11 +61,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             they are divided by the number of micro-batches the window actually held, so the loss of each
             micro-batch should be a mean over its samples and must not be divided by ``accumulation_steps``.
         comm: an mpi4py intracommunicator; default ``MPI.COMM_WORLD``.
-        start_copy: ``op="adasum"`` only: where the parameters' starting values are kept during a boundary.
-            ``"device"``: next to the parameters (one extra copy of the parameters in device memory, kept
-            between steps). ``"host"``: in host memory (pinned for CUDA parameters); device memory grows only
-            by the largest parameter tensor, at the price of one device-to-host copy of the parameters
-            before the local step and two host-to-device copies after it. The same for CPU models.
+        start_copy: ``op="adasum"`` only: where the window's starting values are kept, ``"device"`` (next to
+            the parameters) or ``"host"`` (pinned host memory for CUDA parameters; device memory grows only
+            by the largest parameter, at the price of copies). See :class:`~adasum.torch.tensors.StartCopy`.
         grad_scaler: a ``torch.amp.GradScaler`` whose ``scale(loss).backward()`` produced the gradients. The
             optimizer then unscales at the boundary and updates the scale itself, from the non-finite check
             that all ranks share, so every rank keeps the same scale. Do not call the scaler's ``step``,
@@ -78,27 +76,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             and rank 0 logs it once (logger ``"adasum"``). With adasum a rank whose own gradients are
             non-finite skips its local step (its optimizer state stays finite); the other ranks have taken
             theirs, and their optimizer state keeps it. Off: non-finite values reach the parameters.
-        overlap: communicate during backward (default off: on hosts where every rank has one core, the
-            communication thread competes with backward for it, see the README). On the backward that
-            closes a window, a hook on every parameter collects the parameters into buckets as backward
-            finishes them; each complete bucket is handed to a background thread at once, which for
-            ``op="adasum"`` takes that bucket's local step and reduces its deltas (the parameters are set
-            back to their start at once, so they change only inside ``step()``), and for
-            ``"sum"``/``"mean"`` reduces its gradients (the local step then runs in ``step()``). ``step()``
-            waits for the buckets and applies them. The results are bitwise those of ``overlap=False`` for
-            adasum (within float rounding for sum/mean). The first boundary runs without overlap and
-            records the order in which backward produced the gradients (rank 0's order, shared by every
-            rank). A loop that calls :meth:`finalize_gradients` / :meth:`clip_grad_norm_` with
-            ``op="adasum"`` (clipping by the norm of all gradients before the local step) runs without
-            overlap. See the README for the rules.
+        overlap: communicate during backward (default off: where every rank has one core, the thread
+            competes with backward for it). On the backward that closes a window, buckets of parameters go
+            to a background thread as backward finishes them, which reduces them (for adasum, after their
+            local step; the parameters still change only inside ``step()``); ``step()`` waits and applies.
+            Bitwise the results of ``overlap=False`` for adasum. The rules are in the README.
         bucket_bytes: with ``overlap``, the smallest bucket in bytes of parameters (the last may be smaller).
         compression: ``None``, ``"fp16"`` or ``"bf16"``: the deltas (adasum) or gradients (sum/mean) travel
-            as 16-bit floats, half the bytes; the dot products, norms and the combine (adasum) or the sums
-            (sum/mean) run in float32 or wider on the values that arrived, and the result is rounded to 16
-            bits once before it is applied. ``"fp16"`` multiplies each layer by a power of two that every
-            rank agrees on before the cast, so that values from about 1e-8 to 1e4 keep float16's 11 bits
-            of precision (what still overflows or underflows is logged once per layer); ``"bf16"`` keeps
-            float32's range with 8 bits of precision.
+            as 16-bit floats, half the bytes, and are combined in float32 or wider (see
+            :class:`~adasum.torch.compress.Wire`: fp16 travels scaled per layer by an agreed power of two).
 
     Attributes:
         is_boundary: whether the last ``step()`` closed a window.
