@@ -20,7 +20,7 @@ from .overlap import OverlapEngine
 from .strategy import AdasumDeltas, Bucket, trained_params
 from .tensors import average_, grads_of
 
-__all__ = ["Boundary"]
+__all__ = ["Boundary", "failures"]
 
 
 class Boundary:
@@ -90,18 +90,25 @@ class Boundary:
 
     def _agree(self, buckets: list[Bucket], comm: MPI.Intracomm) -> None:
         """Raise on every rank if a bucket failed on any, with the parameters left at the window's start."""
-        mine = next((b.error for b in buckets if b.error), None)
-        if comm.Get_size() == 1:
-            failed = [mine] if mine else []
-        elif exchange.any_true(comm, mine is not None, what="the boundary's error vote"):
-            failed = exchange.allgather(comm, mine, what="the boundary's errors")
-        else:
-            return
-        if not failed:
-            return
-        self.strategy.abandon(buckets)
-        self.window.close()
-        self.reset()
-        raise RuntimeError(f"(raised on rank {self.comm.Get_rank()}) a local step or reduction failed at this "
-                           "boundary; the parameters keep the window's start: "
-                           + "; ".join(f"rank {r}: {e}" for r, e in enumerate(failed) if e))
+        failed = failures(buckets, comm)
+        if failed:
+            self.strategy.abandon(buckets)
+            self.window.close()
+            self.reset()
+            raise RuntimeError(f"(raised on rank {self.comm.Get_rank()}) a local step or reduction failed at "
+                               "this boundary; the parameters keep the window's start: " + failed)
+
+
+def failures(buckets: list[Bucket], comm: MPI.Intracomm) -> str | None:
+    """Collective: every rank's errors on its buckets ("rank r: error; …"), or None where no bucket failed
+    on any rank. One small vote when nothing failed."""
+    mine = next((b.error for b in buckets if b.error), None)
+    if comm.Get_size() == 1:
+        failed = [mine]
+    elif exchange.any_true(comm, mine is not None, what="the boundary's error vote"):
+        failed = exchange.allgather(comm, mine, what="the boundary's errors")
+    else:
+        return None
+    if not any(failed):
+        return None
+    return "; ".join(f"rank {r}: {e}" for r, e in enumerate(failed) if e)
