@@ -11,6 +11,7 @@ so an error on one rank is an error on every rank. Every MPI call goes through t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import weakref
@@ -253,6 +254,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return False
         self._close_window(self._window.seen)
         return True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside do not close a window, whatever the count says: their gradients only
+        accumulate, and with ``overlap`` no bucket is reduced during them. For frameworks that count the
+        micro-batches themselves and call ``step()`` once per window (``accumulation_steps=1``)."""
+        if self._engine is None:
+            yield
+            return
+        self._engine.paused += 1
+        try:
+            yield
+        finally:
+            self._engine.paused -= 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients, unless a window is open (then the gradients are still accumulating)."""
