@@ -17,6 +17,8 @@ from adasum.lightning import AdasumStrategy  # noqa: E402
 
 from helpers import assert_identical_across_ranks, raw_bytes  # noqa: E402
 
+pytestmark = pytest.mark.frameworks
+
 N = 48  # samples; each rank's shard is N / P
 
 
