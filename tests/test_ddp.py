@@ -215,3 +215,18 @@ def test_ddp_example_trains(comm, hook):
     accuracy = example.main(["--epochs", "2", "--num-samples", "1000", "--hook", hook])
     assert comm.allgather(accuracy) == [accuracy] * comm.Get_size()
     assert accuracy > 0.3  # ten classes: chance is 0.1
+
+
+def test_delta_state_leaves_the_optimizer_as_it_was():
+    import gc
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.5)
+    state = DeltaState(opt, comm=adasum.world.MPI.COMM_SELF)
+    p.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match="do not call optimizer.step"):
+        opt.step()
+    del state
+    gc.collect()
+    opt.step()  # no hook left behind
+    assert torch.equal(p.detach(), torch.full((3,), 0.5))
