@@ -47,6 +47,7 @@ from mpi4py import MPI
 from . import exchange, stall, world
 from .allreduce import adasum_allreduce
 from .context import context_for
+from .exchange import _enter as _enter_call
 from .torch.compress import Wire
 from .torch import DistributedOptimizer as _DistributedOptimizer
 from .torch import broadcast_optimizer_state as _broadcast_optimizer_state
@@ -411,9 +412,7 @@ def _mpi_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
     wide = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.bool: torch.uint8}
     send = tensor.detach().to("cpu", wide.get(tensor.dtype, tensor.dtype)).contiguous().numpy()
     recv = np.empty_like(send)
-    ctx = context_for(MPI.COMM_WORLD)
-    ctx.lcomm  # noqa: B018 - made (collectively, watched) before the call is numbered
-    ctx.enter(f"allreduce ({op})")
+    ctx = _enter_call(MPI.COMM_WORLD, f"allreduce ({op})")  # numbered as adasum.exchange's calls are
     try:
         ctx.record("allreduce_bytes", send.nbytes)
         req = ctx.lcomm.Iallreduce(send, recv, op=_MPI_OPS[op])

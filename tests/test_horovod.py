@@ -342,3 +342,22 @@ def test_synchronize_then_clip_then_skip_synchronize(comm, op):
         assert gradients <= traffic_a.allreduce_bytes < 2 * gradients
         gathered = comm.allgather([float(x) for x in norms_a])
         assert all(g == gathered[0] for g in gathered)  # the reduced gradient's norm, the same on every rank
+
+
+@pytest.mark.mpi(min_size=2)
+def test_skip_synchronize_without_synchronize_still_reduces(comm):
+    """step() inside skip_synchronize() without synchronize() reduces as usual: the ranks stay identical."""
+    rank = comm.Get_rank()
+    torch.manual_seed(5)
+    model = torch.nn.Linear(4, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Average)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))
+    model(x).square().mean().backward()
+    grads = comm.allgather([p.grad.clone() for p in model.parameters()])
+    before = [p.detach().clone() for p in model.parameters()]
+    with opt.skip_synchronize():
+        opt.step()
+    for i, (p, b) in enumerate(zip(model.parameters(), before)):
+        mean = sum(g[i] for g in grads) / comm.Get_size()
+        torch.testing.assert_close(p.detach(), b - 0.1 * mean)
+    assert_identical_across_ranks(comm, list(model.parameters()))
