@@ -106,6 +106,9 @@ def test_min_max_product(comm, dtype):
     t = mine.clone()
     assert hvd.allreduce_(t, op=hvd.Max) is t
     assert torch.equal(t, stacked.max(0).values.to(dtype))
+    scalar = torch.tensor(rank + 2, dtype=dtype)  # a metric: 0-d
+    assert float(hvd.allreduce(scalar, op=hvd.Max)) == size + 1
+    assert float(hvd.allreduce(scalar, op=hvd.Product)) == float(torch.arange(2, size + 2).prod())
     scaled = hvd.allreduce(mine, op=hvd.Max, prescale_factor=2, postscale_factor=3) if dtype.is_floating_point \
         else None
     if scaled is not None:
