@@ -44,10 +44,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import exchange, stall, world
+from . import exchange, world
 from .allreduce import adasum_allreduce
-from .context import context_for
-from .exchange import _enter as _enter_call
 from .torch.compress import Wire
 from .torch import DistributedOptimizer as _DistributedOptimizer
 from .torch import broadcast_optimizer_state as _broadcast_optimizer_state
@@ -114,12 +112,12 @@ def local_rank() -> int:
 def cross_rank() -> int:
     """The index of this rank's node (nodes ordered by their lowest rank; a node is the ranks that share
     memory, as for :func:`local_rank`). Collective the first time, as ``local_rank()``."""
-    return context_for(MPI.COMM_WORLD).node_layout().node
+    return world.node_rank()
 
 
 def cross_size() -> int:
     """The number of nodes. Collective the first time, as ``local_rank()``."""
-    return len(context_for(MPI.COMM_WORLD).node_layout().nodes)
+    return world.node_count()
 
 
 # --- what this library is built with ------------------------------------------------------------------------
@@ -412,11 +410,10 @@ def _mpi_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
     wide = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.bool: torch.uint8}
     send = tensor.detach().to("cpu", wide.get(tensor.dtype, tensor.dtype)).contiguous().numpy()
     recv = np.empty_like(send)
-    ctx = _enter_call(MPI.COMM_WORLD, f"allreduce ({op})")  # numbered as adasum.exchange's calls are
+    ctx = exchange.enter(MPI.COMM_WORLD, f"allreduce ({op})")
     try:
-        ctx.record("allreduce_bytes", send.nbytes)
         req = ctx.lcomm.Iallreduce(send, recv, op=_MPI_OPS[op])
-        stall.wait(ctx, req, "exchange", send.nbytes, label=f"allreduce ({op})")
+        exchange.wait(ctx, req, f"allreduce ({op})", send.nbytes, field="allreduce_bytes")
     finally:
         ctx.leave()
     return torch.from_numpy(recv).to(tensor.device, tensor.dtype)
