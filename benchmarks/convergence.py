@@ -706,7 +706,8 @@ def _headline(rows: list[dict], t: str, fmt) -> list[str]:
 
 
 _COLORS = {"adasum-x1": "tab:blue", "adasum-x1-warmup": "tab:cyan", "adasum-x2": "navy", "mean-x1": "tab:orange",
-           "mean-sqrtP": "tab:red", "mean-linear-warmup": "tab:brown", "sum-x1": "tab:green", "single": "gray"}
+           "mean-sqrtP": "tab:red", "mean-linear-warmup": "tab:brown", "sum-x1": "tab:green", "adasum-grad-x1": "tab:purple",
+           "single": "gray"}
 
 
 def _plt():
