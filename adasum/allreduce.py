@@ -137,10 +137,8 @@ def _general(ctx: Context, s: _settings.Settings, extras: dict, tensors, op, hie
         members = [items] if plan.one_group else [[items[i] for i in g.indices] for g in groups]
         if inplace:  # where the tensors lie decides how the result gets into them; read-only ones fail here
             layouts = [_layout(g.adapter.layout(mine, g.indices, rank)) for g, mine in zip(groups, members)]
-    except (TypeError, ValueError) as exc:
-        if not str(exc).startswith("rank "):
-            exc = type(exc)(f"rank {rank}: {exc}")
-        error = exc
+    except Exception as exc:  # whatever this rank cannot take, every rank raises (after the agreement)
+        error = exc if str(exc).startswith("rank ") else _on_rank(exc, rank)
         extra = (("hierarchical", bool(hierarchical)),)
         groups, members = [], []
 
@@ -208,6 +206,14 @@ def _general(ctx: Context, s: _settings.Settings, extras: dict, tensors, op, hie
     return out[0] if single else out
 
 
+def _on_rank(exc: Exception, rank: int) -> Exception:
+    """``exc`` with its text starting with the rank that raised it."""
+    try:
+        return type(exc)(f"rank {rank}: {exc}")
+    except Exception:  # an exception type that takes other arguments
+        return RuntimeError(f"rank {rank}: {type(exc).__name__}: {exc}")
+
+
 def _layout(where: int | None) -> TensorLayout | None:
     return None if where is None else TensorLayout(where)
 
@@ -222,7 +228,7 @@ def _small_adasum(ctx: Context, s: _settings.Settings, items: list, inplace: boo
         return None, None
     try:
         plan = ctx.plans.get(_plan_key(items, "adasum", extras["adasum"]))
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError, RuntimeError):  # the general path describes what is wrong
         return None, None
     if plan is None or plan.small is None or plan.small.program is None or plan.nbytes > extras["small limit"]:
         return None, plan
@@ -317,7 +323,8 @@ def _plan_key(items, op: str, extra: tuple) -> tuple:
 def _plan(ctx: Context, items, op: str, extra: tuple) -> _Plan:
     try:
         key = _plan_key(items, op, extra)
-    except (AttributeError, TypeError):  # not an array, or unhashable: describe() says what is wrong
+    except (AttributeError, TypeError, RuntimeError):  # not an array, unhashable, or without a shape
+        # (a nested tensor): describe() says what is wrong
         return _Plan(ctx, items, op, extra)
     return ctx.plan(key, lambda: _Plan(ctx, items, op, extra))
 

@@ -67,6 +67,11 @@ class Adapter:
         """Drop kept scratch buffers and views."""
 
     # --- describing user arrays -------------------------------------------------------------------------
+    def refusal(self, t) -> str | None:
+        """Why array ``t`` of this kind cannot be reduced although its type is supported (completing
+        "tensor i ..."), or None. Read before anything else of ``t``: its shape may not exist."""
+        return None
+
     def dtype_name(self, t) -> str:
         raise NotImplementedError
 
@@ -621,6 +626,18 @@ class TorchAdapter(Adapter):
         if self._segmented is None:
             self._segmented = _segmented.SegmentedKernels(self.torch)
         return self._segmented
+
+    def refusal(self, t) -> str | None:
+        # Each of these passes torch's own checks until data is copied, mid-call; the agreement must know first.
+        if t.is_nested:
+            return "is a nested tensor; adasum reduces dense tensors (pass its components as tensors of their own)"
+        if t.layout != self.torch.strided:
+            return f"is a sparse tensor (layout {t.layout}); adasum reduces dense tensors (pass t.to_dense())"
+        if t.is_quantized:
+            return f"is a quantized tensor (dtype {t.dtype}); adasum reduces floats (pass t.dequantize())"
+        if t.device.type == "meta":
+            return "is on the meta device, which holds no data"
+        return None
 
     def dtype_name(self, t) -> str:
         return str(t.dtype).replace("torch.", "")

@@ -44,6 +44,9 @@ def describe(tensors: Sequence[Any], op: str, rank: int, kinds: Adapters):
         if adapter is None:
             raise TypeError(f"rank {rank}: tensor {i} is a {type(t).__module__}.{type(t).__qualname__}; "
                             "adasum takes numpy arrays, torch tensors and cupy arrays")
+        refused = adapter.refusal(t)
+        if refused is not None:
+            raise TypeError(f"rank {rank}: tensor {i} {refused}")
         dtype = adapter.dtype_name(t)
         if dtype not in _ALLOWED[op]:
             if dtype in INT_DTYPES:
@@ -136,9 +139,12 @@ def _explain(everyone, rank: int) -> Exception:
     for r, (_, _, _, err) in enumerate(everyone):
         if err is not None:
             kind, msg = err
-            if r == rank:
+            if r != rank and not msg.startswith(f"rank {r}:"):
+                msg = f"rank {r}: {msg}"
+            try:
                 return kind(msg)
-            return kind(msg if msg.startswith(f"rank {r}:") else f"rank {r}: {msg}")
+            except Exception:  # an exception type that takes other arguments: its text, as a RuntimeError
+                return RuntimeError(f"{kind.__name__}: {msg}")
     op0, extra0, descs0, _ = everyone[0]
     here = f"(raised on rank {rank}) "
     ops = {r: e[0] for r, e in enumerate(everyone)}
