@@ -19,10 +19,10 @@ from . import stall
 from .arrays import array_kind
 from .context import Context, context_for
 from .doubling import SmallCall, adasum_reduce_doubling
-from .kernels import mpi_bound
+from .kernels import mpi_bound, use_isa
 from .fusion import Group, Operand, TensorLayout, layer_spans, make_groups
 from .launch import check_launch
-from .transport import Transport, use_staging
+from .transport import Transport, transport_for
 from .validate import agree, describe, explain, signature
 from .vhdd import adasum_reduce
 
@@ -104,10 +104,11 @@ def _parse_op(op) -> str:
 
 def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
     ctx = context_for(comm)
-    s = _settings.current()
     if ctx.enter("adasum_allreduce_inplace" if inplace else "adasum_allreduce") % 64 == 0:
         stall.drain(ctx)
     try:
+        s = ctx.settings  # the call's snapshot: nothing below reads the live settings
+        use_isa(s.kernels_isa)
         extras = _extras(ctx, s)
         if op == "adasum" and not hierarchical and type(tensors) is list and ctx.size > 1:
             done, known = _small_adasum(ctx, s, tensors, inplace, extras)
@@ -304,13 +305,12 @@ class _Plan:
         self._transports: tuple = (None, [])
 
     def transports(self, ctx: Context, operands: Sequence[Operand], s: _settings.Settings) -> list[Transport]:
-        """One :class:`Transport` per operand, kept while the device transport settings stay the same
-        (whether a group is staged depends on those and on its device only)."""
-        mode = (s.gpu_transport, s.cuda_aware)
-        if self._transports[0] == mode and len(self._transports[1]) == len(operands):
+        """One :class:`Transport` per operand, kept while the settings stay the same (whether a group is
+        staged depends on those and on its device only)."""
+        if self._transports[0] is s and len(self._transports[1]) == len(operands):
             return self._transports[1]
         out = [_transport_for(ctx, g) for g in operands]
-        self._transports = (mode, out)
+        self._transports = (s, out)
         return out
 
 
@@ -331,8 +331,7 @@ def _plan(ctx: Context, items, op: str, extra: tuple) -> _Plan:
 
 def _transport_for(ctx: Context, g: Operand) -> Transport:
     # combined in the caller's tensors (buffer None): host memory, direct_parts gives no other
-    staged = g.buffer is not None and use_staging(g.adapter, g.buffer)
-    return Transport(ctx, ctx.lcomm, g.adapter, g.device, staged=staged)
+    return transport_for(ctx, ctx.lcomm, g.adapter, g.device, g.buffer)
 
 
 def _plain_reduce(ctx: Context, groups: Sequence[Operand], mean: bool) -> None:

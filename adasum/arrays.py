@@ -30,17 +30,18 @@ from .kernels import compiled as _c_kernels  # None where the install could not 
 
 
 
-def _use_c() -> bool:
-    return _c_kernels is not None and _settings.current().kernels == "c"
+def _use_c(s: _settings.Settings) -> bool:
+    return _c_kernels is not None and s.kernels == "c"
 
 
 def kernels_backend() -> str:
-    """``"c"`` when host float32/float64 buffers go through the compiled kernels, else ``"numpy"``.
+    """``"c"`` when host float32/float64 buffers go through the compiled kernels under the current
+    settings, else ``"numpy"``.
 
     The environment variable ``ADASUM_KERNELS=numpy`` (or :func:`set_kernels_backend`) selects the numpy
     kernels.
     """
-    return "c" if _use_c() else "numpy"
+    return "c" if _use_c(_settings.current()) else "numpy"
 
 
 def set_kernels_backend(name: str) -> None:
@@ -62,6 +63,8 @@ class Adapter:
     """What the algorithm needs from one kind of array. Subclasses implement it for numpy/cupy and torch."""
 
     kind: str
+    # The settings of the call in flight (:meth:`Adapters.use`); an adapter made on its own has the defaults.
+    settings: _settings.Settings = _settings.Settings()
 
     def clear(self) -> None:
         """Drop kept scratch buffers and views."""
@@ -355,7 +358,7 @@ class NumpyAdapter(_NumpyLike):
         return buf
 
     def _compiled(self, *operands) -> bool:
-        return _use_c() and all(type(x) is list or (x.dtype.char in "fd" and x.flags.c_contiguous)
+        return _use_c(self.settings) and all(type(x) is list or (x.dtype.char in "fd" and x.flags.c_contiguous)
                               for x in operands)
 
     def partial_dots(self, a, b, pieces):
@@ -387,7 +390,7 @@ class NumpyAdapter(_NumpyLike):
         super().pair(left, right, dst, pieces, span_array, count_left, count_right)
 
     def direct_parts(self, tensors, dtype, contiguous=False):
-        if not _use_c() or dtype not in ("float32", "float64"):
+        if not _use_c(self.settings) or dtype not in ("float32", "float64"):
             return None
         if not contiguous and not all(t.flags.c_contiguous for t in tensors):
             return None
@@ -433,7 +436,7 @@ class CupyAdapter(_NumpyLike):
     def _torch_views(self, *operands):
         """Zero-copy torch views (DLPack) of flat cupy buffers where they take the segmented Triton
         kernels under the setting ``device_kernels``, else None (the per-layer cupy kernels)."""
-        setting = _settings.current().device_kernels
+        setting = self.settings.device_kernels
         if setting == "per-layer" or not _segmented.wanted(setting, True):  # raises for "triton" without it
             return None
         torch = sys.modules["torch"]
@@ -618,7 +621,7 @@ class TorchAdapter(Adapter):
     def _segmented_for(self, *operands) -> _segmented.SegmentedKernels | None:
         """The segmented Triton kernels where flat tensor ``operands`` take them under the setting
         ``device_kernels``, else None (lists of host pieces never do)."""
-        setting = _settings.current().device_kernels
+        setting = self.settings.device_kernels
         if setting == "per-layer" or any(type(x) is list for x in operands):
             return None
         if not _segmented.wanted(setting, operands[0].device.type == "cuda"):
@@ -1065,8 +1068,14 @@ class Adapters:
                 adapter = CupyAdapter(cupy, getattr(cupy, "_adasum_pinned_empty", None))
             else:
                 raise ValueError(f"no adapter for arrays of kind {kind!r}")
+            adapter.settings = self.numpy.settings
             self._made[kind] = adapter
         return adapter
+
+    def use(self, s: _settings.Settings) -> None:
+        """Bind the settings ``s`` of the call that starts to every adapter."""
+        for adapter in self._made.values():
+            adapter.settings = s
 
     def for_array(self, t) -> Adapter | None:
         """The adapter for array ``t``, or None if ``t`` is of no supported kind."""

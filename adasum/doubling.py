@@ -20,7 +20,6 @@ from typing import Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import settings as _settings
 from . import stall, tree
 from .arrays import nonempty
 from .fusion import Operand, layer_spans
@@ -29,9 +28,9 @@ from .validate import AGREE_BYTES
 from .vhdd import fold_out
 
 from .kernels import compiled as _kernels  # None without a C compiler: SmallCall is then never made
-from .kernels import handle, mpi_bound, request
+from .kernels import handle, request
 
-__all__ = ["SmallCall", "adasum_reduce_doubling", "native_enabled", "set_native"]
+__all__ = ["SmallCall", "adasum_reduce_doubling"]
 
 
 def _combine_pair(groups, spans, scratches, count_left: int, count_right: int, upper: bool, last: bool) -> None:
@@ -74,18 +73,6 @@ def adasum_reduce_doubling(comm: MPI.Intracomm, groups: Sequence[Operand], trans
     if r.fold is not None:
         for g, t, (layers, _, _) in zip(groups, transports, spans):
             t.send(g.buffer if not g.writes_parts else nonempty(g.parts, layers), r.fold[0])
-
-
-def native_enabled() -> bool:
-    """Whether small calls on numpy arrays and torch CPU tensors run in one compiled call: the setting
-    ``native_mpi``, where the MPI library can be bound (:func:`adasum.kernels.mpi_bound`)."""
-    return _settings.current().native_mpi and mpi_bound()
-
-
-def set_native(enabled: bool) -> None:
-    """Turn the compiled small-call path on (where it can be bound) or off: the setting ``native_mpi``;
-    both give the same messages and bits."""
-    _settings.configure(native_mpi=bool(enabled))
 
 
 class SmallCall:
@@ -142,6 +129,7 @@ class SmallCall:
         if rc == 0 and ctx.counters:
             ctx.record("scalar_bytes", AGREE_BYTES)
             ctx.record("sent_bytes", self.messages * self.nbytes, self.messages)
+            ctx.record("compiled_calls", 1)
         return rc
 
     def live(self, items: list) -> list:

@@ -35,7 +35,7 @@ from mpi4py import MPI
 
 from .arrays import merge_partials
 from .fusion import Group, Operand
-from .transport import Transport, use_staging
+from .transport import Transport, transport_for
 from .vhdd import adasum_reduce
 
 __all__ = ["NodeLayout", "build_node_layout", "hierarchical_reduce"]
@@ -128,7 +128,7 @@ class _NodeCollectives:
         self.comm = layout.node_comm
         self.local_size = self.comm.Get_size()
         self.g = g
-        self.transport = Transport(ctx, self.comm, g.adapter, g.device, staged=use_staging(g.adapter, g.buffer))
+        self.transport = transport_for(ctx, self.comm, g.adapter, g.device, g.buffer)
         edges = _slice_bounds(g.size, layout.slices)
         self.counts = [edges[j + 1] - edges[j] if j < layout.slices else 0 for j in range(self.local_size)]
         self.displs = [edges[min(j, layout.slices)] for j in range(self.local_size)]
@@ -159,7 +159,7 @@ def _slice_sum(ctx, comm: MPI.Intracomm) -> Callable[[np.ndarray, list], np.ndar
     """Sums a partial-dot-product vector over the node's slice holders, bitwise alike on each of them."""
     if comm.Get_size() == 1:
         return None
-    t = Transport(ctx, comm, ctx.adapters.numpy, "cpu", staged=False)
+    t = Transport(ctx, comm, ctx.adapters.numpy, "cpu", staged=False, chunk_bytes=0)
 
     def local_sum(vec: np.ndarray, widths) -> np.ndarray:
         rows = t.allgather_scalars(vec)
@@ -192,7 +192,7 @@ def hierarchical_reduce(ctx, groups: Sequence[Operand]) -> None:
         edges = [_slice_bounds(g.size, layout.slices) for g in groups]
         j = layout.local_rank
         slices = [_slice_group(g, e[j], e[j + 1]) for g, e in zip(groups, edges)]
-        transports = [Transport(ctx, layout.cross_comm, s.adapter, s.device, staged=use_staging(s.adapter, g.buffer))
+        transports = [transport_for(ctx, layout.cross_comm, s.adapter, s.device, g.buffer)
                       for s, g in zip(slices, groups)]
         adasum_reduce(layout.cross_comm, slices, transports, counts=layout.counts,
                       local_sum=_slice_sum(ctx, layout.slice_comm))

@@ -27,6 +27,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from .settings import current
 from .transport import TAG
 
 __all__ = ["AdasumStallError", "patience", "wait", "drain"]
@@ -99,9 +100,8 @@ def wait(ctx, req: MPI.Request, op: str | None, descs, waited: float = 0.0,
     this rank passed; ``op`` None: the duplicate of a first call), ``waited`` seconds after it was posted,
     watching for ranks that do not arrive. The inspector's messages go over the library's communicator, or
     over ``via`` (the user's communicator, while the library's is being made)."""
-    from .settings import current
-
-    s = current()
+    # the snapshot of the call in flight; only a duplicate made outside a call (library_comm) reads the live ones
+    s = ctx.settings if ctx.settings is not None else current()
     warn, timeout = s.stall_warning, s.stall_timeout
     if warn is None and timeout is None:
         req.Wait()

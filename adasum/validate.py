@@ -15,7 +15,6 @@ from mpi4py import MPI
 from . import stall
 from .arrays import FLOAT_DTYPES, INT_DTYPES, Adapter, Adapters
 from .kernels import compiled, mpi_bound, request
-from .settings import current
 
 __all__ = ["AdasumMismatchError", "TensorDesc", "describe", "agree", "signature"]
 
@@ -112,7 +111,7 @@ def agree(ctx, op: str, descs: Sequence[TensorDesc] | None, error: Exception | N
     scratch = ctx.agree_scratch  # what this rank sends [0:4], what all saw [4:8]
     scratch[0], scratch[1], scratch[2], scratch[3] = sig, -sig, 1 if error is not None else 0, vote
     ctx.record("scalar_bytes", AGREE_BYTES)
-    patience = stall.patience(current())
+    patience = stall.patience(ctx.settings)
     if mpi_bound():
         rc = compiled.agree(scratch, *ctx.agree_handles, patience)
         if rc == 1:
