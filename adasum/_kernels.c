@@ -554,9 +554,11 @@ rescaled_dots_f64(const double *x, const double *y, Py_ssize_t n, double *g)
         return;
     int k;
     frexp(m, &k);
-    double s = ldexp(1.0, -k), d = 0.0, a = 0.0, b = 0.0;
+    /* subnormal data: 2^-k is beyond the range, so scale up in two steps (as adasum.arrays._scale_down) */
+    int half = k >= -1020 ? -k : -k / 2;
+    double s = ldexp(1.0, half), s2 = ldexp(1.0, -k - half), d = 0.0, a = 0.0, b = 0.0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        double xs = x[i] * s, ys = y[i] * s;
+        double xs = x[i] * s * s2, ys = y[i] * s * s2;
         d += xs * ys;
         a += xs * xs;
         b += ys * ys;

@@ -964,10 +964,18 @@ def extend_range(part: np.ndarray, a, b, pieces) -> np.ndarray:
             out[i] = (0.0, 0.0, 0.0, NO_SCALE)
         elif math.isfinite(m):  # NaN or Inf in the data: the partials stay non-finite, on purpose
             k = math.frexp(m)[1]
-            scale = math.ldexp(1.0, -k)
-            xs, ys = x * scale, y * scale
+            xs, ys = _scale_down(x, k), _scale_down(y, k)
             out[i] = (float((xs * ys).sum()), float((xs * xs).sum()), float((ys * ys).sum()), k)
     return out
+
+
+def _scale_down(x, k: int):
+    """``x · 2**-k``, exact where the result is normal. Subnormal data has ``2**-k`` beyond the float64
+    range: it is then scaled up in two steps (as the compiled kernel does)."""
+    if k >= -1020:
+        return x * math.ldexp(1.0, -k)
+    half = -k // 2
+    return x * math.ldexp(1.0, half) * math.ldexp(1.0, -k - half)
 
 
 def _shift(k: np.ndarray, top: np.ndarray) -> np.ndarray:

@@ -60,7 +60,8 @@ def combine(a, b, count_a=1, count_b=1):
     # The dot products of a and b scaled by a power of two that bounds them (exact): the coefficients are
     # ratios of them, which then neither overflow nor underflow for any finite float64 input.
     m = max(float(np.abs(a).max()), float(np.abs(b).max())) if a.size else 0.0
-    scale = math.ldexp(1.0, -math.frexp(m)[1]) if 0.0 < m < math.inf else 1.0
-    x, y = a * scale, b * scale
+    # (As an exponent: 2**-e of a subnormal m is itself beyond the float64 range.)
+    e = math.frexp(m)[1] if 0.0 < m < math.inf else 0
+    x, y = np.ldexp(a, -e), np.ldexp(b, -e)
     ca, cb = coefficients(np.dot(x, y), np.dot(x, x), np.dot(y, y), count_a, count_b)
     return float(ca) * a + float(cb) * b
