@@ -38,7 +38,7 @@ _log = logging.getLogger("adasum")
 STALL_TAG = TAG + 2
 # A rank tells the others that it is waiting once it has waited this long (or less, with shorter settings).
 ANNOUNCE_AFTER = 1.0
-_OPS = ("adasum", "sum", "mean")
+_OPS = ("adasum", "sum", "mean", "exchange")  # "exchange": adasum.exchange's calls (descs: their bytes)
 _FIELDS = 5  # call number, op, tensors, bytes, rank
 
 
@@ -57,6 +57,8 @@ def patience(s) -> float:
 def _describe(op: str | None, descs) -> tuple[int, int, int]:
     if op is None:
         return -2, -1, -1
+    if op == "exchange":
+        return _OPS.index(op), 0, int(descs)
     if descs is None:
         return -1, -1, -1
     nbytes = sum(math.prod(d.shape) * np.dtype("float32" if d.dtype == "bfloat16" else d.dtype).itemsize
@@ -64,8 +66,10 @@ def _describe(op: str | None, descs) -> tuple[int, int, int]:
     return (_OPS.index(op) if op in _OPS else -1), len(descs), nbytes
 
 
-def _what(fields) -> str:
+def _what(fields, label: str | None = None) -> str:
     op, n, nbytes = (int(v) for v in fields)
+    if 0 <= op < len(_OPS) and _OPS[op] == "exchange":
+        return f"an exchange of the training layer ({label + ', ' if label else ''}{nbytes} bytes)"
     if n < 0:
         return "making the library's duplicate of it" if op == -2 else "inputs it could not describe"
     return f"op '{_OPS[op] if 0 <= op < len(_OPS) else '?'}', {n} tensor{'s' * (n != 1)}, {nbytes} bytes"
@@ -95,9 +99,11 @@ def drain(ctx) -> None:
 
 
 def wait(ctx, req: MPI.Request, op: str | None, descs, waited: float = 0.0,
-         via: MPI.Intracomm | None = None) -> None:
+         via: MPI.Intracomm | None = None, label: str | None = None) -> None:
     """Wait for ``req``, the first collective of the call in flight on ``ctx`` (``op`` and ``descs``: what
-    this rank passed; ``op`` None: the duplicate of a first call), ``waited`` seconds after it was posted,
+    this rank passed; ``op`` None: the duplicate of a first call; ``op`` "exchange": one of
+    :mod:`adasum.exchange`'s calls, ``descs`` its bytes and ``label`` what it is for), ``waited`` seconds
+    after it was posted,
     watching for ranks that do not arrive. The inspector's messages go over the library's communicator, or
     over ``via`` (the user's communicator, while the library's is being made)."""
     # the snapshot of the call in flight; only a duplicate made outside a call (library_comm) reads the live ones
@@ -129,9 +135,9 @@ def wait(ctx, req: MPI.Request, op: str | None, descs, waited: float = 0.0,
         if warn is not None and not reported and elapsed >= warn + first:
             reported = True
             if ctx.rank == min(heard):
-                _log.warning("adasum: %s", _report(ctx, seq, heard, elapsed))
+                _log.warning("adasum: %s", _report(ctx, seq, heard, elapsed, label))
         if timeout is not None and elapsed >= timeout:
-            text = _report(ctx, seq, heard, elapsed)
+            text = _report(ctx, seq, heard, elapsed, label)
             ctx.broken = text
             raise AdasumStallError(text)
         time.sleep(delay)
@@ -140,12 +146,12 @@ def wait(ctx, req: MPI.Request, op: str | None, descs, waited: float = 0.0,
         _collect(via, -1, {})
 
 
-def _report(ctx, seq: int, heard: dict, elapsed: float) -> str:
+def _report(ctx, seq: int, heard: dict, elapsed: float, label: str | None = None) -> str:
     missing = [r for r in range(ctx.size) if r not in heard]
     mine = heard[ctx.rank]
     others = [f"rank {r} with {_what(f)}" for r, f in sorted(heard.items())
               if r != ctx.rank and not np.array_equal(f, mine)]
-    text = (f"rank {ctx.rank}: call #{seq} on {ctx.name} ({_what(mine)}) has waited {elapsed:.1f} s for "
+    text = (f"rank {ctx.rank}: call #{seq} on {ctx.name} ({_what(mine, label)}) has waited {elapsed:.1f} s for "
             f"rank{'s' * (len(missing) != 1)} {', '.join(map(str, missing)) or '(none: all announced)'}, "
             f"which {'has' if len(missing) == 1 else 'have'} not entered it; "
             f"waiting in it: rank{'s' * (len(heard) != 1)} {', '.join(map(str, sorted(heard)))}")

@@ -150,18 +150,30 @@ def test_load_state_dict_checks_the_accumulated_gradients():
         model_and_opt(k=2)[2].load_state_dict(state)
 
 
-def test_closure_is_evaluated_at_the_boundary():
+def test_closure_is_evaluated_at_every_step_first():
+    """torch's contract: the closure re-evaluates the model (forward and backward of the micro-batch) and
+    its loss is returned, at every step(closure), inside a window as at its boundary; the update uses the
+    gradients it computed, as a plain loop's backward before step() does."""
     model, _, opt = model_and_opt(k=2)
+    ref_model, _, ref_opt = model_and_opt(k=2)
     calls = []
 
-    def closure():
-        calls.append(1)
-        return torch.tensor(1.5)
+    def closure(i):
+        def run():
+            calls.append(i)
+            backward(model, i)
+            return torch.tensor(1.5 + i)
+        return run
 
-    backward(model, 0)
-    assert opt.step(closure) is None and calls == []
-    backward(model, 1)
-    assert float(opt.step(closure)) == 1.5 and calls == [1]
+    for i in range(4):
+        assert float(opt.step(closure(i))) == 1.5 + i and calls[-1] == i
+        assert opt.is_boundary == (i % 2 == 1)
+        opt.zero_grad()
+        backward(ref_model, i)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert calls == [0, 1, 2, 3]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
 
 
 def test_skip_nonfinite_off_lets_nan_through():

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from mpi4py import MPI
 
-from ..context import library_comm
+from .. import exchange
 from .optimizer import DistributedOptimizer
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state"]
@@ -28,7 +28,7 @@ def broadcast_parameters(params, *, root: int = 0, comm: MPI.Intracomm | None = 
     comm, rank = _comm_and_rank(comm, root)
     items = _named_tensors(params)
     desc = [(name, tuple(t.shape), str(t.dtype)) for name, t in items]
-    root_desc = comm.bcast(desc if rank == root else None, root=root)
+    root_desc = exchange.bcast(comm, desc if rank == root else None, root=root, what="the broadcast's tensors")
     raise_everywhere(comm, _difference(desc, root_desc, rank, root))
 
     # Each tensor starts at a multiple of 16 bytes so that its slice can be viewed as its own dtype.
@@ -42,8 +42,7 @@ def broadcast_parameters(params, *, root: int = 0, comm: MPI.Intracomm | None = 
         for (_, t), (lo, hi) in zip(items, spans):
             if hi > lo:
                 buf[lo:hi].copy_(_bytes_of(t))
-    if end:
-        comm.Bcast([buf.numpy(), MPI.BYTE], root=root)
+    exchange.bcast_buffer(comm, buf.numpy(), root=root, what="broadcast_parameters")
     if rank != root:
         with torch.no_grad():
             for (_, t), (lo, hi) in zip(items, spans):
@@ -61,7 +60,7 @@ def broadcast_optimizer_state(optimizer, *, root: int = 0, comm: MPI.Intracomm |
     comm, rank = _comm_and_rank(comm, root)
     inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
     state = to_cpu(inner.state_dict()) if rank == root else None
-    state = comm.bcast(state, root=root)
+    state = exchange.bcast(comm, state, root=root, what="broadcast_optimizer_state")
     mine = [len(g["params"]) for g in inner.param_groups]
     theirs = [len(g["params"]) for g in state["param_groups"]]
     problem = None
@@ -79,7 +78,7 @@ def _comm_and_rank(comm, root: int):
         raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
     if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < comm.Get_size():
         raise ValueError(f"root must be a rank of comm (0 to {comm.Get_size() - 1}), got {root!r}")
-    return library_comm(comm), comm.Get_rank()
+    return comm, comm.Get_rank()
 
 
 def _named_tensors(params) -> list[tuple[str, torch.Tensor]]:
@@ -116,7 +115,7 @@ def _difference(mine, theirs, rank: int, root: int) -> str | None:
 
 def raise_everywhere(comm: MPI.Intracomm, problem: str | None) -> None:
     """One small collective; the first rank's problem becomes a ValueError on every rank."""
-    problems = comm.allgather(problem)
+    problems = exchange.allgather(comm, problem, what="an error vote")
     first = next((p for p in problems if p is not None), None)
     if first is not None:
         raise ValueError(f"(raised on rank {comm.Get_rank()}) {first}")

@@ -25,7 +25,7 @@ from typing import IO, Any
 import torch
 from mpi4py import MPI
 
-from ..context import library_comm
+from .. import exchange
 from .broadcast import raise_everywhere, to_cpu
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint"]
@@ -55,7 +55,7 @@ def save_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimize
     """
     comm, rank, size = _setup(comm, root)
     local = to_cpu(optimizer.state_dict()) if optimizer is not None else None
-    states = comm.gather(local, root=root)
+    states = exchange.gather(comm, local, root=root, what="save_checkpoint's optimizer states")
     problem = None
     if rank == root:
         payload = {"format": _FORMAT, "world_size": size, "model": to_cpu(model.state_dict()),
@@ -96,10 +96,12 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
         except Exception as exc:
             problem = f"rank {rank}: cannot load checkpoint {os.fspath(path)!r}: {exc}"
     raise_everywhere(comm, problem)
-    header = comm.bcast(None if payload is None else
-                        {"model": payload["model"] if model is not None else None, "extra": payload["extra"]},
-                        root=root)
-    states = comm.scatter(payload["optimizer"] if rank == root and optimizer is not None else None, root=root)
+    header = exchange.bcast(comm, None if payload is None else
+                            {"model": payload["model"] if model is not None else None, "extra": payload["extra"]},
+                            root=root, what="load_checkpoint's model")
+    states = exchange.scatter(comm, payload["optimizer"] if rank == root and optimizer is not None else
+                              [None] * size if rank == root else None, root=root,
+                              what="load_checkpoint's optimizer states")
     # Nothing is changed until every rank knows that its part fits.
     problem = None if model is None else _model_misfit(model, header["model"], rank, os.fspath(path))
     raise_everywhere(comm, problem)
@@ -160,7 +162,7 @@ def _setup(comm, root: int):
         raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
     if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < comm.Get_size():
         raise ValueError(f"root must be a rank of comm (0 to {comm.Get_size() - 1}), got {root!r}")
-    return library_comm(comm), comm.Get_rank(), comm.Get_size()
+    return comm, comm.Get_rank(), comm.Get_size()
 
 
 def _header(nbytes: int, digest: str) -> bytes:

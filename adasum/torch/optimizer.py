@@ -1,30 +1,33 @@
 """``DistributedOptimizer``: any torch optimizer, data-parallel over MPI with Adasum on weight deltas
 (docs/design.md), or with a plain sum/mean of the gradients, with local micro-batch accumulation.
 
-Adasum combines what each rank's optimizer *would do*: at a boundary every rank takes its own local step,
-the per-parameter deltas (new - start) are combined with Adasum, one layer per parameter tensor, and every
-rank sets its parameters to start + combined delta. Optimizer state (momentum, Adam moments) stays local.
-With ``op="sum"`` or ``"mean"`` the gradients are reduced before the local step, as data-parallel training
-usually does, and the optimizer state stays identical on every rank.
+This is the object users see, and it is small: it counts micro-batches (:mod:`.accumulate`), and at a
+boundary hands buckets of parameters to a reduce strategy (:mod:`.strategy`: Adasum of weight deltas, or
+sum/mean of gradients), in ``step()`` or, with ``overlap=True``, on the overlap engine's thread during
+backward (:mod:`.overlap`). Before anything is applied the ranks vote on whether a bucket failed anywhere,
+so an error on one rank is an error on every rank. Every MPI call goes through the collective or
+:mod:`adasum.exchange`, so the stall inspector names a rank that does not arrive.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import weakref
 from typing import Any, Callable
 
 import torch
 from mpi4py import MPI
 
-from ..allreduce import Op, adasum_allreduce_inplace
-from ..context import library_comm
+from .. import exchange
+from ..allreduce import Op
 from ..launch import check_launch
 from .accumulate import AccumulationWindow
-from .compress import reduce_16bit, wire_dtype
-from .overlap import BucketPlan, CommThread
+from .amp import LossScale
+from .compress import Wire
+from .overlap import OverlapEngine
+from .strategy import AdasumDeltas, Bucket, GradientReduce, trained_params
+from .tensors import StartCopy, average_, grads_of
 
 __all__ = ["DistributedOptimizer"]
 
@@ -76,22 +79,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
             theirs, and their optimizer state keeps it. Off: non-finite values reach the parameters.
         overlap: communicate during backward (default off: on hosts where every rank has one core, the
             communication thread competes with backward for it, see the README). On the backward that
-            closes a window, a hook on every
-            parameter collects the parameters into buckets as backward finishes them; each complete bucket
-            is handed to a background thread at once, which for ``op="adasum"`` takes that bucket's local
-            step and reduces its deltas, and for ``"sum"``/``"mean"`` reduces its gradients (the local step
-            then runs in ``step()``). ``step()`` waits for the buckets and applies them. The results are
-            bitwise those of ``overlap=False`` for adasum (within float rounding for sum/mean). The first
-            boundary runs without overlap and records the order in which backward produced the gradients
-            (rank 0's order, shared by every rank). A boundary that uses a closure, or a loop that calls
-            :meth:`finalize_gradients` / :meth:`clip_grad_norm_` with ``op="adasum"`` (clipping by the norm
-            of all gradients before the local step), runs without overlap. See the README for the rules.
+            closes a window, a hook on every parameter collects the parameters into buckets as backward
+            finishes them; each complete bucket is handed to a background thread at once, which for
+            ``op="adasum"`` takes that bucket's local step and reduces its deltas (the parameters are set
+            back to their start at once, so they change only inside ``step()``), and for
+            ``"sum"``/``"mean"`` reduces its gradients (the local step then runs in ``step()``). ``step()``
+            waits for the buckets and applies them. The results are bitwise those of ``overlap=False`` for
+            adasum (within float rounding for sum/mean). The first boundary runs without overlap and
+            records the order in which backward produced the gradients (rank 0's order, shared by every
+            rank). A loop that calls :meth:`finalize_gradients` / :meth:`clip_grad_norm_` with
+            ``op="adasum"`` (clipping by the norm of all gradients before the local step) runs without
+            overlap. See the README for the rules.
         bucket_bytes: with ``overlap``, the smallest bucket in bytes of parameters (the last may be smaller).
         compression: ``None``, ``"fp16"`` or ``"bf16"``: the deltas (adasum) or gradients (sum/mean) travel
             as 16-bit floats, half the bytes; the dot products, norms and the combine (adasum) or the sums
             (sum/mean) run in float32 or wider on the values that arrived, and the result is rounded to 16
-            bits once before it is applied. ``"fp16"`` overflows to Inf beyond 65504 (an update is then
-            skipped); ``"bf16"`` keeps float32's range with 8 bits of precision.
+            bits once before it is applied. ``"fp16"`` multiplies each layer by a power of two that every
+            rank agrees on before the cast, so that values from about 1e-8 to 1e4 keep float16's 11 bits
+            of precision (what still overflows or underflows is logged once per layer); ``"bf16"`` keeps
+            float32's range with 8 bits of precision.
 
     Attributes:
         is_boundary: whether the last ``step()`` closed a window.
@@ -125,53 +131,40 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(comm, MPI.Intracomm):
             raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
         check_launch()  # a job whose processes MPI does not see raises here
-        if start_copy not in ("device", "host"):
-            raise ValueError(f"start_copy must be 'device' or 'host', got {start_copy!r}")
         if hierarchical and self.op != "adasum":
             raise ValueError(f"hierarchical=True needs op 'adasum', got op '{self.op}'")
-        if grad_scaler is not None and not all(callable(getattr(grad_scaler, m, None))
-                                               for m in ("scale", "update", "get_scale", "is_enabled")):
-            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
         self.optimizer = optimizer
         self.comm = comm
-        self.compression = None if wire_dtype(compression) is None else compression
-        self._wire = wire_dtype(compression)
+        wire = Wire(compression)
+        self.compression = wire.name
         self.bucket_bytes = bucket_bytes
-        # Overlap needs a second thread in MPI; without MPI_THREAD_MULTIPLE every boundary runs in step().
-        self.overlap = bool(overlap) and comm.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        start = StartCopy(start_copy)
         self.start_copy = start_copy
         self.grad_scaler = grad_scaler
+        self._loss = LossScale(grad_scaler)
         self.skip_nonfinite = bool(skip_nonfinite)
         self.hierarchical = bool(hierarchical)
         self._window = AccumulationWindow(accumulation_steps)
+        if self.op == "adasum" and comm.Get_size() > 1:
+            self._strategy = AdasumDeltas(optimizer, start, wire, self.hierarchical, self.skip_nonfinite)
+        else:  # one rank: exactly the wrapped optimizer (the reduction is the identity)
+            self._strategy = GradientReduce(optimizer, self.op, wire, self.skip_nonfinite)
         self.is_boundary = False
         self.step_was_skipped = False
         self.skipped_updates = 0
         self.boundaries = 0
-        self._prepared = False       # the closing window's gradients are averaged (and reduced) already
-        self._scaler_good_steps = 0  # boundaries since the scale last changed (GradScaler's growth tracker)
-        self._start: list[torch.Tensor] = []
-        self._check_agreement()
-        # Overlap state: the thread's own duplicate of comm, the thread, the hooks, the bucket plan (None
-        # until a boundary has been observed), this backward's progress, and why overlap is off for good.
-        self._ocomm: MPI.Intracomm | None = None  # public as overlap_comm
-        self._thread: CommThread | None = None
-        self._hooks: list = []
-        self._hooked: list[int] = []
-        self._plan: BucketPlan | None = None
-        self._bw: dict[str, Any] | None = None
-        self._in_close = False
-        self._no_overlap: str | None = None
-        self.overlapped_boundaries = 0       # boundaries whose buckets were reduced during backward
-        self.buckets_started_in_backward = 0  # of the last such boundary, buckets handed over before step()
-        if self.overlap:
-            self._ocomm = comm.Dup()
-            library_comm(self._ocomm)  # the library's own duplicate, made here on the main thread
-            self._thread = CommThread(f"adasum-overlap-{self._ocomm.Get_rank()}")
-            self._finalizer = weakref.finalize(self, _release, self._thread, self._ocomm, self._hooks)
-            self._install_hooks()
+        self._averaged = False  # the closing window's gradients are averaged already (finalize_gradients)
+        self._reduced: list[Bucket] | None = None  # ... and reduced (sum/mean), its buckets
+        # Overlap needs a second thread in MPI; without MPI_THREAD_MULTIPLE every boundary runs in step().
+        overlap = bool(overlap) and comm.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self._check_agreement(overlap, str(wire.dtype))
+        self._engine: OverlapEngine | None = None
+        if overlap:
+            self._engine = OverlapEngine(optimizer, self._strategy, self._window, self._loss, comm,
+                                         bucket_bytes)
+            weakref.finalize(self, self._engine.close)
 
     # --- the wrapped optimizer's own attributes ------------------------------------------------------------
 
@@ -194,22 +187,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer. Collective in effect: every rank must add the same shapes."""
         self.optimizer.add_param_group(param_group)
-        if self.overlap:
-            self._install_hooks()
+        if self._engine is not None:
+            self._engine.install()
+
+    @property
+    def overlap(self) -> bool:
+        """Whether boundaries may be reduced during backward (False once closed)."""
+        return self._engine is not None and not self._engine.closed
 
     @property
     def overlap_comm(self) -> MPI.Intracomm | None:
         """The communicator the overlap thread reduces on (a duplicate of ``comm``; None without overlap):
         ``adasum.count_traffic(opt.overlap_comm)`` counts what the overlapped buckets send."""
-        return self._ocomm if self.overlap else None
+        return self._engine.comm if self.overlap else None
+
+    @property
+    def overlapped_boundaries(self) -> int:
+        return 0 if self._engine is None else self._engine.overlapped_boundaries
+
+    @property
+    def buckets_started_in_backward(self) -> int:
+        return 0 if self._engine is None else self._engine.buckets_started_in_backward
 
     def close(self) -> None:
-        """Stop the overlap thread, remove the hooks and free the thread's communicator (done on garbage
-        collection too). Later boundaries run without overlap. Collective: every rank closes alike."""
+        """Stop the overlap thread, remove the hooks and free the thread's communicator (done when the
+        optimizer is collected, too). A window whose buckets are on the thread is abandoned: the parameters
+        keep their values. Later boundaries run without overlap. Collective: every rank closes alike."""
         if self.overlap:
-            self._finish_overlap(self._params(), raise_errors=False)
-            self._finalizer()
-            self.overlap = False
+            self._engine.finish()
+            self._engine.close()
 
     def __getattr__(self, name: str):
         optimizer = self.__dict__.get("optimizer")
@@ -256,7 +262,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.is_boundary = self.step_was_skipped = False
         if self._window.seen == 0:
             return False
-        self._close_window(None, self._window.seen)
+        self._close_window(self._window.seen)
         return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -287,24 +293,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if not self._window.closes_next:
             return False
-        if not self._prepared:
-            params = self._params()
-            if self.op == "adasum":
-                # Processing all gradients before the local step cannot overlap with adasum: from now on
-                # every boundary runs in step().
-                self._no_overlap = "finalize_gradients"
-                if self._bw is not None and not self._bw["observe"]:
-                    self._finish_overlap(params, raise_errors=False)
-                    with torch.no_grad():
-                        self._apply_start([p.detach() for p in params], self._start, "copy")
-                    self._bw = None
+        if self._averaged or self._reduced is not None:
+            return True
+        count = self._window.seen + 1
+        if isinstance(self._strategy, AdasumDeltas):
+            # All gradients are needed before any local step: from now on every boundary runs in step().
+            if self._engine is not None:
+                self._engine.disable("finalize_gradients")
+                if self._engine.started:
+                    self._engine.finish()
                     raise RuntimeError(
                         "finalize_gradients()/clip_grad_norm_() was called at a boundary whose local steps "
-                        "already ran during backward (overlap with op='adasum'); the parameters are restored "
-                        "to the window's start. Call it at every boundary from the first one on (overlap then "
-                        "stays off), or construct the optimizer with overlap=False")
-            if not self._finish_overlap(params):
-                self._prepare(params, self._window.seen + 1)
+                        "already ran during backward (overlap with op='adasum'); the parameters keep the "
+                        "window's start. Call it at every boundary from the first one on (overlap then stays "
+                        "off), or construct the optimizer with overlap=False")
+            average_(grads_of(self._params()), count, self._loss.current())
+            self._averaged = True
+        else:
+            buckets, comm, _ = self._reduce(count)
+            self._agree(buckets, comm)
+            self._strategy.settle(buckets)
+            self._reduced = buckets
         return True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs) -> torch.Tensor | None:
@@ -323,9 +332,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None):
         """Record one micro-batch; where it closes a window, reduce and update (collective there).
 
-        Returns the wrapped optimizer's return value at a boundary (the closure's loss), else None. A
-        closure is evaluated only at boundaries, and only with ``op="adasum"`` or on one rank: with
-        ``"sum"``/``"mean"`` it would replace the reduced gradients by local ones.
+        ``closure`` (forward and backward of this micro-batch, as torch optimizers and Lightning pass it) is
+        evaluated first, once, at every call; its loss is returned. The wrapped optimizer then steps
+        without it, so optimizers that evaluate the closure several times (LBFGS) are not supported.
         """
         if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
             self.__dict__.pop("grad_scale", None)
@@ -333,384 +342,75 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("DistributedOptimizer was passed to GradScaler.step(); instead give the scaler "
                                "to the constructor (DistributedOptimizer(..., grad_scaler=scaler)) and call "
                                "optimizer.step() directly: the scaler's own update would differ across ranks")
-        if closure is not None and self.op != "adasum" and self.comm.Get_size() > 1:
-            raise ValueError(f"a closure re-computes the gradients after op '{self.op}' has reduced them; "
-                             "use op='adasum' or step without a closure")
-        if closure is not None and self._scaler_enabled():
-            raise ValueError("a closure cannot be used together with grad_scaler")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         self.is_boundary = self.step_was_skipped = False
-        if not self._window.record():
-            return None
-        return self._close_window(closure, self._window.seen)
-
-    def _close_window(self, closure, count: int):
-        self._in_close = True
-        try:
-            params = self._params()
-            if closure is not None and self._bw is not None and not self._bw["observe"]:
-                self._finish_overlap(params, raise_errors=False)
-                with torch.no_grad():
-                    self._apply_start([p.detach() for p in params], self._start, "copy")
-                raise RuntimeError("step(closure) at a boundary whose buckets were already reduced during "
-                                   "backward; use overlap=False with closures")
-            scale = self._scale() if self._bw is None else self._bw["scale"]
-            overlapped = self._finish_overlap(params)
-            if not overlapped and not self._prepared:
-                self._prepare(params, count)
-            if self.op == "adasum" and self.comm.Get_size() > 1:
-                if overlapped:
-                    ok, loss = self._apply_combined(params), None
-                else:
-                    ok, loss = self._adasum_step(params, closure)
-            else:
-                ok = not self.skip_nonfinite or _all_finite(_grads(params))
-                loss = self._local_step(closure) if ok else None
-            if not ok:
-                self._record_skip()
-            self._update_scaler(scale, ok)
-            if self.overlap and (self._plan is None or [id(p) for p in params] != self._hooked):
-                self._make_plan(params)
-        finally:
-            self._window.close()
-            self._prepared = False
-            self._in_close = False
-            self._bw = None
-        self.boundaries += 1
-        self.is_boundary = True
+        if self._window.record():
+            self._close_window(self._window.seen)
         return loss
 
-    def _local_step(self, closure):
-        return self.optimizer.step() if closure is None else self.optimizer.step(closure)
-
-    def _prepare(self, params: list[torch.Tensor], count: int) -> None:
-        """Average over the window (and unscale) in one pass; for sum/mean reduce the gradients."""
-        grads = _grads(params)
-        for i, p in enumerate(params):
-            if p.grad is not None and p.grad.is_sparse:
-                raise TypeError(f"parameter {i} of the optimizer has a sparse gradient; DistributedOptimizer "
-                                "reduces dense gradients only")
-        # One division by count·scale: with a power-of-two scale it rounds exactly as a division by count.
-        divisor = float(count) * self._scale()
-        if divisor != 1.0 and grads:
-            torch._foreach_div_(grads, divisor)
-        if self.op != "adasum" and self.comm.Get_size() > 1 and params:
-            for p, g in self._reduce_gradients(params, self.comm):
-                p.grad = g
-        self._prepared = True
-
-    def _reduce_gradients(self, params: list[torch.Tensor], comm: MPI.Intracomm) -> list:
-        """Sum or mean of the gradients in one fused call. A parameter without a gradient takes part with
-        zeros; it gets the reduced gradient if some rank had one, else it stays without (so the wrapped
-        optimizer skips it on every rank alike). One extra layer carries which ranks had gradients.
-        Returns the (parameter, gradient) pairs to set: the caller sets them (on the main thread)."""
-        ref = params[0]
-        have = torch.tensor([p.grad is not None for p in params], dtype=ref.dtype, device=ref.device)
-        tensors, missing = [], []
-        for i, p in enumerate(params):
-            if p.grad is None:
-                missing.append(i)
-                tensors.append(torch.zeros_like(p, memory_format=torch.contiguous_format))
-            else:
-                tensors.append(p.grad)
-        if self._wire is None:
-            adasum_allreduce_inplace(tensors + [have], op=self.op, comm=comm)
-        else:
-            reduce_16bit(tensors + [have], self._wire, comm, self.op == "mean")
-        out = []
-        if missing:
-            somewhere = (have > 0).tolist()
-            for i in missing:
-                if somewhere[i]:
-                    out.append((params[i], tensors[i]))
-        return out
-
-    def _reduce_deltas(self, deltas: list[torch.Tensor], comm: MPI.Intracomm) -> None:
-        """Adasum of the deltas in place, travelling as the ``compression`` dtype where one is set."""
-        if self._wire is None:
-            adasum_allreduce_inplace(deltas, op="adasum", comm=comm, hierarchical=self.hierarchical)
-            return
-        wire = [d.to(self._wire) for d in deltas]
-        adasum_allreduce_inplace(wire, op="adasum", comm=comm, hierarchical=self.hierarchical)
-        for d, w in zip(deltas, wire):
-            d.copy_(w)
-
-    def _adasum_step(self, params: list[torch.Tensor], closure):
-        """Local step, Adasum of the deltas, start + combined delta; (False, …) and no change if non-finite."""
-        local_ok = not self.skip_nonfinite or _all_finite(_grads(params))
-        start = self._keep_start(params)
-        # A rank with non-finite gradients skips its own step so that its optimizer state stays finite, and
-        # marks its delta so that the reduction tells every rank to skip.
-        loss = self._local_step(closure) if local_ok else None
-        with torch.no_grad():
-            deltas = [p.detach() for p in params]
-            self._apply_start(deltas, start, "sub")
-            if not local_ok:
-                for d in deltas:
-                    if d.numel():
-                        d.fill_(float("nan"))
-                        break
-            self._reduce_deltas(deltas, self.comm)
-            ok = not self.skip_nonfinite or _all_finite(deltas)
-            self._apply_start(deltas, start, "add" if ok else "copy")
-        return ok, loss
-
-    def _keep_start(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Copy the parameters into the kept start buffers, (re)allocating them when the parameters changed."""
-        start = self._ensure_start(params)
-        self._copy_start(start, params)
-        return start
-
-    def _ensure_start(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        host = self.start_copy == "host"
-        start = self._start
-        if len(start) != len(params) or any(
-                s.shape != p.shape or s.dtype != p.dtype or (not host and s.device != p.device)
-                for s, p in zip(start, params)):
-            start = self._start = [_host_like(p) if host else torch.empty_like(p) for p in params]
-        return start
-
-    def _copy_start(self, start: list[torch.Tensor], params: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            if self.start_copy == "host":
-                for s, p in zip(start, params):
-                    s.copy_(p.detach(), non_blocking=True)
-            elif start:
-                torch._foreach_copy_(start, [p.detach() for p in params])
-
-    # --- overlap: hooks, buckets and the communication thread -------------------------------------------------
-
-    def _install_hooks(self) -> None:
-        """(Re)register one post-accumulate-grad hook per trained parameter; the bucket plan starts over."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        params = self._params()
-        self._hooked = [id(p) for p in params]
-        me = weakref.ref(self)
-        for i, p in enumerate(params):
-            self._hooks.append(p.register_post_accumulate_grad_hook(_hook(me, i)))
-        self._plan = None
-        self._bw = None
-
-    def _on_grad(self, i: int) -> None:
-        """Backward has accumulated parameter ``i``'s gradient (main thread, inside backward)."""
-        if self._in_close or self._no_overlap or not self._window.closes_next:
-            return
-        bw = self._bw if self._bw is not None else self._begin_backward()
-        fired = bw["fired"]
-        fired[i] += 1
-        if bw["observe"]:
-            if fired[i] == 1:
-                bw["order"].append(i)
-            return
-        plan = self._plan
-        if fired[i] == plan.expected[i]:
-            bw["waiting"][plan.bucket_of[i]] -= 1
-            self._launch_ready(bw)
-        elif fired[i] > plan.expected[i]:
-            bw["late"].append(i)
-
-    def _begin_backward(self) -> dict[str, Any]:
-        params = self._params()
-        plan = self._plan if [id(p) for p in params] == self._hooked else None
-        bw = {"observe": plan is None, "params": params, "fired": [0] * len(params), "order": [],
-              "count": self._window.seen + 1, "scale": self._scale(), "next": 0, "jobs": [], "late": [],
-              "set_grads": [], "waiting": list(plan.waiting) if plan else None, "finished": False}
-        self._bw = bw
-        if plan is not None:
-            if self.op == "adasum":
-                self._ensure_start(params)
-            self._launch_ready(bw)
-        return bw
-
-    def _launch_ready(self, bw: dict[str, Any]) -> None:
-        """Hand every bucket that is complete, and has no incomplete bucket before it, to the thread."""
-        waiting = bw["waiting"]
-        while bw["next"] < len(waiting) and waiting[bw["next"]] <= 0:
-            self._submit(bw, bw["next"])
-            bw["next"] += 1
-
-    def _submit(self, bw: dict[str, Any], b: int) -> None:
-        idx = self._plan.buckets[b]
-        params = [bw["params"][i] for i in idx]
-        if self.op == "adasum":
-            start = [self._start[i] for i in idx]
-            job = self._thread.submit(lambda: self._adasum_bucket(params, start, bw["count"], bw["scale"]))
-        else:
-            job = self._thread.submit(lambda: self._grad_bucket(params, bw))
-        bw["jobs"].append(job)
-
-    def _adasum_bucket(self, params: list[torch.Tensor], start: list[torch.Tensor], count: int,
-                       scale: float) -> None:
-        """On the thread: average (and unscale) the bucket's gradients, take its local step, reduce its
-        deltas. A failure here still takes part in the reduction (with NaN deltas), then raises."""
-        failed = None
-        with torch.no_grad():
-            deltas = [p.detach() for p in params]
-            try:
-                grads = _grads(params)
-                divisor = float(count) * scale
-                if divisor != 1.0 and grads:
-                    torch._foreach_div_(grads, divisor)
-                local_ok = not self.skip_nonfinite or _all_finite(grads)
-                self._copy_start(start, params)
-                if local_ok and grads:
-                    self._subset_step(params)
-                self._apply_start(deltas, start, "sub")
-            except BaseException as e:  # noqa: BLE001 - raised below, after the collective
-                failed, local_ok = e, False
-            if not local_ok:
-                for d in deltas:
-                    if d.numel():
-                        d.view(-1)[0] = float("nan")
-                        break
-            self._reduce_deltas(deltas, self._ocomm)
-        if failed is not None:
-            raise failed
-
-    def _grad_bucket(self, params: list[torch.Tensor], bw: dict[str, Any]) -> None:
-        """On the thread: average (and unscale) the bucket's gradients and reduce them."""
-        with torch.no_grad():
-            grads = _grads(params)
-            divisor = float(bw["count"]) * bw["scale"]
-            if divisor != 1.0 and grads:
-                torch._foreach_div_(grads, divisor)
-            bw["set_grads"].extend(self._reduce_gradients(params, self._ocomm))
-
-    def _subset_step(self, params: list[torch.Tensor]) -> None:
-        """The wrapped optimizer's step restricted to ``params`` (its param groups narrowed meanwhile)."""
-        opt = self.optimizer
-        groups = opt.param_groups
-        keep = {id(p) for p in params}
-        saved = [(g, g["params"]) for g in groups]
-        narrowed = []
-        for g, ps in saved:
-            sub = [p for p in ps if id(p) in keep]
-            if sub:
-                g["params"] = sub
-                narrowed.append(g)
-        opt.param_groups = narrowed
+    def _close_window(self, count: int) -> None:
         try:
-            opt.step()
-        finally:
-            opt.param_groups = groups
-            for g, ps in saved:
-                g["params"] = ps
-
-    def _finish_overlap(self, params: list[torch.Tensor], raise_errors: bool = True) -> bool:
-        """Hand over the remaining buckets, wait for all of them and apply what the main thread must;
-        returns whether this boundary's buckets did the work. Errors on any rank raise on every rank."""
-        bw = self._bw
-        if bw is None or bw["observe"]:
-            return False
-        if bw["finished"]:
-            return True
-        plan = self._plan
-        self.buckets_started_in_backward = bw["next"]
-        while bw["next"] < len(plan.buckets):
-            self._submit(bw, bw["next"])
-            bw["next"] += 1
-        for job in bw["jobs"]:
-            job.wait()
-        bw["finished"] = True
-        self.overlapped_boundaries += 1
-        error = next((j.error for j in bw["jobs"] if j.error), None)
-        if error is None and bw["late"]:
-            error = (f"parameter(s) {bw['late'][:8]} received more gradient accumulations in this backward "
-                     "than in the first observed boundary; overlap needs the same graph at every boundary "
-                     "(use overlap=False)")
-        if self._ocomm.allreduce(error is not None, op=MPI.LOR):
-            errors = self._ocomm.allgather(error)
-            if self.op == "adasum":
-                with torch.no_grad():
-                    self._apply_start([p.detach() for p in params], self._start, "copy")
-            if raise_errors:
-                rank = self.comm.Get_rank()
-                raise RuntimeError(f"(raised on rank {rank}) a bucket reduced during backward failed; "
-                                   "parameters left at the window's start: "
-                                   + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
-            return True
-        for p, g in bw["set_grads"]:
-            p.grad = g
-        if self.op != "adasum":
-            self._prepared = True
-        return True
-
-    def _apply_combined(self, params: list[torch.Tensor]) -> bool:
-        """After overlapped adasum buckets: start + combined delta, or start where any delta is non-finite."""
-        with torch.no_grad():
-            deltas = [p.detach() for p in params]
-            ok = not self.skip_nonfinite or _all_finite(deltas)
-            self._apply_start(deltas, self._start, "add" if ok else "copy")
-        return ok
-
-    def _make_plan(self, params: list[torch.Tensor]) -> None:
-        """Collective: once every rank observed a closing backward, bucket the parameters in rank 0's
-        completion order (parameters rank 0 saw no gradient for follow in reverse parameter order)."""
-        if [id(p) for p in params] != self._hooked:
-            self._install_hooks()
-        bw = self._bw
-        mine = bw["order"] if bw is not None and bw["observe"] else None
-        rank = self._ocomm.Get_rank()
-        everyone = self._ocomm.allgather(mine if rank == 0 else mine is not None)
-        if everyone[0] is None or not all(everyone[1:]) or mine is None:
-            return
-        order = list(everyone[0])
-        seen = set(order)
-        order += [i for i in reversed(range(len(params))) if i not in seen]
-        nbytes = [p.numel() * p.element_size() for p in params]
-        self._plan = BucketPlan(order, nbytes, bw["fired"], self.bucket_bytes)
-
-    def _apply_start(self, deltas: list[torch.Tensor], start: list[torch.Tensor], how: str) -> None:
-        """``delta -= start``, ``delta += start`` or ``delta = start``, in place."""
-        if not deltas:
-            return
-        if self.start_copy == "device":
-            {"sub": torch._foreach_sub_, "add": torch._foreach_add_, "copy": torch._foreach_copy_}[how](deltas, start)
-            return
-        for d, s in zip(deltas, start):
-            s = s.to(d.device, non_blocking=True)  # one parameter's worth of device memory at a time
-            if how == "sub":
-                d.sub_(s)
-            elif how == "add":
-                d.add_(s)
+            if self._reduced is not None:
+                buckets, scale = self._reduced, self._loss.current()
             else:
-                d.copy_(s)
+                buckets, comm, scale = self._reduce(count)
+                self._agree(buckets, comm)
+                self._strategy.settle(buckets)
+            ok = self._strategy.update(buckets)
+            if not ok:
+                self._record_skip()
+            self._loss.update(scale, ok)
+        finally:
+            self._window.close()
+            self._averaged, self._reduced = False, None
+        if self._engine is not None and not self._engine.closed:
+            self._engine.after_boundary()
+        self.boundaries += 1
+        self.is_boundary = True
 
-    # --- non-finite updates and the loss scale ----------------------------------------------------------------
+    def _reduce(self, count: int) -> tuple[list[Bucket], MPI.Intracomm, float]:
+        """The boundary's buckets, reduced: by the overlap thread, or here as one bucket of every parameter."""
+        done = self._engine.finish() if self._engine is not None and not self._engine.closed else None
+        if done is not None:
+            return done[0], self._engine.comm, done[1]
+        params = self._params()
+        scale = self._loss.current()
+        self._strategy.prepare(params)
+        bucket = Bucket(params, list(range(len(params))), count, scale, averaged=self._averaged)
+        self._strategy.reduce(bucket, self.comm, side=False, everything=True)
+        return [bucket], self.comm, scale
+
+    def _agree(self, buckets: list[Bucket], comm: MPI.Intracomm) -> None:
+        """Raise on every rank if a bucket failed on any, with the parameters left at the window's start."""
+        mine = next((b.error for b in buckets if b.error), None)
+        if comm.Get_size() == 1:
+            failed = [mine] if mine else []
+        elif exchange.any_true(comm, mine is not None, what="the boundary's error vote"):
+            failed = exchange.allgather(comm, mine, what="the boundary's errors")
+        else:
+            return
+        if not failed:
+            return
+        self._strategy.abandon(buckets)
+        self._window.close()
+        self._averaged, self._reduced = False, None
+        raise RuntimeError(f"(raised on rank {self.comm.Get_rank()}) a local step or reduction failed at this "
+                           "boundary; the parameters keep the window's start: "
+                           + "; ".join(f"rank {r}: {e}" for r, e in enumerate(failed) if e))
+
+    # --- non-finite updates -----------------------------------------------------------------------------------
 
     def _record_skip(self) -> None:
         self.skipped_updates += 1
         self.step_was_skipped = True
         if self.comm.Get_rank() == 0:
-            what = "weight deltas" if self.op == "adasum" and self.comm.Get_size() > 1 else "gradients"
+            what = "weight deltas" if isinstance(self._strategy, AdasumDeltas) else "gradients"
             _log.warning("adasum: update %d skipped on every rank: the %s %s hold a NaN or Inf; parameters "
                          "left unchanged (%d skipped so far)", self.boundaries + 1,
                          "reduced" if self.comm.Get_size() > 1 else "local", what, self.skipped_updates)
-
-    def _scaler_enabled(self) -> bool:
-        return self.grad_scaler is not None and self.grad_scaler.is_enabled()
-
-    def _scale(self) -> float:
-        return float(self.grad_scaler.get_scale()) if self._scaler_enabled() else 1.0
-
-    def _update_scaler(self, scale: float, ok: bool) -> None:
-        """GradScaler's rule (back off on a skip, grow after ``growth_interval`` good boundaries), driven by
-        the all-rank decision so that every rank keeps the same scale."""
-        if not self._scaler_enabled():
-            return
-        s = self.grad_scaler
-        if not ok:
-            new, self._scaler_good_steps = scale * s.get_backoff_factor(), 0
-        else:
-            self._scaler_good_steps += 1
-            new = scale
-            if self._scaler_good_steps >= s.get_growth_interval():
-                grown = scale * s.get_growth_factor()
-                if math.isfinite(grown):
-                    new = grown
-                self._scaler_good_steps = 0
-        s.update(float(new))
 
     # --- state ------------------------------------------------------------------------------------------------
 
@@ -721,8 +421,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``op="adasum"`` the wrapped optimizer's state differs between ranks."""
         state = dict(self.optimizer.state_dict())
         own: dict[str, Any] = {**self._window.state_dict(), "boundaries": self.boundaries,
-                               "skipped_updates": self.skipped_updates,
-                               "scaler_good_steps": self._scaler_good_steps}
+                               "skipped_updates": self.skipped_updates, "scaler_good_steps": self._loss.good_steps}
         if self._window.seen:
             own["accumulated_grads"] = [None if p.grad is None else p.grad.detach() for p in self._params()]
         state["adasum"] = own
@@ -746,8 +445,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._window.load_state_dict(own)
         self.boundaries = int(own.get("boundaries", 0))
         self.skipped_updates = int(own.get("skipped_updates", 0))
-        self._scaler_good_steps = int(own.get("scaler_good_steps", 0))
-        self.is_boundary = self.step_was_skipped = self._prepared = False
+        self._loss.good_steps = int(own.get("scaler_good_steps", 0))
+        self.is_boundary = self.step_was_skipped = self._averaged = False
+        self._reduced = None
         if grads is not None:
             for p, g in zip(params, grads):
                 p.grad = None if g is None else g.detach().to(device=p.device, dtype=p.dtype, copy=True)
@@ -755,33 +455,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # --- helpers ----------------------------------------------------------------------------------------------
 
     def _params(self) -> list[torch.Tensor]:
-        """The parameters that train, each once, in the order of the param groups (the same on every rank)."""
-        bw = self.__dict__.get("_bw")
-        if bw is not None and not bw["observe"]:
-            # Buckets may be on the thread, which narrows the param groups while it steps one of them.
-            return list(bw["params"])
-        seen: set[int] = set()
-        out = []
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        return out
+        return trained_params(self.optimizer)
 
-    def _check_agreement(self) -> None:
+    def _check_agreement(self, overlap: bool, wire: str) -> None:
         """Every rank must use the same settings and parameter shapes; raise on every rank if not."""
-        lcomm = library_comm(self.comm)
-        if lcomm.Get_size() == 1:
+        if self.comm.Get_size() == 1:
             return
+        params = self._params()
         mine = {"op": self.op, "accumulation_steps": self._window.steps, "start_copy": self.start_copy,
                 "skip_nonfinite": self.skip_nonfinite, "hierarchical": self.hierarchical,
-                "grad_scaler": self._scaler_enabled(), "overlap": self.overlap,
-                "bucket_bytes": self.bucket_bytes, "compression": str(self._wire),
-                "parameters": len(self._params())}
-        shapes = hashlib.blake2b(repr([(tuple(p.shape), str(p.dtype)) for p in self._params()]).encode(),
+                "grad_scaler": self._loss.enabled, "overlap": overlap, "bucket_bytes": self.bucket_bytes,
+                "compression": wire, "parameters": len(params)}
+        shapes = hashlib.blake2b(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode(),
                                  digest_size=8).hexdigest()
-        everyone = lcomm.allgather((mine, shapes))
+        everyone = exchange.allgather(self.comm, (mine, shapes), what="DistributedOptimizer's settings")
         rank = self.comm.Get_rank()
         first, first_shapes = everyone[0]
         for key in first:
@@ -794,47 +481,3 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if odd:
             raise ValueError(f"(raised on rank {rank}) the parameter shapes or dtypes of rank(s) "
                              f"{', '.join(map(str, odd))} differ from rank 0's")
-
-
-def _hook(owner: "weakref.ref[DistributedOptimizer]", i: int):
-    def hook(_param: torch.Tensor) -> None:
-        opt = owner()
-        if opt is not None:
-            opt._on_grad(i)
-    return hook
-
-
-def _release(thread: CommThread, ocomm: MPI.Intracomm, hooks: list) -> None:
-    """Stop the overlap thread, remove the hooks and free the thread's communicators."""
-    for h in hooks:
-        h.remove()
-    hooks.clear()
-    thread.close()  # when the collector runs this on the thread itself, the thread ends after this job
-    if not MPI.Is_finalized():
-        ocomm.Free()  # the library's state on it (and its own duplicate) goes with it
-
-
-def _grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [p.grad for p in params if p.grad is not None]
-
-
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element of ``tensors`` is finite: torch's fused check of GradScaler, one pass and one
-    host synchronisation per device. It multiplies by 1.0 on the way, which changes no value."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.numel():
-            by_device.setdefault(t.device, []).append(t)
-    for device, ts in by_device.items():
-        # Made per call (two one-element tensors): the communication thread checks buckets meanwhile.
-        found, one = torch.zeros(1, device=device), torch.ones(1, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(ts, found, one)
-        if found.item():
-            return False
-    return True
-
-
-
-def _host_like(p: torch.Tensor) -> torch.Tensor:
-    """An empty host tensor for ``p``'s values, page-locked where ``p`` is on a GPU."""
-    return torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=p.device.type == "cuda")

@@ -1,11 +1,19 @@
-"""The pieces of ``DistributedOptimizer(overlap=True)``: the bucket plan that every rank shares, and the
-background thread that reduces buckets while backward goes on.
+"""Overlap with backward: :class:`OverlapEngine` owns the hooks, the bucket plan that every rank shares,
+the background thread and its communicator, and the state of the backward in progress.
+
+On the backward that closes a window, a post-accumulate-grad hook on every parameter counts the gradient
+accumulations; a bucket whose parameters all have theirs is handed to the thread at once, which runs the
+reduce strategy's :meth:`reduce` on it (``side=True``: the parameters keep their values until ``step()``).
 
 A bucket is a run of parameters in the order backward finished them in the first observed boundary, as
-rank 0 saw it (broadcast to every rank), cut where it holds at least ``bucket_bytes`` bytes. Every rank
+rank 0 saw it (shared with every rank), cut where it holds at least ``bucket_bytes`` bytes. Every rank
 hands its buckets to the thread in that order, so the collectives follow the same order on every rank
 whatever order its own backward produces the gradients in: a bucket whose parameters are ready waits until
 every bucket before it has been handed over.
+
+Nothing here refers to the optimizer proxy: the hooks hold the engine weakly, the thread holds only its
+queue, and a job holds the strategy and its bucket. So an optimizer that is no longer referenced is
+collected, and its finalizer closes the engine (hooks removed, thread joined, communicator freed).
 """
 
 from __future__ import annotations
@@ -13,9 +21,16 @@ from __future__ import annotations
 import queue
 import threading
 import traceback
+import weakref
 from typing import Callable
 
-__all__ = ["BucketPlan", "CommThread", "Job"]
+import torch
+from mpi4py import MPI
+
+from ..context import library_comm
+from .strategy import Bucket, trained_params
+
+__all__ = ["BucketPlan", "CommThread", "Job", "OverlapEngine"]
 
 
 class BucketPlan:
@@ -49,7 +64,7 @@ class Job:
     __slots__ = ("fn", "done", "error")
 
     def __init__(self, fn: Callable[[], None]):
-        self.fn = fn
+        self.fn: Callable[[], None] | None = fn
         self.done = threading.Event()
         self.error: str | None = None
 
@@ -58,15 +73,13 @@ class Job:
 
 
 class CommThread:
-    """A daemon thread that runs the jobs it is given, one at a time, in the order given.
-
-    An exception in a job is kept on the job (:attr:`Job.error`, with its traceback) and the thread goes on
-    with the next job; the optimizer raises it from ``step()`` after every rank has agreed on it.
-    """
+    """A daemon thread that runs the jobs it is given, one at a time, in the order given. An exception in
+    a job is kept on the job (:attr:`Job.error`, with its traceback) and the thread goes on. A job's function
+    is dropped once it ran, so the thread holds nothing of a finished job."""
 
     def __init__(self, name: str):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=_serve, args=(self._jobs,), name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[], None]) -> Job:
@@ -74,20 +87,215 @@ class CommThread:
         self._jobs.put(job)
         return job
 
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                job.fn()
-            except BaseException as e:  # noqa: BLE001 - reported in step() on this rank
-                job.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-            finally:
-                job.done.set()
-
     def close(self) -> None:
+        """Run the jobs already given, then end the thread (and wait for it, unless called from it)."""
         if self._thread.is_alive():
             self._jobs.put(None)
             if threading.current_thread() is not self._thread:
                 self._thread.join()
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        try:
+            job.fn()
+        except BaseException as e:  # noqa: BLE001 - reported in step() on every rank
+            job.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        finally:
+            job.fn = None
+            job.done.set()
+            del job
+
+
+class _Backward:
+    """The progress of one closing backward."""
+
+    __slots__ = ("params", "fired", "order", "observe", "count", "scale", "next", "buckets", "jobs",
+                 "waiting")
+
+    def __init__(self, params: list[torch.Tensor], plan: BucketPlan | None, count: int, scale: float):
+        self.params = params
+        self.fired = [0] * len(params)  # gradient accumulations seen per parameter
+        self.order: list[int] = []      # observed boundary: the order parameters first fired in
+        self.observe = plan is None
+        self.count = count              # micro-batches of the window
+        self.scale = scale              # the loss scale of its gradients
+        self.next = 0                   # the next bucket to hand to the thread
+        self.buckets: list[Bucket] = []
+        self.jobs: list[Job] = []
+        self.waiting = None if plan is None else list(plan.waiting)
+
+
+class OverlapEngine:
+    """Hooks, plan, thread and communicator of one overlapped optimizer (see the module docstring).
+
+    ``strategy`` reduces a bucket; ``window`` (an :class:`~adasum.torch.accumulate.AccumulationWindow`) says
+    whether the backward in progress closes a window; ``loss_scale`` gives the scale of its gradients.
+    """
+
+    def __init__(self, optimizer, strategy, window, loss_scale, comm: MPI.Intracomm, bucket_bytes: int):
+        self.comm = comm.Dup()
+        library_comm(self.comm)  # the library's own duplicate, made here on the main thread
+        self._thread = CommThread(f"adasum-overlap-{self.comm.Get_rank()}")
+        self._optimizer = optimizer
+        self._strategy = strategy
+        self._window = window
+        self._loss_scale = loss_scale
+        self.bucket_bytes = bucket_bytes
+        self._hooks: list = []
+        self._hooked: list[int] = []
+        self._plan: BucketPlan | None = None
+        self._bw: _Backward | None = None
+        self.disabled: str | None = None  # why overlap is off for good
+        self.closed = False
+        self.overlapped_boundaries = 0       # boundaries whose buckets were reduced during backward
+        self.buckets_started_in_backward = 0  # of the last such boundary, buckets handed over before step()
+        self.install()
+
+    # --- hooks ------------------------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        """(Re)register one post-accumulate-grad hook per trained parameter; the bucket plan starts over."""
+        self._remove_hooks()
+        params = trained_params(self._optimizer)
+        self._hooked = [id(p) for p in params]
+        me = weakref.ref(self)
+        for i, p in enumerate(params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(_hook(me, i)))
+        self._plan = None
+        self._bw = None
+
+    def _on_grad(self, i: int) -> None:
+        """Backward has accumulated parameter ``i``'s gradient (inside backward)."""
+        if self.disabled or not self._window.closes_next:
+            return
+        bw = self._bw if self._bw is not None else self._begin()
+        fired = bw.fired
+        fired[i] += 1
+        if bw.observe:
+            if fired[i] == 1:
+                bw.order.append(i)
+            return
+        plan = self._plan
+        if fired[i] == plan.expected[i]:
+            bw.waiting[plan.bucket_of[i]] -= 1
+            self._launch_ready(bw)
+        elif fired[i] > plan.expected[i]:
+            p = bw.params[i]
+            raise RuntimeError(
+                f"rank {self.comm.Get_rank()}: parameter {i} (shape {tuple(p.shape)}) received more gradients "
+                f"in the backward that closes this window than it did when the buckets were planned "
+                f"({fired[i]} against {plan.expected[i]}), and its bucket was reduced already: step() was not "
+                "called after the previous closing backward, or the model's graph changed (overlap needs "
+                "the same graph at every boundary; use overlap=False otherwise)")
+
+    def _begin(self) -> _Backward:
+        params = trained_params(self._optimizer)
+        plan = self._plan if [id(p) for p in params] == self._hooked else None
+        bw = self._bw = _Backward(params, plan, self._window.seen + 1, self._loss_scale.current())
+        if plan is not None:
+            self._strategy.prepare(params)
+            self._launch_ready(bw)
+        return bw
+
+    def _launch_ready(self, bw: _Backward) -> None:
+        """Hand every bucket that is complete, and has no incomplete bucket before it, to the thread."""
+        waiting = bw.waiting
+        while bw.next < len(waiting) and waiting[bw.next] <= 0:
+            self._submit(bw)
+
+    def _submit(self, bw: _Backward) -> None:
+        idx = self._plan.buckets[bw.next]
+        bw.next += 1
+        bucket = Bucket([bw.params[i] for i in idx], idx, bw.count, bw.scale)
+        bw.buckets.append(bucket)
+        bw.jobs.append(self._thread.submit(_reduce_job(self._strategy, bucket, self.comm)))
+
+    # --- at the boundary ----------------------------------------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        """Whether buckets of the closing window were handed to the thread already."""
+        return self._bw is not None and not self._bw.observe
+
+    def finish(self) -> tuple[list[Bucket], float] | None:
+        """Hand over the remaining buckets and wait for all of them; returns them with the loss scale their
+        gradients carried, or None where this boundary's backward was not overlapped. An error of a job is
+        kept on its bucket."""
+        bw = self._bw
+        if bw is None or bw.observe:
+            return None
+        self._bw = None
+        self.buckets_started_in_backward = bw.next
+        while bw.next < len(self._plan.buckets):
+            self._submit(bw)
+        for job, bucket in zip(bw.jobs, bw.buckets):
+            job.wait()
+            if job.error and bucket.error is None:
+                bucket.error = job.error
+        self.overlapped_boundaries += 1
+        return bw.buckets, bw.scale
+
+    def after_boundary(self) -> None:
+        """Collective, at the end of every boundary: where no plan exists yet, make it from the backward
+        just observed once every rank observed one (rank 0's order: parameters it saw no gradient for follow
+        in reverse parameter order)."""
+        from .. import exchange
+
+        bw, self._bw = self._bw, None
+        params = trained_params(self._optimizer)
+        if [id(p) for p in params] != self._hooked:
+            self.install()
+            bw = None
+        if self._plan is not None or self.disabled:
+            return
+        mine = bw.order if bw is not None and bw.observe else None
+        rank = self.comm.Get_rank()
+        everyone = exchange.allgather(self.comm, mine if rank == 0 else mine is not None,
+                                      what="the overlap's bucket plan")
+        if everyone[0] is None or not all(everyone[1:]) or mine is None:
+            return
+        order = list(everyone[0])
+        seen = set(order)
+        order += [i for i in reversed(range(len(params))) if i not in seen]
+        nbytes = [p.numel() * p.element_size() for p in params]
+        self._plan = BucketPlan(order, nbytes, bw.fired, self.bucket_bytes)
+
+    def disable(self, why: str) -> None:
+        """Overlap off for good (later boundaries run in ``step()``)."""
+        self.disabled = why
+
+    # --- lifetime ---------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Remove the hooks, let the thread run what it was given and end, free the communicator."""
+        if self.closed:
+            return
+        self.closed = True
+        self._remove_hooks()
+        self._bw = None
+        self._thread.close()
+        if not MPI.Is_finalized():
+            self.comm.Free()  # the library's state on it (and its own duplicate) goes with it
+
+    def _remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def _hook(owner: "weakref.ref[OverlapEngine]", i: int):
+    def hook(_param: torch.Tensor) -> None:
+        engine = owner()
+        if engine is not None and not engine.closed:
+            engine._on_grad(i)
+    return hook
+
+
+def _reduce_job(strategy, bucket: Bucket, comm: MPI.Intracomm) -> Callable[[], None]:
+    def job() -> None:
+        strategy.reduce(bucket, comm, side=True)
+    return job

@@ -1,0 +1,234 @@
+"""The reduce strategies of :class:`~adasum.torch.DistributedOptimizer`: what a boundary does with a
+bucket of parameters, as a plain object that holds no reference to the optimizer proxy.
+
+A boundary is one or more :class:`Bucket` s. :meth:`reduce` runs once per bucket, on the main thread inside
+``step()`` or on the overlap thread during backward (``side=True``), with the communicator to reduce on;
+after every rank has agreed that no bucket failed, :meth:`settle` and :meth:`update` run on the main thread.
+
+- :class:`AdasumDeltas` (``op="adasum"``): average the bucket's gradients, take the wrapped optimizer's
+  step on the bucket's parameters only, take the deltas (new - start) and combine them with Adasum, one
+  layer per parameter; ``update`` sets every parameter to start + combined delta. With ``side=True`` the
+  deltas go to kept buffers and the parameters are set back to their start at once, so that they change
+  only inside ``step()``.
+- :class:`GradientReduce` (``"sum"``/``"mean"``): average and reduce the bucket's gradients; ``update`` takes
+  the wrapped optimizer's step.
+
+``reduce`` is the unit a DDP communication hook can reuse: it needs only the bucket's parameters, their
+positions in the optimizer's parameter list, and a communicator.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+from mpi4py import MPI
+
+from .compress import Wire
+from .tensors import StartCopy, all_finite, average_, grads_of, mark_nonfinite
+
+__all__ = ["Bucket", "AdasumDeltas", "GradientReduce", "step_on", "trained_params"]
+
+
+class Bucket:
+    """Some of the optimizer's parameters at one boundary, and what reducing them produced."""
+
+    __slots__ = ("params", "index", "count", "scale", "averaged", "side", "error", "result", "amax")
+
+    def __init__(self, params: list[torch.Tensor], index: list[int], count: int, scale: float,
+                 averaged: bool = False):
+        self.params = params      # the parameters
+        self.index = index        # their positions in the optimizer's list of trained parameters
+        self.count = count        # micro-batches of the window
+        self.scale = scale        # the loss scale the gradients carry
+        self.averaged = averaged  # the gradients are averaged (and unscaled) already
+        self.side = False         # reduced apart from the parameters (during backward)
+        self.error: str | None = None  # what went wrong on this rank, with its traceback
+        self.result: list = []    # adasum: the combined deltas; sum/mean: (parameter, gradient) to set
+        self.amax = None          # the 16-bit wire's largest magnitudes (see Wire.explain)
+
+    def names(self) -> list[str]:
+        return [f"parameter {i} (shape {tuple(p.shape)})" for i, p in zip(self.index, self.params)]
+
+
+class AdasumDeltas:
+    """Adasum of the weight deltas of each rank's own local step (the module docstring)."""
+
+    op = "adasum"
+
+    def __init__(self, optimizer, start: StartCopy, wire: Wire, hierarchical: bool, skip_nonfinite: bool):
+        self.optimizer = optimizer
+        self.start = start
+        self.wire = wire
+        self.hierarchical = hierarchical
+        self.skip_nonfinite = skip_nonfinite
+
+    def prepare(self, params: list[torch.Tensor]) -> None:
+        """Before a boundary's buckets: the start buffers for every trained parameter."""
+        self.start.ensure(params)
+
+    def reduce(self, bucket: Bucket, comm: MPI.Intracomm, side: bool, everything: bool = False) -> None:
+        """Local step on the bucket, Adasum of its deltas over ``comm``. A failure here still takes part in
+        the reduction (with a NaN delta, so every rank skips the update), and is kept on the bucket.
+        ``everything``: the bucket holds every parameter of the optimizer (one plain step)."""
+        params, index = bucket.params, bucket.index
+        bucket.side = side
+        local_ok = False
+        self.start.keep(index, params)
+        try:
+            with torch.no_grad():
+                grads = grads_of(params)
+                if not bucket.averaged:
+                    average_(grads, bucket.count, bucket.scale)
+                local_ok = not self.skip_nonfinite or all_finite(grads)
+            # A rank whose gradients are not finite skips its own step, so its optimizer state stays finite.
+            if local_ok and grads:
+                step_on(self.optimizer, params, everything)
+        except BaseException as e:  # noqa: BLE001 - kept, raised on every rank after the agreement
+            bucket.error, local_ok = _describe(e), False
+        with torch.no_grad():
+            if side:
+                deltas = self.start.side(index, params)
+                if deltas:
+                    torch._foreach_copy_(deltas, [p.detach() for p in params])
+                self.start.apply(deltas, index, "sub")
+                self.start.apply([p.detach() for p in params], index, "copy")
+            else:
+                deltas = [p.detach() for p in params]
+                self.start.apply(deltas, index, "sub")
+            if not local_ok:
+                mark_nonfinite(deltas)
+            bucket.amax = self.wire.adasum_(deltas, comm, self.hierarchical,
+                                            bucket.names() if self.wire.dtype else None)
+        bucket.result = deltas
+
+    def settle(self, buckets: list[Bucket]) -> None:
+        """Nothing to hand over before the update: the deltas stay apart from the gradients."""
+
+    def update(self, buckets: list[Bucket]) -> bool:
+        """Start + combined delta for every parameter, or the start where any delta is not finite (then
+        False, on every rank alike)."""
+        with torch.no_grad():
+            ok = not self.skip_nonfinite or all_finite([d for b in buckets for d in b.result])
+            for b in buckets:
+                targets = [p.detach() for p in b.params]
+                if b.side:
+                    if ok and targets:
+                        torch._foreach_add_(targets, b.result)
+                else:
+                    self.start.apply(targets, b.index, "add" if ok else "copy")
+                if not ok:
+                    self.wire.explain(b.result, b.amax, b.names())
+        return ok
+
+    def abandon(self, buckets: list[Bucket]) -> None:
+        """A boundary that failed on some rank: every parameter back to its start."""
+        with torch.no_grad():
+            for b in buckets:
+                if not b.side:
+                    self.start.apply([p.detach() for p in b.params], b.index, "copy")
+
+
+class GradientReduce:
+    """Sum or mean of the gradients, then the wrapped optimizer's step (the module docstring)."""
+
+    def __init__(self, optimizer, op: str, wire: Wire, skip_nonfinite: bool):
+        self.optimizer = optimizer
+        self.op = op
+        self.wire = wire
+        self.skip_nonfinite = skip_nonfinite
+
+    def prepare(self, params: list[torch.Tensor]) -> None:
+        """Nothing is kept between the buckets of a boundary."""
+
+    def reduce(self, bucket: Bucket, comm: MPI.Intracomm, side: bool, everything: bool = False) -> None:
+        """Average the bucket's gradients and reduce them over ``comm`` in one call. A parameter without a
+        gradient takes part with zeros; it gets the reduced gradient if some rank had one, else it stays
+        without (so the wrapped optimizer skips it on every rank alike). One extra layer carries which
+        ranks had gradients."""
+        params = bucket.params
+        bucket.side = side
+        with torch.no_grad():
+            if not bucket.averaged:
+                average_(grads_of(params), bucket.count, bucket.scale)
+            bucket.averaged = True
+            if not params or comm.Get_size() == 1:
+                return
+            ref = params[0]
+            have = torch.tensor([p.grad is not None for p in params], dtype=ref.dtype, device=ref.device)
+            tensors, missing = [], []
+            for i, p in enumerate(params):
+                if p.grad is None:
+                    missing.append(i)
+                    tensors.append(torch.zeros_like(p, memory_format=torch.contiguous_format))
+                else:
+                    tensors.append(p.grad)
+            bucket.amax = self.wire.sum_(tensors + [have], comm, self.op == "mean",
+                                         bucket.names() if self.wire.dtype else None)
+            if missing:
+                somewhere = (have > 0).tolist()
+                bucket.result = [(params[i], tensors[i]) for i in missing if somewhere[i]]
+
+    def settle(self, buckets: list[Bucket]) -> None:
+        """Give the parameters that had no gradient here the reduced one (main thread)."""
+        for b in buckets:
+            for p, g in b.result:
+                p.grad = g
+            b.result = []
+
+    def update(self, buckets: list[Bucket]) -> bool:
+        """The wrapped optimizer's step, unless a reduced gradient is not finite (then False everywhere)."""
+        grads = [g for b in buckets for g in grads_of(b.params)]
+        if self.skip_nonfinite and not all_finite(grads):
+            for b in buckets:
+                self.wire.explain([torch.zeros(0) if p.grad is None else p.grad for p in b.params], b.amax,
+                                  b.names())
+            return False
+        self.optimizer.step()
+        return True
+
+    def abandon(self, buckets: list[Bucket]) -> None:
+        """Nothing to undo: the parameters have not changed."""
+
+
+def trained_params(optimizer) -> list[torch.Tensor]:
+    """The parameters of ``optimizer`` that train, each once, in the order of its param groups (the same on
+    every rank)."""
+    seen: set[int] = set()
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def step_on(optimizer, params: list[torch.Tensor], everything: bool = False) -> None:
+    """The wrapped optimizer's step on ``params`` only (``everything``: on all its parameters).
+
+    The step runs on a shallow view of the optimizer whose param groups hold only ``params`` and share
+    everything else (the hyperparameters, ``state``, hooks): the user's ``param_groups`` are never changed.
+    Group entries the step writes are written back to the user's groups.
+    """
+    if everything:
+        optimizer.step()
+        return
+    keep = {id(p) for p in params}
+    view = object.__new__(type(optimizer))
+    view.__dict__.update(optimizer.__dict__)
+    pairs = []
+    for g in optimizer.param_groups:
+        sub = [p for p in g["params"] if id(p) in keep]
+        if sub:
+            pairs.append((g, dict(g, params=sub)))
+    view.param_groups = [v for _, v in pairs]
+    view.step()
+    for g, v in pairs:
+        for key, value in v.items():
+            if key != "params" and g.get(key) is not value:
+                g[key] = value
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
