@@ -1,6 +1,6 @@
 """Array adapters: everything the algorithm needs from numpy arrays, torch tensors and cupy arrays.
 
-The schedule in :mod:`adasum.vhdd` never looks at an array's kind. It asks an adapter for a flat fused
+The schedule in :mod:`adasum.halving` never looks at an array's kind. It asks an adapter for a flat fused
 buffer, for per-layer partial dot products over a piece of it, for the in-place combine ``a ← ca·a + cb·b``,
 and for an object MPI can read. Compute stays on the array's device; only the (layers × 3) float64 partial
 sums cross to the host.
@@ -23,10 +23,11 @@ from . import segmented as _segmented
 from . import settings as _settings
 from .combine import coefficients
 
-__all__ = ["extend_range", "merge_partials", "partial_width", "Adapter", "Adapters", "CopyStream", "NumpyAdapter", "CupyAdapter", "TorchAdapter", "array_kind", "FLOAT_DTYPES",
+__all__ = ["extend_range", "merge_partials", "partial_width", "Adapter", "Adapters", "CopyStream", "NumpyAdapter",
+           "CupyAdapter", "TorchAdapter", "array_kind",
            "kernels_backend", "set_kernels_backend", "nonempty"]
 
-from .kernels import compiled as _c_kernels  # None where the install could not build them
+from .native import compiled as _c_kernels  # None where the install could not build them
 
 
 
@@ -55,8 +56,6 @@ def set_kernels_backend(name: str) -> None:
 # float64 copy of a whole buffer is ever made.
 BLOCK = 1 << 15
 
-FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
-INT_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
 
 
 class Adapter:

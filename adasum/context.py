@@ -155,7 +155,7 @@ class Context:
         """The handles of the library's communicator, MPI.INT64_T and MPI.MAX, as the compiled kernels
         take them."""
         if self._agree_handles is None:
-            from .kernels import handle
+            from .native import handle
 
             self._agree_handles = (handle(self.lcomm), handle(MPI.INT64_T), handle(MPI.MAX))
         return self._agree_handles

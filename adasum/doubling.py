@@ -24,11 +24,11 @@ from . import stall, tree
 from .arrays import nonempty
 from .fusion import Operand, layer_spans
 from .transport import TAG, Transport
-from .validate import AGREE_BYTES
-from .vhdd import fold_out
+from .agreement import AGREE_BYTES
+from .halving import fold_out
 
-from .kernels import compiled as _kernels  # None without a C compiler: SmallCall is then never made
-from .kernels import handle, request
+from .native import compiled as _kernels  # None without a C compiler: SmallCall is then never made
+from .native import handle, request
 
 __all__ = ["SmallCall", "adasum_reduce_doubling"]
 

@@ -13,7 +13,7 @@ How: with ``m`` the smallest number of ranks on any node, every fused buffer is 
    (``j < m``; local ranks ``m`` and above contribute their data but hold no slice), scaled to the mean.
    16-bit floats are summed in float32, as MPI has no 16-bit sum, and rounded once to their dtype.
 2. Across nodes, the ranks with local rank ``j`` (one per node, ordered by node) run the recursive-halving
-   schedule of :mod:`adasum.vhdd` on slice ``j``. A layer may now be spread over the local ranks as well as
+   schedule of :mod:`adasum.halving` on slice ``j``. A layer may now be spread over the local ranks as well as
    over the nodes, so each layer's partial dot products are first summed over the node's ``m`` slice
    holders (gathered, then added in local-rank order, so all of them get bitwise the same sums) and then,
    by the schedule itself, over the nodes of the subtree.
@@ -36,7 +36,7 @@ from mpi4py import MPI
 from .arrays import merge_partials
 from .fusion import Group, Operand
 from .transport import Transport, transport_for
-from .vhdd import adasum_reduce
+from .halving import adasum_reduce
 
 __all__ = ["NodeLayout", "build_node_layout", "hierarchical_reduce"]
 

@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from . import settings as _settings
 from .arrays import Adapter
-from .kernels import mapped_mpi_libraries
+from .native import mapped_mpi_libraries
 
 __all__ = ["TAG", "Transport", "cuda_aware_mpi", "get_gpu_transport", "set_gpu_transport", "transport_for",
            "use_staging"]

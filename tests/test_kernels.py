@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import adasum
-from adasum import arrays, kernels
+from adasum import arrays, native
 from adasum.settings import from_environment
 
 K = pytest.importorskip("adasum._kernels") if os.environ.get("ADASUM_ALLOW_NO_KERNELS") else None
@@ -124,13 +124,13 @@ def test_instruction_sets_agree_bitwise(dtype):
     runs = {}
     try:
         for cap in ("auto", "avx2", "portable"):
-            isa = kernels.use_isa(cap)
+            isa = native.use_isa(cap)
             a, out = a0.copy(), np.empty((3, 3))
             K.dots(a, b, spans, out)
             K.scaled_add(a, a, b, spans, np.array([0.3, 0.7, 1.1]), np.array([0.9, -0.2, 0.5]))
             runs[cap] = isa, out.tobytes(), a.tobytes()
     finally:
-        kernels.use_isa(adasum.current_settings().kernels_isa)
+        native.use_isa(adasum.current_settings().kernels_isa)
     assert runs["portable"][0] == "portable"
     assert runs["avx2"][0] in ("avx2", "portable")  # capped at AVX2 (portable on a CPU without it)
     assert runs["auto"][0] in ("avx512f", "avx2", "portable")

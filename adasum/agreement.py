@@ -13,8 +13,9 @@ from typing import Any, NamedTuple, Sequence
 from mpi4py import MPI
 
 from . import stall
-from .arrays import FLOAT_DTYPES, INT_DTYPES, Adapter, Adapters
-from .kernels import compiled, mpi_bound, request
+from .arrays import Adapter, Adapters
+from .dtypes import FLOAT_DTYPES, INT_DTYPES, dtype_code, op_code
+from .native import compiled, mpi_bound, request
 
 __all__ = ["AdasumMismatchError", "TensorDesc", "describe", "agree", "signature"]
 
@@ -71,21 +72,17 @@ def describe(tensors: Sequence[Any], op: str, rank: int, kinds: Adapters):
 _ALLOWED = {"adasum": FLOAT_DTYPES, "mean": FLOAT_DTYPES, "sum": FLOAT_DTYPES | INT_DTYPES}
 
 
-_DTYPE_CODES = {name: i for i, name in enumerate(sorted(FLOAT_DTYPES | INT_DTYPES))}
-
-
 def signature(op: str, descs: Sequence[TensorDesc], extra: tuple) -> int:
     """A 62-bit digest of what must agree between ranks.
 
     Built from integers only: Python hashes ints and tuples of ints the same in every process (only
     strings are salted per process), and hashing them is far cheaper than a cryptographic digest.
     """
-    key = (_OPS[op], tuple(int(v) for _, v in extra),
-           tuple((d.shape, _DTYPE_CODES[d.dtype]) for d in descs))
+    key = (op_code(op), tuple(int(v) for _, v in extra),
+           tuple((d.shape, dtype_code(d.dtype)) for d in descs))
     return hash(key) & ((1 << 62) - 1)
 
 
-_OPS = {"adasum": 1, "sum": 2, "mean": 3}
 AGREE_BYTES = 4 * 8  # what one rank hands to the agreement allreduce: four int64
 
 
