@@ -6,7 +6,7 @@ bandwidth-optimal allreduce. ``adasum.torch.DistributedOptimizer`` applies it to
 """
 
 from .allreduce import Op, adasum_allreduce, adasum_allreduce_inplace
-from .arrays import kernels_backend, set_kernels_backend
+from .adapters import kernels_backend, set_kernels_backend
 from .context import Traffic, count_traffic, release_buffers
 from .stall import AdasumStallError
 from .settings import Settings, configure, get_small_message_bytes, set_small_message_bytes

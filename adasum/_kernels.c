@@ -529,7 +529,7 @@ k_scaled_add(PyObject *self, PyObject *args)
 }
 
 /* Below this a float64 squared norm may have lost bits to underflow, or be zero only because every square
- * underflowed (adasum.arrays.TINY). */
+ * underflowed (adasum.combine.TINY). */
 #define TINY 0x1p-900
 
 /*
@@ -554,7 +554,7 @@ rescaled_dots_f64(const double *x, const double *y, Py_ssize_t n, double *g)
         return;
     int k;
     frexp(m, &k);
-    /* subnormal data: 2^-k is beyond the range, so scale up in two steps (as adasum.arrays._scale_down) */
+    /* subnormal data: 2^-k is beyond the range, so scale up in two steps (as adasum.combine._scale_down) */
     int half = k >= -1020 ? -k : -k / 2;
     double s = ldexp(1.0, half), s2 = ldexp(1.0, -k - half), d = 0.0, a = 0.0, b = 0.0;
     for (Py_ssize_t i = 0; i < n; i++) {

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Sequence
 from mpi4py import MPI
 
 from . import stall
-from .arrays import Adapter, Adapters
+from .adapters import Adapter, Adapters
 from .dtypes import FLOAT_DTYPES, INT_DTYPES, dtype_code, op_code
 from .native import compiled, mpi_bound, request
 

@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from . import stall
 from .agreement import agree, explain
-from .arrays import array_kind
+from .adapters import array_kind
 from .context import Context, context_for
 from .doubling import adasum_reduce_doubling
 from .fusion import Operand, Placement, TensorLayout

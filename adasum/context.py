@@ -23,7 +23,7 @@ from typing import Iterator
 import numpy as np
 from mpi4py import MPI
 
-from .arrays import Adapters
+from .adapters import Adapters
 from .settings import Settings, current
 
 __all__ = ["Context", "Traffic", "context_for", "count_traffic", "library_comm", "release_buffers"]

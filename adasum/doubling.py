@@ -21,7 +21,8 @@ import numpy as np
 from mpi4py import MPI
 
 from . import stall, tree
-from .arrays import nonempty
+from .adapters import nonempty
+from .dtypes import itemsize
 from .fusion import Operand, layer_spans
 from .transport import TAG, Transport
 from .agreement import AGREE_BYTES
@@ -85,7 +86,7 @@ class SmallCall:
         self.layers, self.span_array, self.count = layers, span_array, count
         self.role = tree.role(ctx.size, ctx.rank)
         self.n = group.size
-        self.nbytes = self.n * (4 if group.dtype == "float32" else 8)
+        self.nbytes = self.n * itemsize(group.dtype)
         self.program = self._program(ctx.lcomm) if self.nbytes < 1 << 31 else None
         fold, levels = self.role.fold, self.role.levels
         self.messages = 1 if self.role.out_of is not None else len(levels) + (fold is not None)

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from .arrays import Adapter
+from .adapters import Adapter
 
 __all__ = ["Group", "Operand", "Placement", "TensorLayout", "group_pieces", "layer_spans", "make_groups", "pieces"]
 

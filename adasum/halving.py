@@ -21,8 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import tree
-from .arrays import NO_SCALE, merge_partials, partial_width
-from .combine import coefficients
+from .combine import NO_SCALE, coefficients, merge_partials, partial_width
 from .dtypes import itemsize
 from .fusion import Operand, Placement, group_pieces
 from .transport import Transport
@@ -122,7 +121,7 @@ def exchange_chunks(g: Operand, slo: int, shi: int, rlo: int, rhi: int, split: i
 
 
 def widths(groups) -> list[tuple[int, int]]:
-    """(layers, columns) of every group's block of partials (see :func:`adasum.arrays.merge_partials`)."""
+    """(layers, columns) of every group's block of partials (see :func:`adasum.combine.merge_partials`)."""
     return [(len(g.bounds) - 1, partial_width(g.dtype)) for g in groups]
 
 

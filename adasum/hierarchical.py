@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .arrays import merge_partials
+from .combine import merge_partials
 from .fusion import Group, Operand
 from .transport import Transport, transport_for
 from .halving import adasum_reduce

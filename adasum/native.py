@@ -2,7 +2,7 @@
 tensors and buffers, the compiled small call and the agreement wait), where the install could build them.
 
 ``compiled`` is the extension module, or None on an install without a C compiler; the numpy kernels of
-:mod:`adasum.arrays` then do the same work (``adasum.kernels_backend()`` says which is in use), and the
+:mod:`adasum.adapters` then do the same work (``adasum.kernels_backend()`` says which is in use), and the
 small calls and the agreement run through mpi4py.
 """
 

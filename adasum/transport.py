@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import settings as _settings
-from .arrays import Adapter
+from .adapters import Adapter
 from .native import mapped_mpi_libraries
 
 __all__ = ["TAG", "Transport", "cuda_aware_mpi", "get_gpu_transport", "set_gpu_transport", "transport_for",
@@ -32,7 +32,7 @@ class Transport:
 
     ``staged=False`` hands MPI the buffer itself (host memory, or device memory where MPI is CUDA-aware).
     ``staged=True`` copies through host buffers kept in the context ``ctx`` and reused, in chunks of the
-    setting ``chunk_bytes`` (0: one chunk) on the adapter's side stream (:class:`adasum.arrays.CopyStream`):
+    setting ``chunk_bytes`` (0: one chunk) on the adapter's side stream (:class:`adasum.adapters.CopyStream`):
     chunk i is sent as soon as its copy to the host is done while the next ones are copied, and each chunk
     received is copied to the device while the next arrives. Each chunk is a message of its own; both sides
     cut alike, since ``chunk_bytes`` is agreed.

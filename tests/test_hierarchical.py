@@ -15,7 +15,7 @@ import pytest
 from mpi4py import MPI
 
 import adasum
-from adasum.arrays import NumpyAdapter
+from adasum.adapters import NumpyAdapter
 from adasum.context import context_for
 from adasum.fusion import Group, Operand
 from adasum.hierarchical import _slice_bounds, _slice_group, hierarchical_reduce

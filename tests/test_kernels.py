@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import adasum
-from adasum import arrays, native
+from adasum import adapters, native
+from adasum.combine import combine
 from adasum.settings import from_environment
 
 K = pytest.importorskip("adasum._kernels") if os.environ.get("ADASUM_ALLOW_NO_KERNELS") else None
@@ -150,7 +151,7 @@ def test_numpy_fallback_agrees(dtype):
     a, b, spans = _data(dtype, seed=5)
     pieces = [(int(s), int(e)) for s, e in spans if e > s]  # as fusion.pieces makes them: no empty layer
     ca, cb = np.linspace(0.1, 1.5, len(pieces)), np.linspace(1.2, -0.3, len(pieces))
-    adapter = arrays.NumpyAdapter()
+    adapter = adapters.NumpyAdapter()
     results = {}
     for backend in ("c", "numpy"):
         adapter.settings = adasum.Settings(kernels=backend)
@@ -166,13 +167,13 @@ def test_numpy_fallback_agrees(dtype):
 def test_backend_selection():
     old = adasum.configure(kernels="numpy")
     try:
-        assert arrays.kernels_backend() == "numpy"
-        arrays.set_kernels_backend("c")
-        assert arrays.kernels_backend() == "c"
+        assert adapters.kernels_backend() == "numpy"
+        adapters.set_kernels_backend("c")
+        assert adapters.kernels_backend() == "c"
     finally:
         adasum.configure(old)
     with pytest.raises(ValueError, match="'c' or 'numpy'"):
-        arrays.set_kernels_backend("fortran")
+        adapters.set_kernels_backend("fortran")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -230,3 +231,32 @@ def test_layout_tells_adjacent_disjoint_and_overlapping():
         K.layout([ro], True)
     with pytest.raises((BufferError, ValueError)):
         K.layout([flat[::2]], False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("counts", [(1, 1), (2, 1), (1, 3), (5, 3)])
+def test_compiled_rule_is_the_python_rule(dtype, counts):
+    """The compiled pair() is the fast implementation of adasum.combine's rule, not a second rule: on data
+    whose dot products are exact in any order (small integers), its coefficients and combine give the
+    bits of the Python path (dot products, adasum.combine.coefficients, scaled add)."""
+    rng = np.random.default_rng([9, *counts])
+    bounds = [0, 7, 7, 40, 41, 300]  # an empty layer and a layer of one element among them
+    left = rng.integers(-8, 9, bounds[-1]).astype(dtype)
+    right = rng.integers(-8, 9, bounds[-1]).astype(dtype)
+    right[7:40] = 0  # a zero side: its coefficient is exactly 1
+    right[41:60] = left[41:60]  # parts parallel
+    spans = [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    span_array = np.array(spans, dtype=np.int64)
+    adapter = adapters.NumpyAdapter()
+    results = {}
+    for backend in ("c", "numpy"):
+        adapter.settings = adasum.Settings(kernels=backend)
+        dst = np.empty_like(left)
+        adapter.pair(left.copy(), right.copy(), dst, spans, span_array, *counts)
+        results[backend] = dst
+    assert results["c"].tobytes() == results["numpy"].tobytes()
+    d = left.astype(np.float64) @ right.astype(np.float64)  # and the rule is the reference's
+    assert np.isfinite(d)
+    for s, e in spans:
+        want = combine(left[s:e], right[s:e], *counts).astype(dtype)
+        np.testing.assert_allclose(results["c"][s:e], want, rtol=4 * np.finfo(dtype).eps, atol=0)
