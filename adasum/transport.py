@@ -1,7 +1,8 @@
 """Point-to-point exchanges and collectives of fused buffers, direct or staged through host memory.
 
-Every byte the library hands to MPI passes through a :class:`Transport`, which counts it in its context's
-traffic counters (:func:`adasum.count_traffic`).
+The schedules hand their buffers to MPI through a :class:`Transport`, which counts them in its context's
+traffic counters (:func:`adasum.count_traffic`). The agreement, the compiled small call and the stall
+inspector's messages go to MPI directly (the first two counted where they are made).
 """
 
 from __future__ import annotations
