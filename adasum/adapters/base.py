@@ -226,6 +226,38 @@ class _EventPool:
         return self._events[self._used - 1]
 
 
+class DeviceCopyStream(CopyStream):
+    """The copy stream of a device adapter: copies queued on the side stream ``stream``, every copy to the
+    host marked with an event (made by ``make_event``, kept and reused from call to call). The device's own
+    calls come in as functions: ``follow(stream, events)`` makes the side stream wait for the work queued so
+    far, ``copy_to_host(stream, buf, host)`` and ``copy_from_host(stream, host, buf)`` queue the copies."""
+
+    def __init__(self, adapter: "Adapter", stream, make_event, follow, copy_to_host, copy_from_host):
+        super().__init__(adapter)
+        self._stream = stream
+        self._events = _EventPool(make_event)
+        self._follow, self._to_host, self._from_host = follow, copy_to_host, copy_from_host
+
+    def begin(self) -> None:
+        self._events.reset()
+        self._follow(self._stream, self._events)
+
+    def to_host(self, buf, host: np.ndarray):
+        self._to_host(self._stream, buf, host)
+        mark = self._events.take()
+        mark.record(self._stream)
+        return mark
+
+    def wait(self, mark) -> None:
+        mark.synchronize()
+
+    def from_host(self, host: np.ndarray, buf) -> None:
+        self._from_host(self._stream, host, buf)
+
+    def end(self) -> None:
+        self._stream.synchronize()
+
+
 # On a device, blocks are larger: each block costs a few kernel launches.
 DEVICE_BLOCK = 1 << 22
 _KEPT_VIEWS = 8  # lists of torch CPU tensors whose numpy views TorchAdapter.host_views keeps

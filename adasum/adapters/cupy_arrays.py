@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import segmented as _segmented
 from ..combine import extend_range
-from .base import DEVICE_BLOCK, CopyStream, _blocks, _EventPool
+from .base import DEVICE_BLOCK, DeviceCopyStream, _blocks
 from .host import _NumpyLike
 
 
@@ -141,38 +141,16 @@ class CupyAdapter(_NumpyLike):
             self.xp.cuda.get_current_stream().synchronize()
 
     def _make_copy_stream(self, device):
-        return _CupyCopyStream(self, device)
+        xp = self.xp
+        with self._on(device):
+            stream = xp.cuda.Stream(non_blocking=True)
 
+        def follow(side, events):  # the side stream waits for the work queued on the device so far
+            ready = events.take()
+            with self._on(device):
+                ready.record(xp.cuda.get_current_stream())
+            side.wait_event(ready)
 
-class _CupyCopyStream(CopyStream):
-    def __init__(self, adapter, device):
-        super().__init__(adapter)
-        xp = adapter.xp
-        self._device = device
-        with adapter._on(device):
-            self._stream = xp.cuda.Stream(non_blocking=True)
-        self._events = _EventPool(lambda: xp.cuda.Event())
-
-    def begin(self):
-        self._events.reset()
-        ready = self._events.take()
-        with self.adapter._on(self._device):
-            ready.record(self.adapter.xp.cuda.get_current_stream())
-        self._stream.wait_event(ready)
-
-    def to_host(self, buf, host):
-        buf.get(stream=self._stream, out=host, blocking=False)
-        mark = self._events.take()
-        mark.record(self._stream)
-        return mark
-
-    def wait(self, mark):
-        mark.synchronize()
-
-    def from_host(self, host, buf):
-        buf.set(host, stream=self._stream)
-
-    def end(self):
-        self._stream.synchronize()
-
-
+        return DeviceCopyStream(self, stream, xp.cuda.Event, follow,
+                                lambda side, buf, host: buf.get(stream=side, out=host, blocking=False),
+                                lambda side, host, buf: buf.set(host, stream=side))

@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import segmented as _segmented
 from ..combine import extend_range
-from .base import BLOCK, DEVICE_BLOCK, _KEPT_VIEWS, Adapter, CopyStream, _blocks, _EventPool, _host
+from .base import BLOCK, DEVICE_BLOCK, _KEPT_VIEWS, Adapter, CopyStream, DeviceCopyStream, _blocks, _host
 from .host import NumpyAdapter
 
 
@@ -268,39 +268,18 @@ class TorchAdapter(Adapter):
         return buf.view(self.torch.uint8)
 
     def _make_copy_stream(self, device):
-        return _TorchCopyStream(self, device) if device.startswith("cuda") else CopyStream(self)
+        if not device.startswith("cuda"):
+            return CopyStream(self)
+        torch, where = self.torch, self.torch.device(device)
 
+        def to_host(side, buf, host):
+            with torch.cuda.stream(side):
+                torch.from_numpy(host).copy_(buf, non_blocking=True)
 
-class _TorchCopyStream(CopyStream):
-    def __init__(self, adapter, device):
-        super().__init__(adapter)
-        torch = adapter.torch
-        self._torch = torch
-        self._device = torch.device(device)
-        self._stream = torch.cuda.Stream(device=self._device)
-        self._events = _EventPool(torch.cuda.Event)
+        def from_host(side, host, buf):
+            with torch.cuda.stream(side):
+                buf.copy_(torch.from_numpy(host), non_blocking=True)
 
-    def begin(self):
-        self._events.reset()
-        self._stream.wait_stream(self._torch.cuda.current_stream(self._device))
-
-    def to_host(self, buf, host):
-        torch = self._torch
-        with torch.cuda.stream(self._stream):
-            torch.from_numpy(host).copy_(buf, non_blocking=True)
-            mark = self._events.take()
-            mark.record(self._stream)
-        return mark
-
-    def wait(self, mark):
-        mark.synchronize()
-
-    def from_host(self, host, buf):
-        torch = self._torch
-        with torch.cuda.stream(self._stream):
-            buf.copy_(torch.from_numpy(host), non_blocking=True)
-
-    def end(self):
-        self._stream.synchronize()
-
-
+        return DeviceCopyStream(self, torch.cuda.Stream(device=where), torch.cuda.Event,
+                                lambda side, events: side.wait_stream(torch.cuda.current_stream(where)),
+                                to_host, from_host)
