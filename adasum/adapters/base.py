@@ -263,6 +263,25 @@ DEVICE_BLOCK = 1 << 22
 _KEPT_VIEWS = 8  # lists of torch CPU tensors whose numpy views TorchAdapter.host_views keeps
 
 
+def per_layer_dots(out, a, b, pieces, block: int, dot, wide=None) -> None:
+    """The per-layer device kernels' partial dot products (torch and cupy): adds ``[a·b, a·a, b·b]`` of
+    every piece to its row of ``out`` (float64, on the device), block by block with the array module's
+    ``dot``, in float64: ``wide`` holds two float64 scratch blocks where ``a`` and ``b`` are narrower (None:
+    they are float64 already)."""
+    for i, (s, e) in enumerate(pieces):
+        row = out[i]
+        for bs, be in _blocks(s, e, block):
+            if wide is None:
+                x, y = a[bs:be], b[bs:be]
+            else:
+                x, y = wide[0][:be - bs], wide[1][:be - bs]
+                x[...] = a[bs:be]
+                y[...] = b[bs:be]
+            row[0] += dot(x, y)
+            row[1] += dot(x, x)
+            row[2] += dot(y, y)
+
+
 def _blocks(s: int, e: int, block: int = BLOCK):
     for bs in range(s, e, block):
         yield bs, min(bs + block, e)

@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import segmented as _segmented
 from ..combine import extend_range
-from .base import DEVICE_BLOCK, DeviceCopyStream, _blocks
+from .base import DEVICE_BLOCK, DeviceCopyStream, _blocks, per_layer_dots
 from .host import _NumpyLike
 
 
@@ -79,18 +79,8 @@ class CupyAdapter(_NumpyLike):
         xp = self.xp
         out = xp.zeros((len(pieces), 3), dtype=xp.float64)
         native = a.dtype == xp.float64
-        x64, y64 = (None, None) if native else (self._wide(a, 0, "float64"), self._wide(a, 1, "float64"))
-        for i, (s, e) in enumerate(pieces):
-            for bs, be in _blocks(s, e, DEVICE_BLOCK):
-                if native:
-                    x, y = a[bs:be], b[bs:be]
-                else:
-                    x, y = x64[:be - bs], y64[:be - bs]
-                    x[...] = a[bs:be]
-                    y[...] = b[bs:be]
-                out[i, 0] += xp.dot(x, y)
-                out[i, 1] += xp.dot(x, x)
-                out[i, 2] += xp.dot(y, y)
+        wide = None if native else (self._wide(a, 0, "float64"), self._wide(a, 1, "float64"))
+        per_layer_dots(out, a, b, pieces, DEVICE_BLOCK, xp.dot, wide)
         out = xp.asnumpy(out)
         return extend_range(out, a, b, pieces) if native else out
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import segmented as _segmented
 from ..combine import extend_range
-from .base import BLOCK, DEVICE_BLOCK, _KEPT_VIEWS, Adapter, CopyStream, DeviceCopyStream, _blocks, _host
+from .base import BLOCK, DEVICE_BLOCK, _KEPT_VIEWS, Adapter, CopyStream, DeviceCopyStream, _blocks, _host, per_layer_dots
 from .host import NumpyAdapter
 
 
@@ -178,20 +178,8 @@ class TorchAdapter(Adapter):
             return self._numpy.partial_dots(_host(a), _host(b), pieces)
         out = torch.zeros((len(pieces), 3), dtype=torch.float64, device=a.device)
         native = a.dtype == torch.float64
-        if not native:
-            x64, y64 = self._wide(a, 0, torch.float64), self._wide(a, 1, torch.float64)
-        for i, (s, e) in enumerate(pieces):
-            row = out[i]
-            for bs, be in _blocks(s, e, self._block(a)):
-                if native:
-                    x, y = a[bs:be], b[bs:be]
-                else:
-                    x, y = x64[:be - bs], y64[:be - bs]
-                    x.copy_(a[bs:be])
-                    y.copy_(b[bs:be])
-                row[0] += torch.dot(x, y)
-                row[1] += torch.dot(x, x)
-                row[2] += torch.dot(y, y)
+        wide = None if native else (self._wide(a, 0, torch.float64), self._wide(a, 1, torch.float64))
+        per_layer_dots(out, a, b, pieces, self._block(a), torch.dot, wide)
         out = out.cpu().numpy()
         return extend_range(out, a, b, pieces) if native else out
 
