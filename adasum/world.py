@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-__all__ = ["rank", "size", "local_rank", "local_size"]
+__all__ = ["rank", "size", "local_rank", "local_size", "node_rank", "node_count"]
 
 
 def _comm(comm: MPI.Intracomm | None) -> MPI.Intracomm:
@@ -49,3 +49,15 @@ def local_size(comm: MPI.Intracomm | None = None) -> int:
     time on a communicator, as :func:`local_rank`."""
     layout = _layout(comm)
     return len(layout.nodes[layout.node])
+
+
+def node_rank(comm: MPI.Intracomm | None = None) -> int:
+    """The index of this rank's node among the nodes of ``comm`` (nodes ordered by their lowest rank).
+    Collective the first time on a communicator, as :func:`local_rank`."""
+    return _layout(comm).node
+
+
+def node_count(comm: MPI.Intracomm | None = None) -> int:
+    """The number of nodes ``comm`` spans. Collective the first time on a communicator, as
+    :func:`local_rank`."""
+    return len(_layout(comm).nodes)

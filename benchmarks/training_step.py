@@ -14,6 +14,16 @@ rank (a barrier before each turn); the table shows the median over rounds, and t
 median minus the local step's median (the same model and optimizer without communication, run by every
 rank at the same time, so they share the cores alike), and where the time goes: forward, backward and
 step + zero_grad, each the slowest rank's, median over rounds.
+
+``--base DIR`` (another checkout, its extension built in place, as for ``benchmarks/compare.py``) adds,
+for every DistributedOptimizer variant V, ``V@base``: the same variant with that version's ``adasum``,
+imported next to this checkout's under another name, taking turns with the others in the same job; and
+``V@twin``, the base version once more under a third name: the same code twice, whose ratio to ``V@base``
+is the noise of the measurement. The table then shows, per variant, the median over rounds of the ratio of
+its round time to its ``@base`` twin's::
+
+    OMP_NUM_THREADS=1 mpiexec -n 2 python -m mpi4py benchmarks/training_step.py --base /tmp/base \
+        --variants adasum,adasum-overlap,mean,mean-overlap-bf16 --json benchmarks/out/vs-base.json
 """
 
 from __future__ import annotations
@@ -21,10 +31,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -66,8 +79,8 @@ def model_and_batch(name: str, rank: int, quick: bool):
 
 
 def build(variant: str, name: str, rank: int, quick: bool, bucket_bytes: int):
-    import adasum.torch as at
-
+    variant, _, version = variant.partition("@")
+    at = __import__(f"adasum_{version}.torch" if version else "adasum.torch", fromlist=["torch"])
     torch.manual_seed(0)
     model, x, y, loss_fn = model_and_batch(name, rank, quick)
     inner = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
@@ -121,6 +134,14 @@ def run(args) -> dict:
     rank, size = comm.Get_rank(), comm.Get_size()
     torch.set_num_threads(1)
     variants = args.variants.split(",")
+    where = None
+    if args.base:
+        where = tempfile.mkdtemp(prefix="adasum-training-step-")  # each rank its own copies
+        sys.path.insert(0, where)
+        for version in ("base", "twin"):
+            shutil.copytree(Path(args.base) / "adasum", Path(where) / f"adasum_{version}")
+        variants += [f"{v}@{version}" for version in ("base", "twin") for v in list(variants)
+                     if v not in ("local", "ddp")]
     if "ddp" in variants:
         init_gloo(comm)
     results = {"size": size, "steps": args.steps, "rounds": args.rounds, "bucket_bytes": args.bucket_bytes,
@@ -142,8 +163,11 @@ def run(args) -> dict:
                 phases[v].append([comm.allreduce(t / args.steps, op=MPI.MAX) for t in ph])
         med = {v: statistics.median(ts) for v, ts in times.items()}
         base = med.get("local")
+        vs_base = {v: statistics.median(a / b for a, b in zip(times[v], times[v.split("@")[0] + "@base"]))
+                   for v in variants if f"{v.split('@')[0]}@base" in times and not v.endswith("@base")}
         results["models"][name] = {
             "parameters": params,
+            "vs_base": vs_base,
             "median_s": med,
             "overhead_s": {v: med[v] - base for v in variants} if base is not None else None,
             "rounds_s": times,
@@ -157,6 +181,8 @@ def run(args) -> dict:
             print(table({"P": size, **results["models"][name]}, name), flush=True)
     if "ddp" in variants:
         torch.distributed.destroy_process_group()
+    if where:
+        shutil.rmtree(where, ignore_errors=True)
     return results
 
 
@@ -166,10 +192,13 @@ def table(r: dict, name: str) -> str:
     lines = [f"{name} ({r['parameters'] / 1e6:.1f}M parameters), P = {r['P']}: median time per step, slowest rank",
              f"{'variant':22s} {'step ms':>9s} {'overhead ms':>12s} {'/ DDP overhead':>15s}"]
     phases = r.get("phases_s") or {}
+    vs_base = r.get("vs_base") or {}
+    lines[-1] += " / base" if vs_base else ""
     lines[-1] += "   forward / backward / step ms" if phases else ""
     for v, t in med.items():
         o = over.get(v)
         rel = f"{o / ddp:15.2f}" if o is not None and ddp and v not in ("local", "ddp") else " " * 15
+        rel += (f"{vs_base[v]:7.3f}" if v in vs_base else " " * 7) if vs_base else ""
         ph = "   " + " / ".join(f"{1e3 * x:.1f}" for x in phases[v]) if v in phases else ""
         lines.append(f"{v:22s} {1e3 * t:9.1f} {'' if o is None else f'{1e3 * o:12.1f}'} {rel}{ph}")
     return "\n".join(lines)
@@ -208,6 +237,7 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bucket-bytes", type=int, default=25 << 20)
+    p.add_argument("--base", help="another checkout of adasum (extension built in place) to compare with")
     p.add_argument("--quick", action="store_true", help="tiny models, 2 rounds of 2 steps")
     p.add_argument("--json", help="write the results here (rank 0)")
     p.add_argument("--report", nargs="+", metavar="JSON", help="print the tables of earlier runs")

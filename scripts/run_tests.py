@@ -1,5 +1,5 @@
-"""Runs the test suite: once serially, then under mpiexec at each world size in --sizes, the core tests
-again on the numpy kernels (--numpy-kernels-sizes), then the hierarchical-mode tests on emulated nodes
+"""Runs the test suite: once serially, then under mpiexec at each world size in --sizes, the framework
+tests (Lightning, Accelerate, transformers) at --frameworks-sizes, the core tests again on the numpy kernels (--numpy-kernels-sizes), then the hierarchical-mode tests on emulated nodes
 (--hostfile-runs), and last the convergence study's --quick run with a check of its outputs.
 
 Rank 0 of each MPI run prints to the terminal; the other ranks write to logs that are printed, and kept,
@@ -83,6 +83,8 @@ def main() -> int:
     # 3 and 5 are the sizes that are not powers of two (a fold of one pair over trees of 2 and 4); the tree
     # geometry of every P up to 64 is checked serially (tests/test_tree.py)
     ap.add_argument("--sizes", default="1,2,3,4,5,8", help="MPI world sizes (comma-separated)")
+    ap.add_argument("--frameworks-sizes", default="2,3",
+                    help="world sizes at which the framework tests (Lightning, Accelerate, transformers) run")
     ap.add_argument("--numpy-kernels-sizes", default="3",
                     help="world sizes at which the core tests run again on the numpy kernels")
     ap.add_argument("--no-serial", action="store_true", help="skip the serial (non-MPI) run")
@@ -109,8 +111,13 @@ def main() -> int:
     for n in [int(s) for s in args.sizes.split(",") if s]:
         logdir = tempfile.mkdtemp(prefix=f"adasum-np{n}-")
         cmd = [str(VENV_BIN / "mpiexec"), "-n", str(n), *_quiet_ranks(), py, "-m", "mpi4py", "-m", "pytest", "-q",
-               "--with-mpi", "-m", "mpi", *extra]
+               "--with-mpi", "-m", "mpi and not frameworks", *extra]
         runs.append((f"np={n}", cmd, logdir, {}))
+    for n in [int(s) for s in args.frameworks_sizes.split(",") if s]:
+        logdir = tempfile.mkdtemp(prefix=f"adasum-np{n}-frameworks-")
+        cmd = [str(VENV_BIN / "mpiexec"), "-n", str(n), *_quiet_ranks(), py, "-m", "mpi4py", "-m", "pytest", "-q",
+               "--with-mpi", "-m", "mpi and frameworks", *extra]
+        runs.append((f"np={n}, frameworks", cmd, logdir, {}))
     for n in [int(s) for s in args.numpy_kernels_sizes.split(",") if s]:
         logdir = tempfile.mkdtemp(prefix=f"adasum-np{n}-numpy-")
         cmd = [str(VENV_BIN / "mpiexec"), "-n", str(n), *_quiet_ranks(), py, "-m", "mpi4py", "-m", "pytest", "-q",

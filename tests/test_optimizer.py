@@ -408,14 +408,6 @@ def test_ranks_that_disagree_on_settings_raise_everywhere(comm):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=k)
 
 
-@pytest.mark.mpi(min_size=2)
-def test_closure_with_reduced_gradients_is_refused(comm):
-    model = tiny_model()
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op="mean")
-    with pytest.raises(ValueError, match="closure"):
-        opt.step(lambda: 0.0)
-
-
 # --- mixed precision and clipping --------------------------------------------------------------------------
 
 

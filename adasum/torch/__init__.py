@@ -1,10 +1,12 @@
 """Training with torch: :class:`DistributedOptimizer` (Adasum on weight deltas, or sum/mean of gradients,
 with micro-batch accumulation), a scheduler that steps once per accumulation window, broadcasting from a
-root rank, and checkpoints that resume bitwise."""
+root rank, and checkpoints that resume bitwise; ``torch.distributed`` started from MPI (:func:`init_process_group`) and
+DDP communication hooks (:mod:`adasum.torch.ddp`)."""
 
 from .accumulate import AccumulationWindow, BoundaryScheduler
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
+from .distributed import init_process_group
 from .optimizer import DistributedOptimizer
 
 __all__ = [
@@ -16,4 +18,5 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "read_checkpoint",
+    "init_process_group",
 ]

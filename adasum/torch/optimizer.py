@@ -11,6 +11,7 @@ so an error on one rank is an error on every rank. Every MPI call goes through t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import weakref
@@ -24,10 +25,11 @@ from ..allreduce import Op
 from ..launch import check_launch
 from .accumulate import AccumulationWindow
 from .amp import LossScale
+from .boundary import Boundary
 from .compress import Wire
 from .overlap import OverlapEngine
-from .strategy import AdasumDeltas, Bucket, GradientReduce, trained_params
-from .tensors import StartCopy, average_, grads_of
+from .strategy import AdasumDeltas, GradientReduce, trained_params
+from .tensors import StartCopy
 
 __all__ = ["DistributedOptimizer"]
 
@@ -60,11 +62,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             they are divided by the number of micro-batches the window actually held, so the loss of each
             micro-batch should be a mean over its samples and must not be divided by ``accumulation_steps``.
         comm: an mpi4py intracommunicator; default ``MPI.COMM_WORLD``.
-        start_copy: ``op="adasum"`` only: where the parameters' starting values are kept during a boundary.
-            ``"device"``: next to the parameters (one extra copy of the parameters in device memory, kept
-            between steps). ``"host"``: in host memory (pinned for CUDA parameters); device memory grows only
-            by the largest parameter tensor, at the price of one device-to-host copy of the parameters
-            before the local step and two host-to-device copies after it. The same for CPU models.
+        start_copy: ``op="adasum"`` only: where the window's starting values are kept, ``"device"`` (next to
+            the parameters) or ``"host"`` (pinned host memory for CUDA parameters; device memory grows only
+            by the largest parameter, at the price of copies). See :class:`~adasum.torch.tensors.StartCopy`.
         grad_scaler: a ``torch.amp.GradScaler`` whose ``scale(loss).backward()`` produced the gradients. The
             optimizer then unscales at the boundary and updates the scale itself, from the non-finite check
             that all ranks share, so every rank keeps the same scale. Do not call the scaler's ``step``,
@@ -77,27 +77,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             and rank 0 logs it once (logger ``"adasum"``). With adasum a rank whose own gradients are
             non-finite skips its local step (its optimizer state stays finite); the other ranks have taken
             theirs, and their optimizer state keeps it. Off: non-finite values reach the parameters.
-        overlap: communicate during backward (default off: on hosts where every rank has one core, the
-            communication thread competes with backward for it, see the README). On the backward that
-            closes a window, a hook on every parameter collects the parameters into buckets as backward
-            finishes them; each complete bucket is handed to a background thread at once, which for
-            ``op="adasum"`` takes that bucket's local step and reduces its deltas (the parameters are set
-            back to their start at once, so they change only inside ``step()``), and for
-            ``"sum"``/``"mean"`` reduces its gradients (the local step then runs in ``step()``). ``step()``
-            waits for the buckets and applies them. The results are bitwise those of ``overlap=False`` for
-            adasum (within float rounding for sum/mean). The first boundary runs without overlap and
-            records the order in which backward produced the gradients (rank 0's order, shared by every
-            rank). A loop that calls :meth:`finalize_gradients` / :meth:`clip_grad_norm_` with
-            ``op="adasum"`` (clipping by the norm of all gradients before the local step) runs without
-            overlap. See the README for the rules.
+        overlap: communicate during backward (default off: where every rank has one core, the thread
+            competes with backward for it). On the backward that closes a window, buckets of parameters go
+            to a background thread as backward finishes them, which reduces them (for adasum, after their
+            local step; the parameters still change only inside ``step()``); ``step()`` waits and applies.
+            Bitwise the results of ``overlap=False`` for adasum. The rules are in the README.
         bucket_bytes: with ``overlap``, the smallest bucket in bytes of parameters (the last may be smaller).
         compression: ``None``, ``"fp16"`` or ``"bf16"``: the deltas (adasum) or gradients (sum/mean) travel
-            as 16-bit floats, half the bytes; the dot products, norms and the combine (adasum) or the sums
-            (sum/mean) run in float32 or wider on the values that arrived, and the result is rounded to 16
-            bits once before it is applied. ``"fp16"`` multiplies each layer by a power of two that every
-            rank agrees on before the cast, so that values from about 1e-8 to 1e4 keep float16's 11 bits
-            of precision (what still overflows or underflows is logged once per layer); ``"bf16"`` keeps
-            float32's range with 8 bits of precision.
+            as 16-bit floats, half the bytes, and are combined in float32 or wider (see
+            :class:`~adasum.torch.compress.Wire`: fp16 travels scaled per layer by an agreed power of two).
 
     Attributes:
         is_boundary: whether the last ``step()`` closed a window.
@@ -155,16 +143,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.step_was_skipped = False
         self.skipped_updates = 0
         self.boundaries = 0
-        self._averaged = False  # the closing window's gradients are averaged already (finalize_gradients)
-        self._reduced: list[Bucket] | None = None  # ... and reduced (sum/mean), its buckets
         # Overlap needs a second thread in MPI; without MPI_THREAD_MULTIPLE every boundary runs in step().
         overlap = bool(overlap) and comm.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
-        self._check_agreement(overlap, str(wire.dtype))
+        _check_agreement(comm, {"op": self.op, "accumulation_steps": accumulation_steps, "start_copy": start_copy,
+                                "skip_nonfinite": self.skip_nonfinite, "hierarchical": self.hierarchical,
+                                "grad_scaler": self._loss.enabled, "overlap": overlap,
+                                "bucket_bytes": bucket_bytes, "compression": str(wire.dtype)}, self._params())
         self._engine: OverlapEngine | None = None
         if overlap:
             self._engine = OverlapEngine(optimizer, self._strategy, self._window, self._loss, comm,
                                          bucket_bytes)
             weakref.finalize(self, self._engine.close)
+        self._boundary = Boundary(optimizer, comm, self._strategy, self._window, self._loss, self._engine)
 
     # --- the wrapped optimizer's own attributes ------------------------------------------------------------
 
@@ -265,6 +255,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._close_window(self._window.seen)
         return True
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside do not close a window, whatever the count says: their gradients only
+        accumulate, and with ``overlap`` no bucket is reduced during them. For frameworks that count the
+        micro-batches themselves and call ``step()`` once per window (``accumulation_steps=1``)."""
+        if self._engine is None:
+            yield
+            return
+        self._engine.paused += 1
+        try:
+            yield
+        finally:
+            self._engine.paused -= 1
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients, unless a window is open (then the gradients are still accumulating)."""
         if self._window.seen:
@@ -293,27 +297,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if not self._window.closes_next:
             return False
-        if self._averaged or self._reduced is not None:
-            return True
-        count = self._window.seen + 1
-        if isinstance(self._strategy, AdasumDeltas):
-            # All gradients are needed before any local step: from now on every boundary runs in step().
-            if self._engine is not None:
-                self._engine.disable("finalize_gradients")
-                if self._engine.started:
-                    self._engine.finish()
-                    raise RuntimeError(
-                        "finalize_gradients()/clip_grad_norm_() was called at a boundary whose local steps "
-                        "already ran during backward (overlap with op='adasum'); the parameters keep the "
-                        "window's start. Call it at every boundary from the first one on (overlap then stays "
-                        "off), or construct the optimizer with overlap=False")
-            average_(grads_of(self._params()), count, self._loss.current())
-            self._averaged = True
-        else:
-            buckets, comm, _ = self._reduce(count)
-            self._agree(buckets, comm)
-            self._strategy.settle(buckets)
-            self._reduced = buckets
+        self._boundary.finalize()
         return True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs) -> torch.Tensor | None:
@@ -352,54 +336,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _close_window(self, count: int) -> None:
-        try:
-            if self._reduced is not None:
-                buckets, scale = self._reduced, self._loss.current()
-            else:
-                buckets, comm, scale = self._reduce(count)
-                self._agree(buckets, comm)
-                self._strategy.settle(buckets)
-            ok = self._strategy.update(buckets)
-            if not ok:
-                self._record_skip()
-            self._loss.update(scale, ok)
-        finally:
-            self._window.close()
-            self._averaged, self._reduced = False, None
-        if self._engine is not None and not self._engine.closed:
-            self._engine.after_boundary()
+        if not self._boundary.run(count):
+            self._record_skip()
         self.boundaries += 1
         self.is_boundary = True
-
-    def _reduce(self, count: int) -> tuple[list[Bucket], MPI.Intracomm, float]:
-        """The boundary's buckets, reduced: by the overlap thread, or here as one bucket of every parameter."""
-        done = self._engine.finish() if self._engine is not None and not self._engine.closed else None
-        if done is not None:
-            return done[0], self._engine.comm, done[1]
-        params = self._params()
-        scale = self._loss.current()
-        self._strategy.prepare(params)
-        bucket = Bucket(params, list(range(len(params))), count, scale, averaged=self._averaged)
-        self._strategy.reduce(bucket, self.comm, side=False, everything=True)
-        return [bucket], self.comm, scale
-
-    def _agree(self, buckets: list[Bucket], comm: MPI.Intracomm) -> None:
-        """Raise on every rank if a bucket failed on any, with the parameters left at the window's start."""
-        mine = next((b.error for b in buckets if b.error), None)
-        if comm.Get_size() == 1:
-            failed = [mine] if mine else []
-        elif exchange.any_true(comm, mine is not None, what="the boundary's error vote"):
-            failed = exchange.allgather(comm, mine, what="the boundary's errors")
-        else:
-            return
-        if not failed:
-            return
-        self._strategy.abandon(buckets)
-        self._window.close()
-        self._averaged, self._reduced = False, None
-        raise RuntimeError(f"(raised on rank {self.comm.Get_rank()}) a local step or reduction failed at this "
-                           "boundary; the parameters keep the window's start: "
-                           + "; ".join(f"rank {r}: {e}" for r, e in enumerate(failed) if e))
 
     # --- non-finite updates -----------------------------------------------------------------------------------
 
@@ -446,8 +386,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.boundaries = int(own.get("boundaries", 0))
         self.skipped_updates = int(own.get("skipped_updates", 0))
         self._loss.good_steps = int(own.get("scaler_good_steps", 0))
-        self.is_boundary = self.step_was_skipped = self._averaged = False
-        self._reduced = None
+        self.is_boundary = self.step_was_skipped = False
+        self._boundary.reset()
         if grads is not None:
             for p, g in zip(params, grads):
                 p.grad = None if g is None else g.detach().to(device=p.device, dtype=p.dtype, copy=True)
@@ -457,27 +397,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _params(self) -> list[torch.Tensor]:
         return trained_params(self.optimizer)
 
-    def _check_agreement(self, overlap: bool, wire: str) -> None:
-        """Every rank must use the same settings and parameter shapes; raise on every rank if not."""
-        if self.comm.Get_size() == 1:
-            return
-        params = self._params()
-        mine = {"op": self.op, "accumulation_steps": self._window.steps, "start_copy": self.start_copy,
-                "skip_nonfinite": self.skip_nonfinite, "hierarchical": self.hierarchical,
-                "grad_scaler": self._loss.enabled, "overlap": overlap, "bucket_bytes": self.bucket_bytes,
-                "compression": wire, "parameters": len(params)}
-        shapes = hashlib.blake2b(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode(),
-                                 digest_size=8).hexdigest()
-        everyone = exchange.allgather(self.comm, (mine, shapes), what="DistributedOptimizer's settings")
-        rank = self.comm.Get_rank()
-        first, first_shapes = everyone[0]
-        for key in first:
-            odd = [r for r, (s, _) in enumerate(everyone) if s[key] != first[key]]
-            if odd:
-                raise ValueError(f"(raised on rank {rank}) ranks disagree on {key} of DistributedOptimizer: "
-                                 + ", ".join(f"rank {r} has {everyone[r][0][key]!r}" for r in odd)
-                                 + f", rank 0 has {first[key]!r}")
-        odd = [r for r, (_, h) in enumerate(everyone) if h != first_shapes]
+
+def _check_agreement(comm: MPI.Intracomm, mine: dict[str, Any], params: list[torch.Tensor]) -> None:
+    """Every rank must use the same settings and parameter shapes; raise on every rank if not."""
+    if comm.Get_size() == 1:
+        return
+    mine = dict(mine, parameters=len(params))
+    shapes = hashlib.blake2b(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode(),
+                             digest_size=8).hexdigest()
+    everyone = exchange.allgather(comm, (mine, shapes), what="DistributedOptimizer's settings")
+    rank = comm.Get_rank()
+    first, first_shapes = everyone[0]
+    for key in first:
+        odd = [r for r, (s, _) in enumerate(everyone) if s[key] != first[key]]
         if odd:
-            raise ValueError(f"(raised on rank {rank}) the parameter shapes or dtypes of rank(s) "
-                             f"{', '.join(map(str, odd))} differ from rank 0's")
+            raise ValueError(f"(raised on rank {rank}) ranks disagree on {key} of DistributedOptimizer: "
+                             + ", ".join(f"rank {r} has {everyone[r][0][key]!r}" for r in odd)
+                             + f", rank 0 has {first[key]!r}")
+    odd = [r for r, (_, h) in enumerate(everyone) if h != first_shapes]
+    if odd:
+        raise ValueError(f"(raised on rank {rank}) the parameter shapes or dtypes of rank(s) "
+                         f"{', '.join(map(str, odd))} differ from rank 0's")

@@ -150,6 +150,7 @@ class OverlapEngine:
         self._plan: BucketPlan | None = None
         self._bw: _Backward | None = None
         self.disabled: str | None = None  # why overlap is off for good
+        self.paused = 0  # inside DistributedOptimizer.no_sync(): backward passes that close no window
         self.closed = False
         self.overlapped_boundaries = 0       # boundaries whose buckets were reduced during backward
         self.buckets_started_in_backward = 0  # of the last such boundary, buckets handed over before step()
@@ -170,7 +171,7 @@ class OverlapEngine:
 
     def _on_grad(self, i: int) -> None:
         """Backward has accumulated parameter ``i``'s gradient (inside backward)."""
-        if self.disabled or not self._window.closes_next:
+        if self.disabled or self.paused or not self._window.closes_next:
             return
         bw = self._bw if self._bw is not None else self._begin()
         fired = bw.fired

@@ -1,0 +1,114 @@
+"""What happens where a window of micro-batches closes: :class:`Boundary` takes the window's buckets
+(reduced during backward by the overlap engine, or here as one bucket of every parameter), has every rank
+vote on whether a bucket failed anywhere, then lets the reduce strategy hand over and apply the result, and
+updates the loss scale from the decision every rank shares.
+
+:meth:`Boundary.finalize` does the first part early, for a loop that clips or inspects the gradients before
+``step()``: it averages them (``op="adasum"``: each rank's own, before its local step) or averages and
+reduces them (sum/mean).
+"""
+
+from __future__ import annotations
+
+import torch
+from mpi4py import MPI
+
+from .. import exchange
+from .accumulate import AccumulationWindow
+from .amp import LossScale
+from .overlap import OverlapEngine
+from .strategy import AdasumDeltas, Bucket, trained_params
+from .tensors import average_, grads_of
+
+__all__ = ["Boundary", "failures"]
+
+
+class Boundary:
+    """The boundary procedure of one optimizer; its state is what :meth:`finalize` did ahead of ``step()``."""
+
+    def __init__(self, optimizer, comm: MPI.Intracomm, strategy, window: AccumulationWindow, loss: LossScale,
+                 engine: OverlapEngine | None):
+        self.optimizer = optimizer
+        self.comm = comm
+        self.strategy = strategy
+        self.window = window
+        self.loss = loss
+        self.engine = engine
+        self.averaged = False  # the closing window's gradients are averaged already
+        self.reduced: tuple[list[Bucket], float] | None = None  # ... and reduced (sum/mean): buckets, scale
+
+    def reset(self) -> None:
+        self.averaged, self.reduced = False, None
+
+    def finalize(self) -> None:
+        """Make ``.grad`` what the local step will use, for the window that the next ``step()`` closes."""
+        if self.averaged or self.reduced is not None:
+            return
+        if isinstance(self.strategy, AdasumDeltas):
+            # All gradients are needed before any local step: from now on every boundary runs in step().
+            if self.engine is not None:
+                self.engine.disable("finalize_gradients")
+                if self.engine.started:
+                    self.engine.finish()
+                    raise RuntimeError(
+                        "finalize_gradients()/clip_grad_norm_() was called at a boundary whose local steps "
+                        "already ran during backward (overlap with op='adasum'); the parameters keep the "
+                        "window's start. Call it at every boundary from the first one on (overlap then stays "
+                        "off), or construct the optimizer with overlap=False")
+            average_(grads_of(trained_params(self.optimizer)), self.window.seen + 1, self.loss.current())
+            self.averaged = True
+        else:
+            self.reduced = self._reduce_and_agree(self.window.seen + 1)
+
+    def run(self, count: int) -> bool:
+        """Close the window of ``count`` micro-batches: reduce, agree, apply. Returns False where the update
+        was skipped for non-finite values (on every rank alike)."""
+        try:
+            buckets, scale = self.reduced or self._reduce_and_agree(count)
+            ok = self.strategy.update(buckets)
+            self.loss.update(scale, ok)
+        finally:
+            self.window.close()
+            self.reset()
+        if self.engine is not None and not self.engine.closed:
+            self.engine.after_boundary()
+        return ok
+
+    def _reduce_and_agree(self, count: int) -> tuple[list[Bucket], float]:
+        done = self.engine.finish() if self.engine is not None and not self.engine.closed else None
+        if done is not None:
+            (buckets, scale), comm = done, self.engine.comm
+        else:
+            params = trained_params(self.optimizer)
+            scale, comm = self.loss.current(), self.comm
+            self.strategy.prepare(params)
+            buckets = [Bucket(params, list(range(len(params))), count, scale, averaged=self.averaged)]
+            self.strategy.reduce(buckets[0], comm, side=False, everything=True)
+        self._agree(buckets, comm)
+        self.strategy.settle(buckets)
+        return buckets, scale
+
+    def _agree(self, buckets: list[Bucket], comm: MPI.Intracomm) -> None:
+        """Raise on every rank if a bucket failed on any, with the parameters left at the window's start."""
+        failed = failures(buckets, comm)
+        if failed:
+            self.strategy.abandon(buckets)
+            self.window.close()
+            self.reset()
+            raise RuntimeError(f"(raised on rank {self.comm.Get_rank()}) a local step or reduction failed at "
+                               "this boundary; the parameters keep the window's start: " + failed)
+
+
+def failures(buckets: list[Bucket], comm: MPI.Intracomm) -> str | None:
+    """Collective: every rank's errors on its buckets ("rank r: error; …"), or None where no bucket failed
+    on any rank. One small vote when nothing failed."""
+    mine = next((b.error for b in buckets if b.error), None)
+    if comm.Get_size() == 1:
+        failed = [mine]
+    elif exchange.any_true(comm, mine is not None, what="the boundary's error vote"):
+        failed = exchange.allgather(comm, mine, what="the boundary's errors")
+    else:
+        return None
+    if not any(failed):
+        return None
+    return "; ".join(f"rank {r}: {e}" for r, e in enumerate(failed) if e)

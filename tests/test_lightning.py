@@ -1,0 +1,141 @@
+"""PyTorch Lightning with AdasumStrategy under mpiexec: Trainer.fit against the same loop written with
+DistributedOptimizer, shards, accumulation, mixed precision, metrics, checkpoints, mismatches."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+L = pytest.importorskip("lightning")
+
+import adasum.torch as at  # noqa: E402
+from adasum.lightning import AdasumStrategy  # noqa: E402
+
+from helpers import assert_identical_across_ranks, raw_bytes  # noqa: E402
+
+pytestmark = pytest.mark.frameworks
+
+N = 48  # samples; each rank's shard is N / P
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(N, 8, generator=g)
+    return TensorDataset(torch.arange(N), x, x @ torch.randn(8, 2, generator=g))
+
+
+def model_init() -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+
+
+class Module(L.LightningModule):
+    def __init__(self, lr: float = 0.05):
+        super().__init__()
+        self.net = model_init()
+        self.lr = lr
+        self.seen: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        idx, x, y = batch
+        if self.current_epoch == 0:
+            self.seen += idx.tolist()
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def fit(comm, *, epochs=2, accumulate=1, precision="32-true", **strategy):
+    module = Module()
+    plugins = []
+    if precision == "16-mixed+scaler":  # Lightning gives CPU runs no scaler; a GradScaler on CPU, as on GPUs
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        plugins, precision = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))], None
+    trainer = L.Trainer(strategy=AdasumStrategy(**strategy), accelerator="cpu", max_epochs=epochs,
+                        accumulate_grad_batches=accumulate, precision=precision, plugins=plugins, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on num_workers and the like
+        trainer.fit(module, DataLoader(dataset(), batch_size=4, shuffle=False))
+    return module, trainer
+
+
+def manual(comm, *, epochs=2, accumulate=1):
+    """The same training written by hand: this rank's shard, DistributedOptimizer."""
+    net = model_init()
+    opt = at.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
+                                  accumulation_steps=accumulate)
+    sampler = DistributedSampler(dataset(), comm.Get_size(), comm.Get_rank(), shuffle=True, seed=0)
+    loader = DataLoader(dataset(), batch_size=4, sampler=sampler)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)  # as Lightning does for its training sampler
+        for i, (_, x, y) in enumerate(loader):
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            if i == len(loader) - 1:
+                opt.force_boundary()
+            opt.step()
+            opt.zero_grad()
+    return net
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_fit_is_the_hand_written_loop(comm, accumulate, overlap):
+    module, trainer = fit(comm, accumulate=accumulate, overlap=overlap)
+    assert trainer.world_size == comm.Get_size() and trainer.global_rank == comm.Get_rank()
+    assert_identical_across_ranks(comm, list(module.net.parameters()))
+    # each rank its own shard, every sample once in the first epoch
+    shards = comm.allgather(sorted(set(module.seen)))
+    assert sorted(i for s in shards for i in s) == list(range(N))
+    reference = manual(comm, accumulate=accumulate)
+    for a, b in zip(module.net.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    opt = trainer.strategy.optimizers[0]
+    if overlap and comm.Get_size() > 1:
+        assert opt.overlapped_boundaries > 0
+    # the synced metric is the mean over the ranks
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "16-mixed+scaler"])
+def test_mixed_precision(comm, precision):
+    module, trainer = fit(comm, epochs=1, precision=precision)
+    assert_identical_across_ranks(comm, list(module.net.parameters()))
+    assert all(torch.isfinite(p).all() for p in module.net.parameters())
+    moved = [raw_bytes(a) != raw_bytes(b) for a, b in zip(module.net.parameters(), model_init().parameters())]
+    assert all(moved)
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    assert (scaler is not None) == (precision == "16-mixed+scaler")
+    if scaler is not None:  # the scaler was handed to the optimizer, which keeps it alike everywhere
+        assert trainer.strategy.optimizers[0].grad_scaler is scaler
+        assert len(set(comm.allgather(float(scaler.get_scale())))) == 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_checkpoint_is_written_by_rank_0_and_loads(comm, shared_dir):
+    module, trainer = fit(comm, epochs=1)
+    path = os.path.join(shared_dir, "lightning.ckpt")
+    trainer.save_checkpoint(path)
+    comm.Barrier()
+    state = torch.load(path, weights_only=False)
+    loaded = Module()
+    loaded.load_state_dict(state["state_dict"])
+    assert [raw_bytes(p) for p in loaded.net.parameters()] == [raw_bytes(p) for p in module.net.parameters()]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_disagree_raise_on_every_rank(comm):
+    op = "mean" if comm.Get_rank() == comm.Get_size() - 1 else "adasum"
+    with pytest.raises(ValueError, match=rf"ranks disagree on op of DistributedOptimizer: rank {comm.Get_size() - 1}"):
+        fit(comm, epochs=1, op=op)
