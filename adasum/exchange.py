@@ -20,16 +20,16 @@ from mpi4py import MPI
 from . import stall
 from .context import Context, context_for
 
-__all__ = ["any_true", "max_of", "allgather", "bcast", "gather", "scatter", "bcast_buffer"]
+__all__ = ["any_true", "max_of", "allgather", "bcast", "gather", "scatter", "bcast_buffer", "enter", "wait"]
 
 
 def any_true(comm: MPI.Intracomm | None, flag: bool, what: str = "vote") -> bool:
     """Whether ``flag`` is true on any rank of ``comm``."""
-    ctx = _enter(comm, what)
+    ctx = enter(comm, what)
     try:
         mine = np.array([1 if flag else 0], dtype=np.int64)
         out = np.zeros(1, dtype=np.int64)
-        _wait(ctx, ctx.lcomm.Iallreduce(mine, out, op=MPI.MAX), what, 8)
+        wait(ctx, ctx.lcomm.Iallreduce(mine, out, op=MPI.MAX), what, 8)
         return bool(out[0])
     finally:
         ctx.leave()
@@ -38,14 +38,14 @@ def any_true(comm: MPI.Intracomm | None, flag: bool, what: str = "vote") -> bool
 def max_of(comm: MPI.Intracomm | None, values: np.ndarray, what: str = "maximum") -> np.ndarray:
     """The element-wise maximum over the ranks of ``values`` (a float64 array of the same length on every
     rank); NaN wins over every number."""
-    ctx = _enter(comm, what)
+    ctx = enter(comm, what)
     try:
         mine = np.ascontiguousarray(values, dtype=np.float64)
         # NaN does not order under MPI.MAX: it travels as +Inf in a second slot per value.
         nan = np.isnan(mine)
         send = np.concatenate([np.where(nan, -np.inf, mine), nan.astype(np.float64)])
         out = np.empty_like(send)
-        _wait(ctx, ctx.lcomm.Iallreduce(send, out, op=MPI.MAX), what, send.nbytes)
+        wait(ctx, ctx.lcomm.Iallreduce(send, out, op=MPI.MAX), what, send.nbytes)
         n = mine.size
         return np.where(out[n:] > 0, np.nan, out[:n])
     finally:
@@ -54,15 +54,15 @@ def max_of(comm: MPI.Intracomm | None, values: np.ndarray, what: str = "maximum"
 
 def allgather(comm: MPI.Intracomm | None, obj: Any, what: str = "allgather") -> list:
     """Every rank's ``obj``, in rank order, on every rank."""
-    ctx = _enter(comm, what)
+    ctx = enter(comm, what)
     try:
         data = _dumps(obj)
         sizes = np.empty(ctx.size, dtype=np.int64)
-        _wait(ctx, ctx.lcomm.Iallgather(np.array([data.size], dtype=np.int64), sizes), what, 8)
+        wait(ctx, ctx.lcomm.Iallgather(np.array([data.size], dtype=np.int64), sizes), what, 8)
         offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
         out = np.empty(int(sizes.sum()), dtype=np.uint8)
         req = ctx.lcomm.Iallgatherv(data, [out, (sizes, offsets), MPI.BYTE])
-        _wait(ctx, req, what, data.size)
+        wait(ctx, req, what, data.size)
         return [pickle.loads(out[o:o + s].tobytes()) for o, s in zip(offsets, sizes)]
     finally:
         ctx.leave()
@@ -70,14 +70,14 @@ def allgather(comm: MPI.Intracomm | None, obj: Any, what: str = "allgather") -> 
 
 def bcast(comm: MPI.Intracomm | None, obj: Any, root: int = 0, what: str = "broadcast") -> Any:
     """``root``'s ``obj`` on every rank (what the other ranks pass is ignored)."""
-    ctx = _enter(comm, what)
+    ctx = enter(comm, what)
     try:
         data = _dumps(obj) if ctx.rank == root else None
         size = np.array([0 if data is None else data.size], dtype=np.int64)
-        _wait(ctx, ctx.lcomm.Ibcast(size, root=root), what, 8)
+        wait(ctx, ctx.lcomm.Ibcast(size, root=root), what, 8)
         if data is None:
             data = np.empty(int(size[0]), dtype=np.uint8)
-        _wait(ctx, ctx.lcomm.Ibcast([data, MPI.BYTE], root=root), what, data.size if ctx.rank == root else 0)
+        wait(ctx, ctx.lcomm.Ibcast([data, MPI.BYTE], root=root), what, data.size if ctx.rank == root else 0)
         return obj if ctx.rank == root else pickle.loads(data.tobytes())
     finally:
         ctx.leave()
@@ -85,17 +85,17 @@ def bcast(comm: MPI.Intracomm | None, obj: Any, root: int = 0, what: str = "broa
 
 def gather(comm: MPI.Intracomm | None, obj: Any, root: int = 0, what: str = "gather") -> list | None:
     """Every rank's ``obj``, in rank order, on ``root``; None on the other ranks."""
-    ctx = _enter(comm, what)
+    ctx = enter(comm, what)
     try:
         data = _dumps(obj)
         sizes = np.zeros(ctx.size, dtype=np.int64)
-        _wait(ctx, ctx.lcomm.Igather(np.array([data.size], dtype=np.int64), sizes, root=root), what, 8)
+        wait(ctx, ctx.lcomm.Igather(np.array([data.size], dtype=np.int64), sizes, root=root), what, 8)
         if ctx.rank != root:
-            _wait(ctx, ctx.lcomm.Igatherv(data, None, root=root), what, data.size)
+            wait(ctx, ctx.lcomm.Igatherv(data, None, root=root), what, data.size)
             return None
         offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
         out = np.empty(int(sizes.sum()), dtype=np.uint8)
-        _wait(ctx, ctx.lcomm.Igatherv(data, [out, (sizes, offsets), MPI.BYTE], root=root), what, data.size)
+        wait(ctx, ctx.lcomm.Igatherv(data, [out, (sizes, offsets), MPI.BYTE], root=root), what, data.size)
         return [pickle.loads(out[o:o + s].tobytes()) for o, s in zip(offsets, sizes)]
     finally:
         ctx.leave()
@@ -103,7 +103,7 @@ def gather(comm: MPI.Intracomm | None, obj: Any, root: int = 0, what: str = "gat
 
 def scatter(comm: MPI.Intracomm | None, objs: list | None, root: int = 0, what: str = "scatter") -> Any:
     """Rank ``r`` gets ``objs[r]`` of ``root`` (``objs``: one object per rank on ``root``, ignored elsewhere)."""
-    ctx = _enter(comm, what)
+    ctx = enter(comm, what)
     try:
         if ctx.rank == root:
             if objs is None or len(objs) != ctx.size:
@@ -114,15 +114,15 @@ def scatter(comm: MPI.Intracomm | None, objs: list | None, root: int = 0, what: 
         else:
             parts, sizes = [], np.zeros(ctx.size, dtype=np.int64)
         mine = np.zeros(1, dtype=np.int64)
-        _wait(ctx, ctx.lcomm.Iscatter(sizes, mine, root=root), what, sizes.nbytes if ctx.rank == root else 0)
+        wait(ctx, ctx.lcomm.Iscatter(sizes, mine, root=root), what, sizes.nbytes if ctx.rank == root else 0)
         out = np.empty(int(mine[0]), dtype=np.uint8)
         if ctx.rank == root:
             data = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint8)
             offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
             req = ctx.lcomm.Iscatterv([data, (sizes, offsets), MPI.BYTE], out, root=root)
-            _wait(ctx, req, what, data.size)
+            wait(ctx, req, what, data.size)
         else:
-            _wait(ctx, ctx.lcomm.Iscatterv(None, out, root=root), what, 0)
+            wait(ctx, ctx.lcomm.Iscatterv(None, out, root=root), what, 0)
         return pickle.loads(out.tobytes())
     finally:
         ctx.leave()
@@ -131,15 +131,17 @@ def scatter(comm: MPI.Intracomm | None, objs: list | None, root: int = 0, what: 
 def bcast_buffer(comm: MPI.Intracomm | None, buf: np.ndarray, root: int = 0, what: str = "broadcast") -> None:
     """``root``'s bytes of ``buf`` (a contiguous numpy array, the same size on every rank) into every
     rank's ``buf``."""
-    ctx = _enter(comm, what)
+    ctx = enter(comm, what)
     try:
         if buf.size:
-            _wait(ctx, ctx.lcomm.Ibcast([buf, MPI.BYTE], root=root), what, buf.nbytes if ctx.rank == root else 0)
+            wait(ctx, ctx.lcomm.Ibcast([buf, MPI.BYTE], root=root), what, buf.nbytes if ctx.rank == root else 0)
     finally:
         ctx.leave()
 
 
-def _enter(comm: MPI.Intracomm | None, what: str) -> Context:
+def enter(comm: MPI.Intracomm | None, what: str) -> Context:
+    """Start a numbered call ``what`` on ``comm``'s context (end it with ``ctx.leave()`` in a ``finally``):
+    for other small collectives of the library that wait as these do."""
     ctx = context_for(comm)
     ctx.lcomm  # noqa: B018 - made (collectively, watched) before the call is numbered
     if ctx.enter(what) % 64 == 0:
@@ -147,8 +149,9 @@ def _enter(comm: MPI.Intracomm | None, what: str) -> Context:
     return ctx
 
 
-def _wait(ctx: Context, req: MPI.Request, what: str, nbytes: int) -> None:
-    ctx.record("scalar_bytes", nbytes)
+def wait(ctx: Context, req: MPI.Request, what: str, nbytes: int, field: str = "scalar_bytes") -> None:
+    """Wait for ``req`` through the stall inspector; ``nbytes`` this rank sent count in ``field``."""
+    ctx.record(field, nbytes)
     stall.wait(ctx, req, "exchange", nbytes, label=what)
 
 

@@ -22,7 +22,17 @@ mean-x1              mean     base
 mean-sqrtP           mean     √P × base
 mean-linear-warmup   mean     P × base, reached by a linear warmup (the large-batch recipe)
 sum-x1               sum      base (with SGD, the mean at P × base without warmup)
+adasum-grad-x1       adasum   base, Adasum of the *gradients* through the DDP hook
+                     of grads (``adasum.torch.ddp.adasum_hook``), then one local step on every rank
 ==================== ======== ====================================================================
+
+``adasum-grad-x1`` is not in the default grids; the task ``mnist1d-adamw`` (MNIST-1D with AdamW) is not
+among the default tasks. Together they compare the ways frameworks reach Adasum::
+
+    mpiexec -n 8 python -m mpi4py benchmarks/convergence.py --tasks mnist1d,mnist1d-adamw \
+        --set 'mnist1d.lrs=[0.03]' --set 'mnist1d.grid=[[1,[8],["adasum-x1","adasum-grad-x1","mean-sqrtP"]]]' \
+        --set 'mnist1d-adamw.grid=[[1,[8],["adasum-x1","adasum-grad-x1","mean-sqrtP"]]]' \
+        --out benchmarks/results/convergence-frameworks
 
 A warmup raises the rate linearly, update by update, from 1/W of its value to all of it over the first
 ``warmup_epochs`` epochs (W updates); after it, and in the schedules without one, the rate is constant.
@@ -118,9 +128,10 @@ SCHEDULES = {s.name: s for s in [
     Schedule("mean-sqrtP", "mean", "sqrt", False),
     Schedule("mean-linear-warmup", "mean", "linear", True),
     Schedule("sum-x1", "sum", "1", False),
+    Schedule("adasum-grad-x1", "adasum-grad", "1", False),
     SINGLE,
 ]}
-OPS = ("adasum", "mean", "sum")
+OPS = ("adasum", "adasum-grad", "mean", "sum")
 # The four the closing comparison is about, in the order the tables show them.
 HEADLINE = ("adasum-x1", "mean-x1", "mean-sqrtP", "mean-linear-warmup")
 
@@ -194,6 +205,19 @@ class Mnist1d:
         return f"{100 * value:.1f} %"
 
 
+class Mnist1dAdamW(Mnist1d):
+    """The same task with AdamW instead of SGD."""
+
+    name = "mnist1d-adamw"
+
+    def optimizer(self, model, lr, s):
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=s["weight_decay"])
+
+    def describe(self, s) -> str:
+        return super().describe(s).replace(f"SGD, Nesterov momentum {s['momentum']}",
+                                           f"AdamW (weight decay {s['weight_decay']})")
+
+
 class Chars:
     """Character-level transformer language model on the standard library's sources, AdamW; validation bits
     per character (lower is better)."""
@@ -247,9 +271,10 @@ class Chars:
         return f"{value:.3f}"
 
 
-TASKS = {t.name: t for t in (Mnist1d(), Chars())}
+TASKS = {t.name: t for t in (Mnist1d(), Chars(), Mnist1dAdamW())}
+DEFAULT_TASKS = ("mnist1d", "chars")
 
-ALL = list(s for s in SCHEDULES if s != "single")
+ALL = list(s for s in SCHEDULES if s not in ("single", "adasum-grad-x1"))
 NO_SUM = [s for s in ALL if s != "sum-x1"]
 
 
@@ -266,6 +291,11 @@ def presets(quick: bool) -> dict:
                       "weight_decay": 0.01, "batch_size": 8, "epochs": 4, "evals_per_epoch": 2,
                       "warmup_epochs": 1, "lrs": [0.001, 0.002, 0.004, 0.008], "target": 2.8, "levels": [3.2, 2.5],
                       "grid": [[1, [8, 16], NO_SUM]]},
+            "mnist1d-adamw": {"num_samples": 15000, "data_seed": 42, "channels": 32, "momentum": 0.0,
+                              "weight_decay": 0.01, "batch_size": 32, "epochs": 15, "evals_per_epoch": 1,
+                              "warmup_epochs": 2, "lrs": [0.002, 0.005, 0.01, 0.02], "target": 0.85,
+                              "levels": [0.5, 0.7],
+                              "grid": [[1, [8], ["adasum-x1", "adasum-grad-x1", "mean-sqrtP"]]]},
         }
     return {
         "mnist1d": {"num_samples": 3000, "data_seed": 42, "channels": 16, "momentum": 0.9, "batch_size": 32,
@@ -274,6 +304,10 @@ def presets(quick: bool) -> dict:
         "chars": {"chars": 30000, "valid_chars": 3000, "context": 32, "width": 32, "layers": 1, "heads": 2,
                   "weight_decay": 0.01, "batch_size": 8, "epochs": 1, "evals_per_epoch": 2, "warmup_epochs": 0.5,
                   "lrs": [0.002, 0.004], "target": 4.0, "levels": [4.5], "grid": [[1, [3, 6], NO_SUM]]},
+        "mnist1d-adamw": {"num_samples": 3000, "data_seed": 42, "channels": 16, "momentum": 0.0,
+                          "weight_decay": 0.01, "batch_size": 32, "epochs": 3, "evals_per_epoch": 1,
+                          "warmup_epochs": 1, "lrs": [0.002, 0.004], "target": 0.5, "levels": [0.3],
+                          "grid": [[1, [3], ["adasum-x1", "adasum-grad-x1", "mean-sqrtP"]]]},
     }
 
 
@@ -332,7 +366,10 @@ def train(cfg: Config, data, comm: MPI.Intracomm, s: dict) -> dict:
     lr = cfg.base_lr * schedule.factor(size)
     model = task.build(cfg.seed, s)
     inner = task.optimizer(model, lr, s)
-    optimizer = at.DistributedOptimizer(inner, op=schedule.op, accumulation_steps=cfg.accumulation, comm=comm)
+    if schedule.op == "adasum-grad":
+        optimizer = GradientAdasum(inner, accumulation_steps=cfg.accumulation, comm=comm)
+    else:
+        optimizer = at.DistributedOptimizer(inner, op=schedule.op, accumulation_steps=cfg.accumulation, comm=comm)
     n = task.train_count(data, s)
     micro = len(shard_batches(n, s["batch_size"], rank, size, 0, cfg.seed))
     per_epoch = math.ceil(micro / cfg.accumulation)
@@ -408,6 +445,58 @@ def train(cfg: Config, data, comm: MPI.Intracomm, s: dict) -> dict:
         "epochs_run": last["epoch"], "updates": optimizer.boundaries, "skipped_updates": optimizer.skipped_updates,
         "seconds": time.perf_counter() - started, "history": history,
     }
+
+
+class GradientAdasum:
+    """What a DDP model with :func:`adasum.torch.ddp.adasum_hook` does, in the loop's terms: at the end of a
+    window the averaged gradients go through the hook (Adasum per parameter, on a duplicate of ``comm``),
+    then the wrapped optimizer steps on every rank. The same calls as DistributedOptimizer, so that one
+    training loop runs both."""
+
+    def __init__(self, inner, accumulation_steps: int, comm: MPI.Intracomm):
+        from adasum.torch.ddp import AdasumState
+
+        self.inner, self.state = inner, AdasumState(comm=comm)
+        self.window = at.AccumulationWindow(accumulation_steps)
+        self.boundaries = self.skipped_updates = 0
+        self.step_was_skipped = False
+
+    def force_boundary(self) -> None:
+        self.window.force()
+
+    def step(self) -> None:
+        from adasum.torch.ddp import adasum_hook
+
+        if not self.window.record():
+            return
+        count = self.window.close()
+        params = [p for g in self.inner.param_groups for p in g["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
+        torch._foreach_div_(grads, float(count))
+        adasum_hook(self.state, _Bucket(grads))
+        self.step_was_skipped = not all(bool(torch.isfinite(g).all()) for g in grads)
+        if self.step_was_skipped:
+            self.skipped_updates += 1
+        else:
+            self.inner.step()
+        self.boundaries += 1
+
+    def zero_grad(self) -> None:
+        if not self.window.seen:
+            self.inner.zero_grad()
+
+
+class _Bucket:
+    """The two calls of a DDP GradBucket that the hook makes, over a list of gradients."""
+
+    def __init__(self, grads):
+        self._grads = grads
+
+    def gradients(self):
+        return self._grads
+
+    def buffer(self):
+        return self._grads[0]
 
 
 # --- the study over groups of ranks ---------------------------------------------------------------------------
@@ -617,7 +706,8 @@ def _headline(rows: list[dict], t: str, fmt) -> list[str]:
 
 
 _COLORS = {"adasum-x1": "tab:blue", "adasum-x1-warmup": "tab:cyan", "adasum-x2": "navy", "mean-x1": "tab:orange",
-           "mean-sqrtP": "tab:red", "mean-linear-warmup": "tab:brown", "sum-x1": "tab:green", "single": "gray"}
+           "mean-sqrtP": "tab:red", "mean-linear-warmup": "tab:brown", "sum-x1": "tab:green", "adasum-grad-x1": "tab:purple",
+           "single": "gray"}
 
 
 def _plt():
@@ -793,7 +883,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the same study at toy sizes (a few minutes on 6 ranks)")
-    ap.add_argument("--tasks", default=",".join(TASKS), help="tasks to run")
+    ap.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help=f"tasks to run, of {', '.join(TASKS)}")
     ap.add_argument("--seeds", type=int, default=3, help="seeds per configuration")
     ap.add_argument("--set", action="append", default=[], metavar="TASK.KEY=VALUE",
                     help="change one setting of a task (VALUE as JSON), e.g. --set mnist1d.epochs=10 or "

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 VARIANTS = ["local", "adasum", "adasum-overlap", "adasum-overlap-bf16", "mean", "mean-overlap",
-            "mean-overlap-bf16", "ddp"]
+            "mean-overlap-bf16", "ddp", "ddp-adasum"]
 
 
 class MLP(torch.nn.Sequential):
@@ -86,8 +86,12 @@ def build(variant: str, name: str, rank: int, quick: bool, bucket_bytes: int):
     inner = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     if variant == "local":
         return model, inner, x, y, loss_fn
-    if variant == "ddp":
+    if variant in ("ddp", "ddp-adasum"):  # torch DDP over gloo; with adasum_hook, Adasum of the gradients
         ddp = torch.nn.parallel.DistributedDataParallel(model)
+        if variant == "ddp-adasum":
+            from adasum.torch.ddp import AdasumState, adasum_hook
+
+            ddp.register_comm_hook(AdasumState(), adasum_hook)
         return ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9), x, y, loss_fn
     parts = variant.split("-")
     opt = at.DistributedOptimizer(inner, op=parts[0], overlap="overlap" in parts, bucket_bytes=bucket_bytes,
@@ -141,8 +145,8 @@ def run(args) -> dict:
         for version in ("base", "twin"):
             shutil.copytree(Path(args.base) / "adasum", Path(where) / f"adasum_{version}")
         variants += [f"{v}@{version}" for version in ("base", "twin") for v in list(variants)
-                     if v not in ("local", "ddp")]
-    if "ddp" in variants:
+                     if not v.startswith(("local", "ddp"))]
+    if any(v.startswith("ddp") for v in variants):
         init_gloo(comm)
     results = {"size": size, "steps": args.steps, "rounds": args.rounds, "bucket_bytes": args.bucket_bytes,
                "models": {}}
@@ -179,7 +183,7 @@ def run(args) -> dict:
                 s[1].close()
         if rank == 0:
             print(table({"P": size, **results["models"][name]}, name), flush=True)
-    if "ddp" in variants:
+    if any(v.startswith("ddp") for v in variants):
         torch.distributed.destroy_process_group()
     if where:
         shutil.rmtree(where, ignore_errors=True)

@@ -56,7 +56,7 @@ def test_schedules_scale_the_learning_rate():
     assert sch["mean-sqrtP"].factor(16) == 4 and sch["mean-sqrtP"].factor(6) == pytest.approx(math.sqrt(6))
     assert sch["mean-linear-warmup"].factor(12) == 12 and sch["mean-linear-warmup"].warmup
     assert not sch["mean-sqrtP"].warmup and sch["adasum-x1-warmup"].warmup
-    assert {s.op for s in sch.values()} == {"adasum", "mean", "sum"}
+    assert {s.op for s in sch.values()} == {"adasum", "adasum-grad", "mean", "sum"}
 
 
 def test_warmup_rises_linearly_to_the_peak():
@@ -177,6 +177,23 @@ def test_groups_of_ranks_train_every_configuration(mpi_tmp_path):
         assert [h["metric"] for h in sums] == pytest.approx([h["metric"] for h in means], abs=0.02)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_gradient_adasum_with_plain_sgd_is_delta_adasum(mpi_tmp_path):
+    """The DDP gradient hook's schedule against DistributedOptimizer's: with SGD without momentum the
+    delta is -lr·gradient, and Adasum(c·a, c·b) = c·Adasum(a, b), so the runs agree."""
+    comm = MPI.COMM_WORLD
+    study = convergence.main([*TINY, "--tasks", "mnist1d", "--set", "mnist1d.momentum=0", "--set",
+                              "mnist1d.lrs=[0.05]", "--set",
+                              'mnist1d.grid=[[1,[2],["adasum-x1","adasum-grad-x1"]]]', "--seeds", "1",
+                              "--no-figures", "--out", str(mpi_tmp_path / "grad")])
+    if comm.Get_rank() != 0:
+        return
+    by = {r["schedule"]: r for r in study["results"] if r["world_size"] == 2}
+    grads, deltas = by["adasum-grad-x1"]["history"], by["adasum-x1"]["history"]
+    assert by["adasum-grad-x1"]["op"] == "adasum-grad" and len(grads) == len(deltas) > 1
+    assert [h["test_loss"] for h in grads] == pytest.approx([h["test_loss"] for h in deltas], rel=1e-4)
+
+
 _QUICK = os.environ.get("ADASUM_CONVERGENCE_QUICK")
 
 
@@ -190,8 +207,10 @@ def test_quick_outputs():
     study = {k: saved[k] for k in ("sweeps", "base_lr", "results")}
     assert saved["meta"]["seeds"] == 3
     _check(study, _QUICK, diverging=False)
-    assert set(study["base_lr"]) == set(convergence.TASKS)
+    assert set(study["base_lr"]) == set(convergence.DEFAULT_TASKS)
     for t, s in convergence.presets(quick=True).items():
+        if t not in convergence.DEFAULT_TASKS:
+            continue
         want = convergence.grid_configs(t, s, 3, study["base_lr"][t])
         names = {r["name"] for r in study["results"]}
         assert {c.name for c in want} <= names

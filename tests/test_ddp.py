@@ -199,3 +199,34 @@ def test_state_pickles_without_its_communicator():
     state = AdasumState(op="mean", compression="bf16")
     copy = pickle.loads(pickle.dumps(state))
     assert copy.op == "mean" and copy.wire.name == "bf16" and copy.comm is not state.comm
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("hook", ["gradients", "deltas"])
+def test_ddp_example_trains(comm, hook):
+    """examples/ddp.py, as the README runs it, on a small data set: every rank ends with the same model."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "ddp.py"
+    spec = importlib.util.spec_from_file_location("adasum_ddp_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    accuracy = example.main(["--epochs", "2", "--num-samples", "1000", "--hook", hook])
+    assert comm.allgather(accuracy) == [accuracy] * comm.Get_size()
+    assert accuracy > 0.3  # ten classes: chance is 0.1
+
+
+def test_delta_state_leaves_the_optimizer_as_it_was():
+    import gc
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.5)
+    state = DeltaState(opt, comm=adasum.world.MPI.COMM_SELF)
+    p.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match="do not call optimizer.step"):
+        opt.step()
+    del state
+    gc.collect()
+    opt.step()  # no hook left behind
+    assert torch.equal(p.detach(), torch.full((3,), 0.5))

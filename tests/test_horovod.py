@@ -3,9 +3,13 @@ gives what the library's own API gives for the same loop, at any world size."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+from mpi4py import MPI
 
+import adasum
 import adasum.horovod as hvd
 import adasum.torch as at
 from adasum.reference import reference_allreduce
@@ -78,3 +82,285 @@ def test_unsupported_horovod_arguments_raise():
         hvd.DistributedOptimizer(opt, gradient_predivide_factor=2.0)
     with pytest.raises(ValueError, match="named_parameters"):
         hvd.DistributedOptimizer(opt, named_parameters=[("w", model.weight)])
+
+
+# --- Horovod's common calls ------------------------------------------------------------------------------------
+
+def _per_rank(size, shape=(2, 3), dtype=torch.float64):
+    """Every rank's input, known to every rank: distinct values, signs and magnitudes per rank."""
+    return [(torch.arange(6, dtype=torch.float64).reshape(shape) * (r + 1) - 2.5 * r).to(dtype)
+            for r in range(size)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.int64])
+def test_min_max_product(comm, dtype):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    per_rank = _per_rank(size, dtype=dtype) if dtype.is_floating_point else \
+        [torch.arange(6).reshape(2, 3) * (r + 1) - 3 * r for r in range(size)]
+    stacked = torch.stack([t.to(torch.float64) for t in per_rank])
+    mine = per_rank[rank]
+    assert torch.equal(hvd.allreduce(mine, op=hvd.Min), stacked.min(0).values.to(dtype))
+    assert torch.equal(hvd.allreduce(mine, op=hvd.Max), stacked.max(0).values.to(dtype))
+    torch.testing.assert_close(hvd.allreduce(mine, op=hvd.Product), stacked.prod(0).to(dtype))
+    t = mine.clone()
+    assert hvd.allreduce_(t, op=hvd.Max) is t
+    assert torch.equal(t, stacked.max(0).values.to(dtype))
+    scalar = torch.tensor(rank + 2, dtype=dtype)  # a metric: 0-d
+    assert float(hvd.allreduce(scalar, op=hvd.Max)) == size + 1
+    assert float(hvd.allreduce(scalar, op=hvd.Product)) == float(torch.arange(2, size + 2).prod())
+    scaled = hvd.allreduce(mine, op=hvd.Max, prescale_factor=2, postscale_factor=3) if dtype.is_floating_point \
+        else None
+    if scaled is not None:
+        torch.testing.assert_close(scaled, (stacked * 2).max(0).values.to(dtype) * 3)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_min_max_of_booleans(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    per_rank = [torch.tensor([True, r == 0, r % 2 == 1, False]) for r in range(size)]
+    stacked = torch.stack(per_rank)
+    assert torch.equal(hvd.allreduce(per_rank[rank], op=hvd.Min), stacked.all(0))
+    assert torch.equal(hvd.allreduce(per_rank[rank], op=hvd.Max), stacked.any(0))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", [hvd.Sum, hvd.Average])
+def test_fp16_compression_halves_the_bytes(comm, op):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    g = torch.Generator().manual_seed(7)
+    per_rank = [torch.randn(4096, generator=g) * 1e-3 for _ in range(size)]
+    expected = sum(per_rank) / (size if op == hvd.Average else 1)
+    with adasum.count_traffic(comm) as full:
+        plain = hvd.allreduce(per_rank[rank], op=op)
+    with adasum.count_traffic(comm) as half:
+        packed = hvd.allreduce(per_rank[rank], op=op, compression=hvd.Compression.fp16)
+    assert packed.dtype == torch.float32
+    torch.testing.assert_close(plain, expected)
+    # scaled by a power of two into float16's range: float16's relative precision, not its absolute one
+    torch.testing.assert_close(packed, expected, rtol=0, atol=float(expected.abs().max()) * 2e-3)
+    assert full.allreduce_bytes == 4096 * 4
+    assert half.allreduce_bytes == 4096 * 2 == full.allreduce_bytes // 2
+    assert_identical_across_ranks(comm, [packed])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fp16_compression_with_adasum(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    per_rank = _per_rank(size, dtype=torch.float32)
+    expected = torch.from_numpy(reference_allreduce([[t.double().numpy()] for t in per_rank])[0]).float()
+    out = hvd.allreduce(per_rank[rank], op=hvd.Adasum, compression=hvd.Compression.fp16)
+    torch.testing.assert_close(out, expected, rtol=0, atol=float(expected.abs().max()) * 4e-3)
+    assert_identical_across_ranks(comm, [out])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", [hvd.Sum, hvd.Average])
+def test_allreduce_backward(comm, op):
+    """The gradient of the sum over the ranks of each rank's loss, checked against one computed from every
+    rank's weights, and by torch's gradcheck (every rank perturbing in step)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    weights = [torch.arange(6, dtype=torch.float64).reshape(2, 3) - r for r in range(size)]
+    x = _per_rank(size)[rank].clone().requires_grad_()
+    y = hvd.allreduce(x, op=op, postscale_factor=0.5)
+    (weights[rank] * y).sum().backward()
+    expected = sum(weights) * 0.5 / (size if op == hvd.Average else 1)
+    torch.testing.assert_close(x.grad, expected)
+    x = torch.randn(3, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: hvd.allreduce(t, op=op, prescale_factor=2.0), (x,))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", [hvd.Adasum, hvd.Min, hvd.Max, hvd.Product])
+def test_allreduce_without_a_gradient_raises_on_every_rank(comm, op):
+    x = torch.ones(3, dtype=torch.float64, requires_grad=comm.Get_rank() == 0)
+    with pytest.raises(ValueError, match=f"rank 0: allreduce with op='{op}' has no gradient"):
+        hvd.allreduce(x, op=op)
+    with torch.no_grad():  # without gradients it reduces
+        assert hvd.allreduce(x, op=op).shape == (3,)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_disagreements_raise_on_every_rank(comm):
+    rank = comm.Get_rank()
+    with pytest.raises(ValueError, match=rf"raised on rank {rank}\).*disagree.*rank 1 has"):
+        hvd.allreduce(torch.ones(3), op=hvd.Max if rank == 1 else hvd.Min)
+    with pytest.raises(ValueError, match=rf"raised on rank {rank}\).*disagree.*rank 1 has.*\(4,\)"):
+        hvd.allreduce(torch.ones(4 if rank == 1 else 3), op=hvd.Sum)
+    with pytest.raises(ValueError, match="rank 1: compression applies to floating tensors"):
+        hvd.allreduce(torch.ones(3, dtype=torch.int64 if rank == 1 else torch.float32),
+                      compression=hvd.Compression.fp16)
+    with pytest.raises(ValueError, match="rank 0: op must be one of"):
+        hvd.allreduce(torch.ones(3), op="median" if rank == 0 else hvd.Sum)
+    with pytest.raises(ValueError, match="allgather: the ranks differ.*rank 1: torch.float32, \\(2, 4\\)"):
+        hvd.allgather(torch.ones(2, 4 if rank == 1 else 3))
+    with pytest.raises(ValueError, match="broadcast: the ranks disagree"):
+        hvd.broadcast(torch.ones(2 if rank == 1 else 3), root_rank=0)
+    with pytest.raises(ValueError, match="root_rank 7 is not a rank"):
+        hvd.broadcast(torch.ones(3), root_rank=7)
+    assert torch.equal(hvd.allreduce(torch.ones(3), op=hvd.Sum), torch.full((3,), float(comm.Get_size())))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32, torch.bool])
+def test_allgather_of_uneven_rows(comm, dtype):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    per_rank = [(torch.arange((r + 1) * 3).reshape(r + 1, 3) * (r + 2)).to(dtype) for r in range(size)]
+    out = hvd.allgather(per_rank[rank])
+    assert out.dtype == dtype
+    assert torch.equal(out, torch.cat(per_rank))
+    assert torch.equal(hvd.allgather(torch.zeros(0, 3, dtype=dtype) if rank == 0 else per_rank[rank]),
+                       torch.cat(per_rank[1:]))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allgather_backward(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    rows = [r + 1 for r in range(size)]
+    weights = [torch.arange(sum(rows) * 2, dtype=torch.float64).reshape(-1, 2) * (r + 1) for r in range(size)]
+    x = torch.ones(rows[rank], 2, dtype=torch.float64, requires_grad=True)
+    (weights[rank] * hvd.allgather(x)).sum().backward()
+    start = sum(rows[:rank])
+    torch.testing.assert_close(x.grad, sum(weights)[start:start + rows[rank]])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.int16, torch.bool])
+def test_broadcast(comm, dtype):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    per_rank = [(torch.arange(6).reshape(2, 3) + 10 * r).to(dtype) for r in range(size)]
+    for root in range(size):
+        out = hvd.broadcast(per_rank[rank], root_rank=root)
+        assert torch.equal(out, per_rank[root])
+        assert torch.equal(per_rank[rank], (torch.arange(6).reshape(2, 3) + 10 * rank).to(dtype))  # untouched
+        t = per_rank[rank].clone()
+        assert hvd.broadcast_(t, root_rank=root) is t
+        assert torch.equal(t, per_rank[root])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_broadcast_backward(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    root = size - 1
+    weights = [torch.arange(3, dtype=torch.float64) * (r + 2) for r in range(size)]
+    x = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    (weights[rank] * hvd.broadcast(x, root_rank=root)).sum().backward()
+    torch.testing.assert_close(x.grad, sum(weights) if rank == root else torch.zeros(3, dtype=torch.float64))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_objects_barrier_join(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    mine = {"rank": rank, "items": list(range(rank))}
+    assert hvd.allgather_object(mine) == [{"rank": r, "items": list(range(r))} for r in range(size)]
+    for root in range(size):
+        assert hvd.broadcast_object(mine if rank == root else None, root_rank=root) == \
+            {"rank": root, "items": list(range(root))}
+    with pytest.raises(ValueError, match="root_rank must be a rank"):
+        hvd.broadcast_object(1, root_rank=size)
+    # barrier: no rank leaves before the last one has arrived (rank 1 arrives late)
+    if rank == 1:
+        time.sleep(0.3)
+    start = time.monotonic()
+    hvd.barrier()
+    waited = comm.allgather(time.monotonic() - start)
+    assert waited[1] < 0.3 and all(w > 0.15 for r, w in enumerate(waited) if r != 1), waited
+    if rank == size - 1:
+        time.sleep(0.3)
+    assert hvd.join() == size - 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_cross_rank_and_size(comm):
+    nodes = comm.allgather(MPI.Get_processor_name())
+    order = list(dict.fromkeys(nodes))
+    assert hvd.cross_size() == len(order)
+    assert hvd.cross_rank() == order.index(nodes[comm.Get_rank()])
+    assert hvd.local_rank() == nodes[:comm.Get_rank()].count(nodes[comm.Get_rank()])
+
+
+def test_built_and_enabled_checks():
+    assert hvd.mpi_built() and hvd.mpi_enabled()
+    assert not (hvd.gloo_built() or hvd.gloo_enabled() or hvd.nccl_built() or hvd.ddl_built() or hvd.ccl_built())
+    assert hvd.cuda_built() == (torch.version.cuda is not None)
+    assert hvd.rocm_built() == (getattr(torch.version, "hip", None) is not None)
+    assert hvd.mpi_threads_supported() == (MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+
+
+@pytest.mark.parametrize("name", ["alltoall", "reducescatter", "grouped_allreduce", "allreduce_async",
+                                  "synchronize", "add_process_set", "sparse_allreduce_async"])
+def test_what_is_not_provided_raises(name):
+    with pytest.raises(NotImplementedError, match=f"adasum.horovod.{name} is not provided: "):
+        getattr(hvd, name)(torch.ones(2))
+
+
+def test_process_sets_raise():
+    with pytest.raises(NotImplementedError, match="process sets are not supported"):
+        hvd.allgather(torch.ones(2), process_set=object())
+    with pytest.raises(ValueError, match="process sets are not supported"):
+        hvd.allreduce(torch.ones(2), process_set=object())
+
+
+def _clipping_model(rank: int, op: str, horovod: bool):
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if horovod:
+        opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), op=op)
+    else:
+        opt = at.DistributedOptimizer(inner, op=op)
+    g = torch.Generator().manual_seed(100 + rank)
+    norms = []
+    for _ in range(3):
+        opt.zero_grad()
+        x = torch.randn(16, 4, generator=g) * 5
+        torch.nn.functional.mse_loss(model(x), torch.randn(16, 2, generator=g) * 5).backward()
+        if horovod:
+            opt.synchronize()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            norms.append(opt.clip_grad_norm_(0.05))
+            opt.step()
+    return model, norms
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", [hvd.Adasum, hvd.Average, hvd.Sum])
+def test_synchronize_then_clip_then_skip_synchronize(comm, op):
+    """Horovod's clipping pattern gives what the library's clip_grad_norm_ gives, bit for bit."""
+    rank = comm.Get_rank()
+    with adasum.count_traffic(comm) as traffic_a:
+        a, norms_a = _clipping_model(rank, op, horovod=True)
+    with adasum.count_traffic(comm) as traffic_b:
+        b, norms_b = _clipping_model(rank, op, horovod=False)
+    assert [raw_bytes(p) for p in a.parameters()] == [raw_bytes(p) for p in b.parameters()]
+    assert torch.equal(torch.stack(norms_a), torch.stack(norms_b))
+    assert all(n > 0.05 for n in norms_a)  # the clipping did something
+    assert_identical_across_ranks(comm, list(a.parameters()))
+    if op != hvd.Adasum:  # the gradients are reduced once per step: synchronize() and not again in step()
+        gradients = 3 * sum(p.numel() for p in a.parameters()) * 4
+        assert traffic_a.allreduce_bytes == traffic_b.allreduce_bytes
+        assert gradients <= traffic_a.allreduce_bytes < 2 * gradients
+        gathered = comm.allgather([float(x) for x in norms_a])
+        assert all(g == gathered[0] for g in gathered)  # the reduced gradient's norm, the same on every rank
+
+
+@pytest.mark.mpi(min_size=2)
+def test_skip_synchronize_without_synchronize_still_reduces(comm):
+    """step() inside skip_synchronize() without synchronize() reduces as usual: the ranks stay identical."""
+    rank = comm.Get_rank()
+    torch.manual_seed(5)
+    model = torch.nn.Linear(4, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Average)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))
+    model(x).square().mean().backward()
+    grads = comm.allgather([p.grad.clone() for p in model.parameters()])
+    before = [p.detach().clone() for p in model.parameters()]
+    with opt.skip_synchronize():
+        opt.step()
+    for i, (p, b) in enumerate(zip(model.parameters(), before)):
+        mean = sum(g[i] for g in grads) / comm.Get_size()
+        torch.testing.assert_close(p.detach(), b - 0.1 * mean)
+    assert_identical_across_ranks(comm, list(model.parameters()))

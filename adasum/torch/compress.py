@@ -29,7 +29,6 @@ from mpi4py import MPI
 
 from .. import exchange
 from ..allreduce import adasum_allreduce_inplace
-from ..context import context_for
 
 __all__ = ["WIRE_DTYPES", "Wire", "wire_dtype", "reduce_16bit"]
 
@@ -147,11 +146,10 @@ def reduce_16bit(tensors: list[torch.Tensor], dtype: torch.dtype, comm: MPI.Intr
 
     ``tensors`` may be of any float dtype and device; the result is the float32 sum of the 16-bit values
     every rank sent, rounded once to ``dtype`` and stored back in each tensor's own dtype. The messages go
-    over the library's duplicate of ``comm`` and count in ``adasum.count_traffic(comm)`` as
-    ``allreduce_bytes`` (the 16-bit buffer each rank contributes).
+    over the library's duplicate of ``comm`` as one numbered call waited through the stall inspector, and
+    count in ``adasum.count_traffic(comm)`` as ``allreduce_bytes`` (the 16-bit buffer each rank
+    contributes).
     """
-    ctx = context_for(comm)
-    comm = ctx.lcomm
     size = comm.Get_size()
     flat = torch.cat([t.detach().reshape(-1).to("cpu", dtype) for t in tensors]) if tensors else \
         torch.empty(0, dtype=dtype)
@@ -160,19 +158,24 @@ def reduce_16bit(tensors: list[torch.Tensor], dtype: torch.dtype, comm: MPI.Intr
     send = torch.zeros(chunk * size, dtype=dtype)
     send[:n] = flat
     recv = torch.empty_like(send)
-    ctx.record("allreduce_bytes", n * 2)
-    if chunk:
-        comm.Alltoall(_raw(send), _raw(recv))
-    parts = recv.view(size, chunk)
-    acc = parts[0].to(torch.float32)
-    for j in range(1, size):
-        acc += parts[j].to(torch.float32)
-    if mean:
-        acc /= size
-    mine = acc.to(dtype)
     out = torch.empty_like(send)
-    if chunk:
-        comm.Allgather(_raw(mine), _raw(out))
+    what = "the 16-bit sum"
+    ctx = exchange.enter(comm, what)  # a numbered call, waited through the stall inspector
+    try:
+        if chunk:
+            req = ctx.lcomm.Ialltoall(_raw(send), _raw(recv))
+            exchange.wait(ctx, req, what, n * 2, field="allreduce_bytes")
+        parts = recv.view(size, chunk)
+        acc = parts[0].to(torch.float32)
+        for j in range(1, size):
+            acc += parts[j].to(torch.float32)
+        if mean:
+            acc /= size
+        mine = acc.to(dtype)
+        if chunk:
+            exchange.wait(ctx, ctx.lcomm.Iallgather(_raw(mine), _raw(out)), what, 0, field="allreduce_bytes")
+    finally:
+        ctx.leave()
     off = 0
     with torch.no_grad():
         for t in tensors:

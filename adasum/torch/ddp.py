@@ -110,7 +110,8 @@ class DeltaState(_CommState):
         self.updates = 0
         self._index: dict[int, int] = {}
         self._in_hook = False
-        optimizer.register_step_pre_hook(_refuse_step(weakref.ref(self)))
+        handle = optimizer.register_step_pre_hook(_refuse_step(weakref.ref(self)))
+        weakref.finalize(self, handle.remove)  # the optimizer steps freely again once the state is gone
 
     def __getstate__(self):
         raise TypeError("a DeltaState holds its optimizer; build it again in the new process")
