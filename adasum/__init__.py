@@ -6,13 +6,13 @@ bandwidth-optimal allreduce. ``adasum.torch.DistributedOptimizer`` applies it to
 """
 
 from .allreduce import Op, adasum_allreduce, adasum_allreduce_inplace
-from .arrays import kernels_backend, set_kernels_backend
+from .adapters import kernels_backend, set_kernels_backend
 from .context import Traffic, count_traffic, release_buffers
 from .stall import AdasumStallError
 from .settings import Settings, configure, get_small_message_bytes, set_small_message_bytes
 from .settings import current as current_settings
 from .transport import cuda_aware_mpi, get_gpu_transport, set_gpu_transport
-from .validate import AdasumMismatchError
+from .agreement import AdasumMismatchError
 from .launch import AdasumLaunchError
 from .world import local_rank, local_size, rank, size
 

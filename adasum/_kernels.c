@@ -223,17 +223,21 @@ DEFINE_SCALED_ADD(AVX512, avx512, 8, __m512d, _mm512_set1_pd, _mm512_cvtps_pd, _
                   _mm256_storeu_ps, _mm512_loadu_pd, _mm512_storeu_pd, _mm512_mul_pd, _mm512_add_pd)
 #endif
 
-/* Picks the widest loops the CPU has (AVX-512F, then AVX2); ADASUM_KERNELS_ISA=portable or =avx2 caps the
- * choice (all of them give the same bits). */
+/* Picks the widest loops the CPU has (AVX-512F, then AVX2), capped at `cap`: "portable", "avx2" or "auto"
+ * (the setting kernels_isa; all of them give the same bits). */
 static void
-select_isa(void)
+select_isa(const char *cap)
 {
+    dots_f32 = (dots_fn)dots_f32_portable;
+    dots_f64 = (dots_fn)dots_f64_portable;
+    scaled_add_f32 = (scaled_add_fn)scaled_add_f32_portable;
+    scaled_add_f64 = (scaled_add_fn)scaled_add_f64_portable;
+    isa = "portable";
 #ifdef HAVE_AVX2_PATH
-    const char *env = getenv("ADASUM_KERNELS_ISA");
-    if (env && strcmp(env, "portable") == 0)
+    if (strcmp(cap, "portable") == 0)
         return;
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && !(env && strcmp(env, "avx2") == 0)) {
+    if (__builtin_cpu_supports("avx512f") && strcmp(cap, "avx2") != 0) {
         dots_f32 = (dots_fn)dots_f32_avx512;
         dots_f64 = (dots_fn)dots_f64_avx512;
         scaled_add_f32 = (scaled_add_fn)scaled_add_f32_avx512;
@@ -247,6 +251,20 @@ select_isa(void)
         isa = "avx2";
     }
 #endif
+}
+
+static PyObject *
+k_use_isa(PyObject *self, PyObject *arg)
+{
+    const char *cap = PyUnicode_AsUTF8(arg);
+    if (cap == NULL)
+        return NULL;
+    if (strcmp(cap, "auto") != 0 && strcmp(cap, "avx2") != 0 && strcmp(cap, "portable") != 0) {
+        PyErr_Format(PyExc_ValueError, "use_isa: expected 'auto', 'avx2' or 'portable', got '%s'", cap);
+        return NULL;
+    }
+    select_isa(cap);
+    return PyUnicode_FromString(isa);
 }
 
 /* A C-contiguous buffer of 4- or 8-byte floats; returns the item size, or 0 with an exception set. */
@@ -511,7 +529,7 @@ k_scaled_add(PyObject *self, PyObject *args)
 }
 
 /* Below this a float64 squared norm may have lost bits to underflow, or be zero only because every square
- * underflowed (adasum.arrays.TINY). */
+ * underflowed (adasum.combine.TINY). */
 #define TINY 0x1p-900
 
 /*
@@ -536,9 +554,11 @@ rescaled_dots_f64(const double *x, const double *y, Py_ssize_t n, double *g)
         return;
     int k;
     frexp(m, &k);
-    double s = ldexp(1.0, -k), d = 0.0, a = 0.0, b = 0.0;
+    /* subnormal data: 2^-k is beyond the range, so scale up in two steps (as adasum.combine._scale_down) */
+    int half = k >= -1020 ? -k : -k / 2;
+    double s = ldexp(1.0, half), s2 = ldexp(1.0, -k - half), d = 0.0, a = 0.0, b = 0.0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        double xs = x[i] * s, ys = y[i] * s;
+        double xs = x[i] * s * s2, ys = y[i] * s * s2;
         d += xs * ys;
         a += xs * xs;
         b += ys * ys;
@@ -1000,6 +1020,9 @@ static PyMethodDef methods[] = {
     {"copy", k_copy, METH_VARARGS,
      "copy(dst, src, spans): dst[s:e] = src[s:e] for each span; operands as for dots."},
     {"address", k_address, METH_O, "address(obj): the address of the first element of obj's buffer."},
+    {"use_isa", k_use_isa, METH_O,
+     "use_isa(cap) -> the instruction set now used: the widest the CPU has, capped at cap ('auto', 'avx2' "
+     "or 'portable')."},
     {"key", k_key, METH_O,
      "key(items): tuple((type(t), t.shape, t.dtype, getattr(t, 'device', None)) for t in items), the part "
      "of a call's plan key that its tensors give."},
@@ -1018,11 +1041,6 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__kernels(void)
 {
-    select_isa();
-    PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddStringConstant(m, "ISA", isa) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    select_isa("auto");
+    return PyModule_Create(&module);
 }

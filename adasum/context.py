@@ -23,7 +23,8 @@ from typing import Iterator
 import numpy as np
 from mpi4py import MPI
 
-from .arrays import Adapters
+from .adapters import Adapters
+from .settings import Settings, current
 
 __all__ = ["Context", "Traffic", "context_for", "count_traffic", "library_comm", "release_buffers"]
 
@@ -38,7 +39,8 @@ class Traffic:
     ``sent_bytes`` counts the vector exchanges; ``scalar_bytes`` the per-level dot-product sums and the
     agreement check; ``allreduce_bytes`` the buffers given to ``MPI_Allreduce`` (sum, mean);
     ``node_bytes`` the buffers given to the collectives inside a node (hierarchical mode: the
-    reduce-scatter's input and the slice this rank broadcasts).
+    reduce-scatter's input and the slice this rank broadcasts); ``compiled_calls`` the calls that ran as
+    one compiled call (the small host calls of :class:`adasum.doubling.SmallCall`).
     """
 
     sent_bytes: int = 0
@@ -46,6 +48,7 @@ class Traffic:
     scalar_bytes: int = 0
     allreduce_bytes: int = 0
     node_bytes: int = 0
+    compiled_calls: int = 0
 
 
 class Buffers:
@@ -120,6 +123,7 @@ class Context:
         self.broken: str | None = None  # why the library's communicator cannot be used any more
         self.counters: list[Traffic] = []
         self.calls = 0  # calls started on this communicator, this rank
+        self.settings: Settings | None = None  # the snapshot of the call in flight (None between calls)
         self.extras = None  # (settings, what the ranks agree on besides the tensors), made from those settings
         self._nodes = None
         self._busy = threading.Lock()
@@ -151,16 +155,18 @@ class Context:
         """The handles of the library's communicator, MPI.INT64_T and MPI.MAX, as the compiled kernels
         take them."""
         if self._agree_handles is None:
-            from .kernels import handle
+            from .native import handle
 
             self._agree_handles = (handle(self.lcomm), handle(MPI.INT64_T), handle(MPI.MAX))
         return self._agree_handles
 
     # --- calls ---------------------------------------------------------------------------------------------
-    def enter(self, what: str) -> int:
+    def enter(self, what: str, settings: Settings | None = None) -> int:
         """Start a call on this communicator (end it with :meth:`leave`, in a ``finally``): numbers it, and
         raises RuntimeError at once if another thread has a call in flight here (two calls on one
-        communicator would mix their messages)."""
+        communicator would mix their messages). ``settings`` (default: the current ones, read here) are the
+        call's snapshot: :attr:`settings` and the adapters hold it until :meth:`leave`, and nothing the
+        call runs reads the live settings again."""
         if self.broken is not None:
             from .stall import AdasumStallError
 
@@ -174,10 +180,13 @@ class Context:
                 "communicator (comm.Dup()) or serialise the calls")
         self.calls += 1
         self._current = (self.calls, what)
+        self.settings = settings if settings is not None else current()
+        self.adapters.use(self.settings)
         return self.calls
 
     def leave(self) -> None:
         self._current = None
+        self.settings = None
         self._busy.release()
 
     # --- kept state ------------------------------------------------------------------------------------------

@@ -20,18 +20,18 @@ from typing import Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import settings as _settings
 from . import stall, tree
-from .arrays import nonempty
+from .adapters import nonempty
+from .dtypes import itemsize
 from .fusion import Operand, layer_spans
 from .transport import TAG, Transport
-from .validate import AGREE_BYTES
-from .vhdd import fold_out
+from .agreement import AGREE_BYTES
+from .halving import fold_out
 
-from .kernels import compiled as _kernels  # None without a C compiler: SmallCall is then never made
-from .kernels import handle, mpi_bound, request
+from .native import compiled as _kernels  # None without a C compiler: SmallCall is then never made
+from .native import handle, request
 
-__all__ = ["SmallCall", "adasum_reduce_doubling", "native_enabled", "set_native"]
+__all__ = ["SmallCall", "adasum_reduce_doubling"]
 
 
 def _combine_pair(groups, spans, scratches, count_left: int, count_right: int, upper: bool, last: bool) -> None:
@@ -76,18 +76,6 @@ def adasum_reduce_doubling(comm: MPI.Intracomm, groups: Sequence[Operand], trans
             t.send(g.buffer if not g.writes_parts else nonempty(g.parts, layers), r.fold[0])
 
 
-def native_enabled() -> bool:
-    """Whether small calls on numpy arrays and torch CPU tensors run in one compiled call: the setting
-    ``native_mpi``, where the MPI library can be bound (:func:`adasum.kernels.mpi_bound`)."""
-    return _settings.current().native_mpi and mpi_bound()
-
-
-def set_native(enabled: bool) -> None:
-    """Turn the compiled small-call path on (where it can be bound) or off: the setting ``native_mpi``;
-    both give the same messages and bits."""
-    _settings.configure(native_mpi=bool(enabled))
-
-
 class SmallCall:
     """:func:`adasum_reduce_doubling` of one plan's single host group (float32/float64, compiled kernels)
     on one context's communicator, as one compiled call: everything that stays the same between calls (the
@@ -98,7 +86,7 @@ class SmallCall:
         self.layers, self.span_array, self.count = layers, span_array, count
         self.role = tree.role(ctx.size, ctx.rank)
         self.n = group.size
-        self.nbytes = self.n * (4 if group.dtype == "float32" else 8)
+        self.nbytes = self.n * itemsize(group.dtype)
         self.program = self._program(ctx.lcomm) if self.nbytes < 1 << 31 else None
         fold, levels = self.role.fold, self.role.levels
         self.messages = 1 if self.role.out_of is not None else len(levels) + (fold is not None)
@@ -142,6 +130,7 @@ class SmallCall:
         if rc == 0 and ctx.counters:
             ctx.record("scalar_bytes", AGREE_BYTES)
             ctx.record("sent_bytes", self.messages * self.nbytes, self.messages)
+            ctx.record("compiled_calls", 1)
         return rc
 
     def live(self, items: list) -> list:

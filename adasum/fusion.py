@@ -7,11 +7,11 @@ import enum
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from .arrays import Adapter
+from .adapters import Adapter
 
 __all__ = ["Group", "Operand", "Placement", "TensorLayout", "group_pieces", "layer_spans", "make_groups", "pieces"]
 
@@ -49,38 +49,56 @@ class TensorLayout(enum.IntEnum):
 
 
 class Placement(enum.Enum):
-    """Where one call's data of a group is reduced."""
+    """Where one call's data of a group lies while it is reduced, and where the result goes: chosen once,
+    before the agreement, by :func:`adasum.plan.place`.
 
-    PACKED = "packed"    # in a fused buffer: the library's own (written back in place) or the returned one
-    ALIASED = "aliased"  # in the caller's memory, which is one flat buffer already (adjacent views)
-    PARTS = "parts"      # in the caller's tensors where they lie, read (and, in place, written) as pieces
-
-
-class Operand:
-    """One call's data of one :class:`Group`: where it is reduced (:attr:`placement`) and the buffers.
-
-    ``buffer``: the fused flat buffer (None where the result goes into ``parts`` and nothing is fused).
-    ``parts``: flat views of the caller's tensors, one per layer, where the schedule uses them directly.
-    ``packed``: False while this rank's values are still only in ``parts`` (halving reads them there).
-    ``writes_parts``: the result goes into ``parts`` (an in-place call on tensors that lie apart).
-    The layer table's fields (``adapter``, ``bounds``, ``size``, …) read through to the group.
+    ============  ==========================================  =============================================
+    placement     this rank's values are read from            the result is left in
+    ============  ==========================================  =============================================
+    PACKED        the fused ``buffer`` (packed first)         ``buffer`` (returned, or written back)
+    ALIASED       ``buffer``: the caller's tensors, which     ``buffer``, the caller's tensors themselves
+                  are one flat buffer already
+    READS_PARTS   ``parts`` (halving: no packing) until the   ``buffer``
+                  first combine, then ``buffer``
+    IN_PARTS      ``parts`` (halving, in place)               ``parts``; no fused buffer at all
+    WRITES_PARTS  ``buffer`` (packed first; doubling)         ``parts``, at the last level (in place)
+    ============  ==========================================  =============================================
     """
 
-    __slots__ = ("group", "buffer", "parts", "packed", "writes_parts", "aliased")
-
-    def __init__(self, group: Group, buffer: Any = None):
-        self.group = group
-        self.buffer = buffer
-        self.parts = None
-        self.packed = True
-        self.writes_parts = False
-        self.aliased = False
+    PACKED = "packed"
+    ALIASED = "aliased"
+    READS_PARTS = "reads parts"
+    IN_PARTS = "in parts"
+    WRITES_PARTS = "writes parts"
 
     @property
-    def placement(self) -> Placement:
-        if self.aliased:
-            return Placement.ALIASED
-        return Placement.PARTS if self.parts is not None and (self.writes_parts or not self.packed) else Placement.PACKED
+    def packs(self) -> bool:
+        """Whether the caller's tensors are packed into a fused buffer before the schedule runs."""
+        return self in (Placement.PACKED, Placement.WRITES_PARTS)
+
+    @property
+    def writes_parts(self) -> bool:
+        """Whether the result goes into the caller's tensors through ``parts``."""
+        return self in (Placement.IN_PARTS, Placement.WRITES_PARTS)
+
+
+class Operand(NamedTuple):
+    """One call's data of one :class:`Group`: its :class:`Placement` and the buffers it names.
+
+    ``buffer``: the fused flat buffer (None for ``IN_PARTS``). ``parts``: flat views of the caller's
+    tensors, one per layer, for the placements that read or write them. The layer table's fields
+    (``adapter``, ``bounds``, ``size``, …) read through to the group. Immutable: a schedule that moves the
+    values (halving from ``parts`` into ``buffer``) keeps that in its own state.
+    """
+
+    group: Group
+    buffer: Any = None
+    placement: Placement = Placement.PACKED
+    parts: Any = None
+
+    @property
+    def writes_parts(self) -> bool:
+        return self.placement.writes_parts
 
     adapter = property(lambda self: self.group.adapter)
     device = property(lambda self: self.group.device)

@@ -13,7 +13,7 @@ How: with ``m`` the smallest number of ranks on any node, every fused buffer is 
    (``j < m``; local ranks ``m`` and above contribute their data but hold no slice), scaled to the mean.
    16-bit floats are summed in float32, as MPI has no 16-bit sum, and rounded once to their dtype.
 2. Across nodes, the ranks with local rank ``j`` (one per node, ordered by node) run the recursive-halving
-   schedule of :mod:`adasum.vhdd` on slice ``j``. A layer may now be spread over the local ranks as well as
+   schedule of :mod:`adasum.halving` on slice ``j``. A layer may now be spread over the local ranks as well as
    over the nodes, so each layer's partial dot products are first summed over the node's ``m`` slice
    holders (gathered, then added in local-rank order, so all of them get bitwise the same sums) and then,
    by the schedule itself, over the nodes of the subtree.
@@ -33,10 +33,10 @@ from typing import Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .arrays import merge_partials
+from .combine import merge_partials
 from .fusion import Group, Operand
-from .transport import Transport, use_staging
-from .vhdd import adasum_reduce
+from .transport import Transport, transport_for
+from .halving import adasum_reduce
 
 __all__ = ["NodeLayout", "build_node_layout", "hierarchical_reduce"]
 
@@ -128,7 +128,7 @@ class _NodeCollectives:
         self.comm = layout.node_comm
         self.local_size = self.comm.Get_size()
         self.g = g
-        self.transport = Transport(ctx, self.comm, g.adapter, g.device, staged=use_staging(g.adapter, g.buffer))
+        self.transport = transport_for(ctx, self.comm, g.adapter, g.device, g.buffer)
         edges = _slice_bounds(g.size, layout.slices)
         self.counts = [edges[j + 1] - edges[j] if j < layout.slices else 0 for j in range(self.local_size)]
         self.displs = [edges[min(j, layout.slices)] for j in range(self.local_size)]
@@ -159,7 +159,7 @@ def _slice_sum(ctx, comm: MPI.Intracomm) -> Callable[[np.ndarray, list], np.ndar
     """Sums a partial-dot-product vector over the node's slice holders, bitwise alike on each of them."""
     if comm.Get_size() == 1:
         return None
-    t = Transport(ctx, comm, ctx.adapters.numpy, "cpu", staged=False)
+    t = Transport(ctx, comm, ctx.adapters.numpy, "cpu", staged=False, chunk_bytes=0)
 
     def local_sum(vec: np.ndarray, widths) -> np.ndarray:
         rows = t.allgather_scalars(vec)
@@ -192,7 +192,7 @@ def hierarchical_reduce(ctx, groups: Sequence[Operand]) -> None:
         edges = [_slice_bounds(g.size, layout.slices) for g in groups]
         j = layout.local_rank
         slices = [_slice_group(g, e[j], e[j + 1]) for g, e in zip(groups, edges)]
-        transports = [Transport(ctx, layout.cross_comm, s.adapter, s.device, staged=use_staging(s.adapter, g.buffer))
+        transports = [transport_for(ctx, layout.cross_comm, s.adapter, s.device, g.buffer)
                       for s, g in zip(slices, groups)]
         adasum_reduce(layout.cross_comm, slices, transports, counts=layout.counts,
                       local_sum=_slice_sum(ctx, layout.slice_comm))

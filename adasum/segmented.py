@@ -1,6 +1,6 @@
 """The segmented device path: all layer pieces of a level in two Triton kernels, for torch and cupy alike.
 
-The per-layer device path (:class:`adasum.arrays.TorchAdapter`, :class:`adasum.arrays.CupyAdapter`) runs a
+The per-layer device path (:class:`adasum.adapters.TorchAdapter`, :class:`adasum.adapters.CupyAdapter`) runs a
 few torch or cupy kernels per layer piece and block. Here a level's pieces are cut into a *tile table*
 (:func:`tile_table`): rows ``(start, end, piece)`` of at most :data:`TILE` elements, never crossing a piece's
 bounds, made once per plan and level and kept with the adapter (its context). Then:

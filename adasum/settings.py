@@ -10,6 +10,7 @@ Environment variables (read at import, never again):
 ``ADASUM_SMALL_MESSAGE_BYTES`` ``small_message_bytes``: ``auto`` (default) or a number of bytes
 ``ADASUM_KERNELS``             ``kernels``: ``c`` (default; the compiled kernels where they were built) or
                                ``numpy``
+``ADASUM_KERNELS_ISA``         ``kernels_isa``: ``auto`` (default), ``avx2`` or ``portable``
 ``ADASUM_NATIVE_MPI``          ``native_mpi``: ``1`` (default) or ``0``
 ``ADASUM_GPU_TRANSPORT``       ``gpu_transport``: ``auto`` (default), ``direct`` or ``staged``
 ``ADASUM_CUDA_AWARE``          ``cuda_aware``: ``1`` or ``0`` overrides what MPI reports
@@ -35,6 +36,7 @@ __all__ = ["Settings", "configure", "current", "get_small_message_bytes", "launc
 
 _GPU_TRANSPORTS = ("auto", "direct", "staged")
 _KERNELS = ("c", "numpy")
+_KERNELS_ISAS = ("auto", "avx2", "portable")
 _DEVICE_KERNELS = ("auto", "triton", "per-layer")
 _FALSE = ("0", "false", "no", "off")
 _TRUE = ("1", "true", "yes", "on")
@@ -55,6 +57,8 @@ class Settings:
             and 3 ranks, 1 MiB for 4 to 7, 1 MiB / (log2 P - 1) from 8 on).
         kernels: ``"c"``: float32/float64 host buffers go through the compiled kernels where they were built;
             ``"numpy"``: always the numpy kernels (same results to rounding; the compiled ones are faster).
+        kernels_isa: the widest instruction set the compiled kernels use: ``"auto"`` (the widest the CPU has,
+            AVX-512F or AVX2), ``"avx2"`` or ``"portable"`` (plain C). All of them give the same bits.
         native_mpi: small calls on host buffers run their MPI calls and kernels in one compiled call, where
             the MPI library can be bound; off, the same steps run from Python, with the same messages and bits.
         gpu_transport: how device buffers reach MPI: ``"auto"`` (directly where MPI is CUDA-aware, else
@@ -80,6 +84,7 @@ class Settings:
 
     small_message_bytes: int | None = None
     kernels: str = "c"
+    kernels_isa: str = "auto"
     native_mpi: bool = True
     gpu_transport: str = "auto"
     cuda_aware: bool | None = None
@@ -98,6 +103,8 @@ class Settings:
             raise ValueError(f"small message threshold must be >= 0 bytes, got {self.small_message_bytes}")
         if self.kernels not in _KERNELS:
             raise ValueError(f"kernels backend must be 'c' or 'numpy', got {self.kernels!r}")
+        if self.kernels_isa not in _KERNELS_ISAS:
+            raise ValueError(f"kernels_isa must be one of {_KERNELS_ISAS}, got {self.kernels_isa!r}")
         if self.device_kernels not in _DEVICE_KERNELS:
             raise ValueError(f"device kernels must be one of {_DEVICE_KERNELS}, got {self.device_kernels!r}")
         if self.gpu_transport not in _GPU_TRANSPORTS:
@@ -149,6 +156,7 @@ def from_environment(env: Mapping[str, str]) -> Settings:
     return Settings(
         small_message_bytes=None if small in ("", "auto") else int(small),
         kernels=env.get("ADASUM_KERNELS", "c").strip().lower() or "c",
+        kernels_isa=env.get("ADASUM_KERNELS_ISA", "auto").strip().lower() or "auto",
         native_mpi=True if native is None else native,
         gpu_transport=env.get("ADASUM_GPU_TRANSPORT", "auto").strip().lower() or "auto",
         cuda_aware=_flag(env.get("ADASUM_CUDA_AWARE")),

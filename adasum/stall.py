@@ -1,7 +1,7 @@
 """The stall inspector: a rank that never arrives becomes a message that names it.
 
 Every call starts with the agreement, one small allreduce on the library's communicator (see
-:mod:`adasum.validate`). It is posted nonblocking and waited for like a blocking allreduce (without the GIL,
+:mod:`adasum.agreement`). It is posted nonblocking and waited for like a blocking allreduce (without the GIL,
 by the compiled kernels where they are bound) for a short patience. A rank still waiting after that tells
 every other rank of the communicator, with one small message, that it is in call #N (its op, number of
 tensors and bytes), and goes on waiting while it collects the others' messages. So the ranks that have
@@ -27,6 +27,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from .dtypes import OPS, itemsize, op_code
+from .settings import current
 from .transport import TAG
 
 __all__ = ["AdasumStallError", "patience", "wait", "drain"]
@@ -37,7 +39,6 @@ _log = logging.getLogger("adasum")
 STALL_TAG = TAG + 2
 # A rank tells the others that it is waiting once it has waited this long (or less, with shorter settings).
 ANNOUNCE_AFTER = 1.0
-_OPS = ("adasum", "sum", "mean", "exchange")  # "exchange": adasum.exchange's calls (descs: their bytes)
 _FIELDS = 5  # call number, op, tensors, bytes, rank
 
 
@@ -57,21 +58,20 @@ def _describe(op: str | None, descs) -> tuple[int, int, int]:
     if op is None:
         return -2, -1, -1
     if op == "exchange":
-        return _OPS.index(op), 0, int(descs)
+        return op_code(op), 0, int(descs)
     if descs is None:
         return -1, -1, -1
-    nbytes = sum(math.prod(d.shape) * np.dtype("float32" if d.dtype == "bfloat16" else d.dtype).itemsize
-                 for d in descs)
-    return (_OPS.index(op) if op in _OPS else -1), len(descs), nbytes
+    nbytes = sum(math.prod(d.shape) * itemsize(d.dtype) for d in descs)
+    return op_code(op), len(descs), nbytes
 
 
 def _what(fields, label: str | None = None) -> str:
     op, n, nbytes = (int(v) for v in fields)
-    if 0 <= op < len(_OPS) and _OPS[op] == "exchange":
+    if 0 <= op < len(OPS) and OPS[op] == "exchange":
         return f"an exchange of the training layer ({label + ', ' if label else ''}{nbytes} bytes)"
     if n < 0:
         return "making the library's duplicate of it" if op == -2 else "inputs it could not describe"
-    return f"op '{_OPS[op] if 0 <= op < len(_OPS) else '?'}', {n} tensor{'s' * (n != 1)}, {nbytes} bytes"
+    return f"op '{OPS[op] if 0 <= op < len(OPS) else '?'}', {n} tensor{'s' * (n != 1)}, {nbytes} bytes"
 
 
 def _announce(ctx, comm: MPI.Intracomm, mine: np.ndarray) -> None:
@@ -105,9 +105,8 @@ def wait(ctx, req: MPI.Request, op: str | None, descs, waited: float = 0.0,
     after it was posted,
     watching for ranks that do not arrive. The inspector's messages go over the library's communicator, or
     over ``via`` (the user's communicator, while the library's is being made)."""
-    from .settings import current
-
-    s = current()
+    # the snapshot of the call in flight; only a duplicate made outside a call (library_comm) reads the live ones
+    s = ctx.settings if ctx.settings is not None else current()
     warn, timeout = s.stall_warning, s.stall_timeout
     if warn is None and timeout is None:
         req.Wait()

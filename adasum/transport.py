@@ -1,7 +1,8 @@
 """Point-to-point exchanges and collectives of fused buffers, direct or staged through host memory.
 
-Every byte the library hands to MPI passes through a :class:`Transport`, which counts it in its context's
-traffic counters (:func:`adasum.count_traffic`).
+The schedules hand their buffers to MPI through a :class:`Transport`, which counts them in its context's
+traffic counters (:func:`adasum.count_traffic`). The agreement, the compiled small call and the stall
+inspector's messages go to MPI directly (the first two counted where they are made).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import numpy as np
 from mpi4py import MPI
 
 from . import settings as _settings
-from .arrays import Adapter
-from .kernels import mapped_mpi_libraries
+from .adapters import Adapter
+from .native import mapped_mpi_libraries
 
-__all__ = ["TAG", "Transport", "cuda_aware_mpi", "get_gpu_transport", "set_gpu_transport", "use_staging"]
+__all__ = ["TAG", "Transport", "cuda_aware_mpi", "get_gpu_transport", "set_gpu_transport", "transport_for",
+           "use_staging"]
 
 # The tag of the library's messages (on its own duplicate communicator); scalar exchanges use TAG + 1.
 TAG = 0xADA
@@ -31,14 +33,15 @@ class Transport:
 
     ``staged=False`` hands MPI the buffer itself (host memory, or device memory where MPI is CUDA-aware).
     ``staged=True`` copies through host buffers kept in the context ``ctx`` and reused, in chunks of the
-    setting ``chunk_bytes`` (0: one chunk) on the adapter's side stream (:class:`adasum.arrays.CopyStream`):
+    setting ``chunk_bytes`` (0: one chunk) on the adapter's side stream (:class:`adasum.adapters.CopyStream`):
     chunk i is sent as soon as its copy to the host is done while the next ones are copied, and each chunk
     received is copied to the device while the next arrives. Each chunk is a message of its own; both sides
     cut alike, since ``chunk_bytes`` is agreed.
     """
 
-    def __init__(self, ctx, comm: MPI.Intracomm, adapter: Adapter, device: str, staged: bool):
+    def __init__(self, ctx, comm: MPI.Intracomm, adapter: Adapter, device: str, staged: bool, chunk_bytes: int):
         self.ctx = ctx
+        self.chunk_bytes = chunk_bytes  # the call's (agreed) setting: both sides cut their messages alike
         self.comm = comm
         self.adapter = adapter
         self.device = device
@@ -102,7 +105,7 @@ class Transport:
         """Send ``send`` (``sbytes``; None: nothing) to ``dest`` and receive ``recv`` (``rbytes``; None:
         nothing) from ``source`` through the staging buffers, chunk by chunk (see the class docstring)."""
         a = self.adapter
-        step = _settings.current().chunk_bytes
+        step = self.chunk_bytes
         copies = a.copy_stream(self.device)
         rcuts = _byte_chunks(rbytes, step) if recv is not None else []
         scuts = _byte_chunks(sbytes, step) if send is not None else []
@@ -281,6 +284,14 @@ class Transport:
             self.comm.Bcast([a.mpi_bytes(buf[lo:hi]), MPI.BYTE], root=j)
 
 
+def transport_for(ctx, comm: MPI.Intracomm, adapter: Adapter, device: str, buf) -> Transport:
+    """The transport of ``buf`` (None: the caller's host tensors) on ``comm``, under the settings of the call
+    in flight on ``ctx``: staged or direct (:func:`use_staging`), cut at its ``chunk_bytes``."""
+    s = ctx.settings
+    staged = buf is not None and use_staging(s, adapter, buf)
+    return Transport(ctx, comm, adapter, device, staged=staged, chunk_bytes=s.chunk_bytes)
+
+
 def _byte_chunks(nbytes: int, step: int) -> list[tuple[int, int]]:
     """``[0, nbytes)`` cut into chunks of ``step`` bytes (the last shorter; one chunk for ``step`` 0)."""
     if not step or nbytes <= step:
@@ -312,8 +323,11 @@ def cuda_aware_mpi() -> bool:
     The setting ``cuda_aware`` (``ADASUM_CUDA_AWARE=1`` or ``=0``) overrides the query. The query's answer
     is found once and logged.
     """
-    override = _settings.current().cuda_aware
-    return _query_cuda_support() if override is None else override
+    return _cuda_aware(_settings.current())
+
+
+def _cuda_aware(s: _settings.Settings) -> bool:
+    return _query_cuda_support() if s.cuda_aware is None else s.cuda_aware
 
 
 @functools.lru_cache(maxsize=1)
@@ -334,11 +348,10 @@ def _query_cuda_support() -> bool:
     return answer
 
 
-def use_staging(adapter: Adapter, buf) -> bool:
-    """Whether exchanges of ``buf`` go through host staging buffers under the current settings."""
-    mode = _settings.current().gpu_transport
-    if mode == "staged":
+def use_staging(s: _settings.Settings, adapter: Adapter, buf) -> bool:
+    """Whether exchanges of ``buf`` go through host staging buffers under the settings ``s``."""
+    if s.gpu_transport == "staged":
         return True
-    if adapter.is_host(buf) or mode == "direct":
+    if adapter.is_host(buf) or s.gpu_transport == "direct":
         return False
-    return not cuda_aware_mpi()
+    return not _cuda_aware(s)

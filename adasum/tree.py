@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-__all__ = ["Level", "Role", "role", "real_rank", "kept_ranges", "subtree"]
+__all__ = ["Level", "Role", "role", "real_rank", "kept_ranges"]
 
 
 class Level(NamedTuple):
@@ -77,12 +77,6 @@ def role(size: int, rank: int, counts: tuple[int, ...] | None = None) -> Role:
         levels.append(Level(real_rank(size, v ^ d), sum(vcounts[base:base + d]), sum(vcounts[base + d:base + 2 * d]),
                             bool(v & d), tuple(real_rank(size, v ^ (1 << j)) for j in range(level))))
     return Role(size, rank, None, fold, v, tuple(levels))
-
-
-def subtree(size: int, v: int, level: int) -> range:
-    """The virtual ranks of the subtree of ``level`` levels that virtual rank ``v`` belongs to."""
-    base = (v >> level) << level
-    return range(base, base + (1 << level))
 
 
 def kept_ranges(n: int, r: Role) -> list[tuple[int, int]]:

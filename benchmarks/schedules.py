@@ -10,8 +10,7 @@ Settings:
 - ``halving`` / ``doubling``: one schedule at every size (``adasum.set_small_message_bytes`` 0 / 1 TiB).
 - ``direct=A,split=B``-style settings are written ``dA-sB`` in MiB, for example ``d4-s8``: halving reads
   separate tensors where they lie from A MiB per call and cuts its messages per layer piece from B MiB
-  (``DIRECT_MIN_BYTES`` and ``SPLIT_MIN_BYTES`` of ``adasum.allreduce``), with the default schedule
-  threshold.
+  (the settings ``direct_min_bytes`` and ``split_min_bytes``), with the default schedule threshold.
 
 The data are those of ``benchmarks/allreduce.py`` (its ``model``). Each repeat runs every setting once, in a rotating
 order, each right after a raw allreduce of the same bytes (``comm.Allreduce(SUM)`` on one flat buffer):
@@ -32,30 +31,26 @@ import numpy as np
 from mpi4py import MPI
 
 import adasum
-import adasum.allreduce as _ar
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from allreduce import PAGES, model, parse_size  # noqa: E402
 
 
 def _apply(setting: str):
-    """Applies ``setting``; returns the function that undoes it."""
-    before = (_ar.get_small_message_bytes(), _ar.DIRECT_MIN_BYTES, _ar.SPLIT_MIN_BYTES)
-
-    def undo():
-        _ar.set_small_message_bytes(before[0])
-        _ar.DIRECT_MIN_BYTES, _ar.SPLIT_MIN_BYTES = before[1], before[2]
-
+    """Applies ``setting`` (with :func:`adasum.configure`); returns the function that undoes it."""
     if setting == "halving":
-        _ar.set_small_message_bytes(0)
+        old = adasum.configure(small_message_bytes=0)
     elif setting == "doubling":
-        _ar.set_small_message_bytes(1 << 40)
+        old = adasum.configure(small_message_bytes=1 << 40)
     elif setting.startswith("d") and "-s" in setting:
         direct, split = setting[1:].split("-s")
-        _ar.DIRECT_MIN_BYTES, _ar.SPLIT_MIN_BYTES = int(float(direct) * (1 << 20)), int(float(split) * (1 << 20))
-    elif setting != "auto":
+        old = adasum.configure(direct_min_bytes=int(float(direct) * (1 << 20)),
+                               split_min_bytes=int(float(split) * (1 << 20)))
+    elif setting == "auto":
+        old = adasum.current_settings()
+    else:
         raise ValueError(f"unknown setting {setting!r}")
-    return undo
+    return lambda: adasum.configure(old)
 
 
 def _timed(comm, call, refill, name: str) -> float:

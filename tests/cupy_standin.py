@@ -1,7 +1,7 @@
 """A numpy-backed stand-in for the parts of cupy that adasum uses, for machines without a GPU.
 
 Its arrays are a numpy subclass with cupy's device attributes (``.device.id``, ``.get``, ``.set``), so
-:class:`adasum.arrays.CupyAdapter` runs all of its device code paths (device kernels through the module,
+:class:`adasum.adapters.CupyAdapter` runs all of its device code paths (device kernels through the module,
 staging through host buffers, side streams, events and stream synchronisation) on the CPU. Counters record
 the device calls (streams and events made, copies, waits).
 """
@@ -88,12 +88,19 @@ def make_module() -> types.ModuleType:
     m.cuda = types.SimpleNamespace(Device=_Device, Stream=_Stream, Event=_Event,
                                    get_current_stream=lambda: _Stream(null=True))
 
-    def pinned_empty(nbytes):
-        calls["pinned"] += 1
-        return np.empty(nbytes, dtype=np.uint8)
-
-    m._adasum_pinned_empty = pinned_empty
     m.__adasum_standin__ = True
+    return m
+
+
+def make_cupyx():
+    """The stand-in of ``cupyx``: its page-locked host arrays are plain numpy arrays, counted."""
+    m = types.ModuleType("cupyx")
+
+    def empty_pinned(shape, dtype=np.float64):
+        calls["pinned"] += 1
+        return np.empty(shape, dtype=dtype)
+
+    m.empty_pinned = empty_pinned
     return m
 
 
@@ -106,4 +113,5 @@ def cupy_or_standin():
     except ImportError:
         module = make_module()
         sys.modules["cupy"] = module
+        sys.modules["cupyx"] = make_cupyx()
         return module

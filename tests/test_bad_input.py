@@ -8,6 +8,7 @@ import torch
 
 import adasum
 from adasum import AdasumMismatchError
+from adasum.reference import tree_combine
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -146,10 +147,11 @@ def test_unknown_op(comm):
 
 
 def test_mixed_devices_rejected(comm):
-    # A CPU tensor among "device" tensors is the same check as two devices; on CPU-only machines a meta
-    # tensor stands in for the second device.
-    with pytest.raises(ValueError, match=r"tensor 1 is on meta but tensor 0 is on cpu"):
-        adasum.adasum_allreduce([torch.ones(2), torch.empty(2, device="meta")])
+    # A host array among device arrays; on machines without a GPU cupy's stand-in is the device array.
+    from helpers import cupy
+
+    with pytest.raises(ValueError, match=r"tensor 1 is on cuda:0 but tensor 0 is on cpu"):
+        adasum.adasum_allreduce([np.ones(2), cupy.asarray(np.ones(2))])
     _still_works(comm)
 
 
@@ -166,3 +168,63 @@ def test_nan_on_one_rank_is_seen_by_all(comm):
         out = adasum.adasum_allreduce(x, op=op)
         assert comm.allgather(bool(np.isnan(out).any())) == [True] * comm.Get_size()
     _still_works(comm)
+
+
+# Tensors torch can make but the library cannot reduce. Each is refused in the agreement, before any data
+# moves: every rank raises the TypeError of the rank that holds it, and the communicator stays usable.
+def _sparse():
+    return torch.ones(4).to_sparse()
+
+
+def _meta():
+    return torch.empty(4, device="meta")
+
+
+def _nested():
+    return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+
+
+def _quantized():
+    return torch.quantize_per_tensor(torch.ones(4), 0.5, 0, torch.qint8)
+
+
+_REFUSED = {
+    "sparse": (_sparse, r"is a sparse tensor \(layout torch.sparse_coo\)"),
+    "meta": (_meta, r"is on the meta device, which holds no data"),
+    "nested": (_nested, r"is a nested tensor"),
+    "quantized": (_quantized, r"is a quantized tensor \(dtype torch.qint8\)"),
+}
+
+
+def _still_reduces(comm):
+    """A following good Adasum call on torch tensors gives the serial reference's result on every rank."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    vectors = [np.arange(1.0, 7.0) * (r + 1) + (r % 2) * np.array([1, -1, 0, 2, 0, -3.0]) for r in range(size)]
+    out = adasum.adasum_allreduce([torch.from_numpy(vectors[rank].copy())])
+    np.testing.assert_allclose(out[0].numpy(), tree_combine(vectors), rtol=1e-12)
+    _still_works(comm)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("case", sorted(_REFUSED))
+def test_unreducible_tensor_on_one_rank_is_refused_everywhere(comm, case, inplace):
+    make, what = _REFUSED[case]
+    bad = _last(comm)
+    tensors = [torch.ones(3) * (comm.Get_rank() + 1), torch.ones(4), torch.zeros(2)]
+    if comm.Get_rank() == bad:
+        tensors[1] = make()
+    call = adasum.adasum_allreduce_inplace if inplace else adasum.adasum_allreduce
+    with pytest.raises(TypeError, match=rf"^rank {bad}: tensor 1 {what}"):
+        call(tensors)
+    assert float(tensors[0][0]) == comm.Get_rank() + 1  # nothing was written
+    _still_reduces(comm)
+
+
+@pytest.mark.parametrize("op", ["adasum", "sum"])
+@pytest.mark.parametrize("case", sorted(_REFUSED))
+def test_unreducible_tensor_on_every_rank_is_refused_everywhere(comm, case, op):
+    make, what = _REFUSED[case]
+    with pytest.raises(TypeError, match=rf"^rank 0: tensor 0 {what}"):
+        adasum.adasum_allreduce([make()], op=op)
+    _still_reduces(comm)

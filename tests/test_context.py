@@ -12,6 +12,7 @@ import pytest
 from mpi4py import MPI
 
 import adasum
+from adasum.context import context_for
 from adasum.reference import reference_allreduce
 
 pytestmark = pytest.mark.mpi
@@ -156,4 +157,21 @@ def test_settings_are_one_validated_value():
     finally:
         adasum.configure(old)
     assert adasum.current_settings() == old
-    assert MPI.COMM_WORLD.Get_size() >= 1
+
+
+def test_a_call_keeps_the_settings_it_started_with(comm):
+    """The snapshot a call takes on entry is what its parts see until it ends, whatever configure() does
+    meanwhile (another thread's change must not reach a call after the ranks agreed on its settings)."""
+    ctx = context_for(comm)
+    snapshot = adasum.current_settings()
+    ctx.enter("a test call")
+    try:
+        old = adasum.configure(chunk_bytes=snapshot.chunk_bytes + 1, kernels="numpy")
+        try:
+            assert ctx.settings is snapshot
+            assert ctx.adapters.numpy.settings is snapshot and ctx.adapters.of("torch").settings is snapshot
+        finally:
+            adasum.configure(old)
+    finally:
+        ctx.leave()
+    assert ctx.settings is None

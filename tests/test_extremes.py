@@ -68,6 +68,30 @@ def test_nan_still_poisons_its_layer(comm, schedule):
 
 
 def test_reference_rule_is_scaled_too():
-    a = np.array([3e200, 4e200])
+    a = np.array([3e200, 4e200])  # a·a overflows unscaled
     np.testing.assert_allclose(combine(a, a) / 1e200, a / 1e200)
-    np.testing.assert_allclose(combine(a * 1e-400, a * 1e-400) / 1e-200, a * 1e-400 / 1e-200)
+    # Subnormal: a·a underflows to 0 unscaled, which would make both coefficients 1 and the result 2a.
+    # Scaled, the coefficients are exactly 1/2 and halving these numbers is exact.
+    tiny = np.ldexp([3.0, 4.0], -1060)
+    assert 0 < tiny[0] < np.finfo(np.float64).tiny
+    assert np.array_equal(combine(tiny, tiny), tiny)
+    other = np.ldexp([-4.0, 3.0], -1060)  # orthogonal: the sum
+    assert np.array_equal(combine(tiny, other), tiny + other)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_subnormal_float64_gives_the_mean_and_the_sum(comm, schedule, kind):
+    """Data whose largest magnitude is subnormal: 2**-k that scales it lies beyond the float64 range."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    unit = np.ldexp(1.0, -1060)
+    parallel = np.array([3.0, 4.0, 1.0, -2.0]) * unit * (rank + 1)  # exact: small integers times unit
+    orthogonal = np.eye(size, 6)[rank] * unit * (rank + 1)
+    x = [parallel, orthogonal]
+    if kind == "torch":
+        x = [torch.from_numpy(v) for v in x]
+    out = adasum.adasum_allreduce(x)
+    np.testing.assert_allclose(as_f64(out[0]) / unit, np.array([3.0, 4.0, 1.0, -2.0]) * (size + 1) / 2,
+                               rtol=2.0 ** -12)
+    want = np.sum([np.eye(size, 6)[r] * (r + 1) for r in range(size)], axis=0)
+    np.testing.assert_array_equal(as_f64(out[1]) / unit, want)
+    assert_identical_across_ranks(comm, out)

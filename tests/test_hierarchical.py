@@ -15,7 +15,7 @@ import pytest
 from mpi4py import MPI
 
 import adasum
-from adasum.arrays import NumpyAdapter
+from adasum.adapters import NumpyAdapter
 from adasum.context import context_for
 from adasum.fusion import Group, Operand
 from adasum.hierarchical import _slice_bounds, _slice_group, hierarchical_reduce
@@ -258,6 +258,10 @@ def test_direct_call_skips_empty_groups(comm):
     a = ctx.adapters.numpy
     empty = Operand(Group(a, "cpu", "float64", [0], [(0,)], np.array([0, 0])), np.zeros(0))
     full = Operand(Group(a, "cpu", "float64", [1], [(4,)], np.array([0, 4])), np.full(4, comm.Get_rank() + 1.0))
-    hierarchical_reduce(ctx, [empty, full])
+    ctx.enter("hierarchical_reduce")  # a call in flight: its settings snapshot
+    try:
+        hierarchical_reduce(ctx, [empty, full])
+    finally:
+        ctx.leave()
     np.testing.assert_allclose(full.buffer, np.full(4, (comm.Get_size() + 1) / 2), rtol=1e-14)
 

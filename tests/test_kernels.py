@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from adasum import arrays
+import adasum
+from adasum import adapters, native
+from adasum.combine import combine
+from adasum.settings import from_environment
 
 K = pytest.importorskip("adasum._kernels") if os.environ.get("ADASUM_ALLOW_NO_KERNELS") else None
 if K is None:
@@ -115,31 +116,34 @@ def test_bad_arguments_raise():
         K.dots(np.ones(20, np.float32)[::2], a, np.array([[0, 10]]), out)
 
 
-_ISA_SCRIPT = """
-import sys, numpy as np
-from adasum import _kernels as K
-a = np.random.default_rng(3).standard_normal(10007).astype(sys.argv[1])
-b = np.random.default_rng(4).standard_normal(10007).astype(sys.argv[1])
-spans = np.array([[0, 3], [3, 5000], [5000, 10007]])
-out = np.empty((3, 3))
-K.dots(a, b, spans, out)
-K.scaled_add(a, a, b, spans, np.array([0.3, 0.7, 1.1]), np.array([0.9, -0.2, 0.5]))
-sys.stdout.write(K.ISA + " " + out.tobytes().hex() + " " + a.tobytes().hex())
-"""
-
-
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_instruction_sets_agree_bitwise(dtype):
     """Ranks on CPUs with AVX-512, with AVX2 only and with neither must compute the same bits."""
+    a0 = np.random.default_rng(3).standard_normal(10007).astype(dtype)
+    b = np.random.default_rng(4).standard_normal(10007).astype(dtype)
+    spans = np.array([[0, 3], [3, 5000], [5000, 10007]])
     runs = {}
-    for isa in ("default", "avx2", "portable"):
-        env = dict(os.environ, ADASUM_KERNELS_ISA=isa)
-        runs[isa] = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, dtype], env=env, check=True,
-                                   capture_output=True, text=True).stdout.split()
+    try:
+        for cap in ("auto", "avx2", "portable"):
+            isa = native.use_isa(cap)
+            a, out = a0.copy(), np.empty((3, 3))
+            K.dots(a, b, spans, out)
+            K.scaled_add(a, a, b, spans, np.array([0.3, 0.7, 1.1]), np.array([0.9, -0.2, 0.5]))
+            runs[cap] = isa, out.tobytes(), a.tobytes()
+    finally:
+        native.use_isa(adasum.current_settings().kernels_isa)
     assert runs["portable"][0] == "portable"
     assert runs["avx2"][0] in ("avx2", "portable")  # capped at AVX2 (portable on a CPU without it)
-    assert runs["default"][1:] == runs["portable"][1:]
+    assert runs["auto"][0] in ("avx512f", "avx2", "portable")
+    assert runs["auto"][1:] == runs["portable"][1:]
     assert runs["avx2"][1:] == runs["portable"][1:]
+
+
+def test_instruction_set_setting():
+    assert from_environment({"ADASUM_KERNELS_ISA": "avx2"}).kernels_isa == "avx2"
+    assert from_environment({}).kernels_isa == "auto"
+    with pytest.raises(ValueError, match="kernels_isa must be one of"):
+        adasum.Settings(kernels_isa="sse")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -147,26 +151,29 @@ def test_numpy_fallback_agrees(dtype):
     a, b, spans = _data(dtype, seed=5)
     pieces = [(int(s), int(e)) for s, e in spans if e > s]  # as fusion.pieces makes them: no empty layer
     ca, cb = np.linspace(0.1, 1.5, len(pieces)), np.linspace(1.2, -0.3, len(pieces))
-    adapter = arrays.NumpyAdapter()
+    adapter = adapters.NumpyAdapter()
     results = {}
     for backend in ("c", "numpy"):
-        arrays.set_kernels_backend(backend)
-        try:
-            x = a.copy()
-            dots = adapter.partial_dots(x, b, pieces)
-            adapter.scaled_add(x, b.copy(), pieces, ca, cb)
-            results[backend] = dots, x
-        finally:
-            arrays.set_kernels_backend("c")
+        adapter.settings = adasum.Settings(kernels=backend)
+        x = a.copy()
+        dots = adapter.partial_dots(x, b, pieces)
+        adapter.scaled_add(x, b.copy(), pieces, ca, cb)
+        results[backend] = dots, x
     np.testing.assert_allclose(results["c"][0], results["numpy"][0], rtol=1e-12, atol=1e-9)
     rtol = 4 * np.finfo(dtype).eps  # numpy's float32 combine rounds twice, the kernel once
     np.testing.assert_allclose(results["c"][1], results["numpy"][1], rtol=rtol, atol=rtol * np.abs(results["c"][1]).max())
 
 
 def test_backend_selection():
-    assert arrays.kernels_backend() in ("c", "numpy")
+    old = adasum.configure(kernels="numpy")
+    try:
+        assert adapters.kernels_backend() == "numpy"
+        adapters.set_kernels_backend("c")
+        assert adapters.kernels_backend() == "c"
+    finally:
+        adasum.configure(old)
     with pytest.raises(ValueError, match="'c' or 'numpy'"):
-        arrays.set_kernels_backend("fortran")
+        adapters.set_kernels_backend("fortran")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -224,3 +231,33 @@ def test_layout_tells_adjacent_disjoint_and_overlapping():
         K.layout([ro], True)
     with pytest.raises((BufferError, ValueError)):
         K.layout([flat[::2]], False)
+
+
+@pytest.mark.parametrize("dtype,scale", [("float32", 0), ("float64", 0), ("float64", -1060), ("float64", 600)])
+@pytest.mark.parametrize("counts", [(1, 1), (2, 1), (1, 3), (5, 3)])
+def test_compiled_rule_is_the_python_rule(dtype, scale, counts):
+    """The compiled pair() is the fast implementation of adasum.combine's rule, not a second rule: on data
+    whose dot products are exact in any order (small integers, times 2**scale), its coefficients and
+    combine give the bits of the Python path (dot products, adasum.combine.coefficients, scaled add), also
+    where float64 partials must be rescaled (subnormal data, and squares beyond the range)."""
+    rng = np.random.default_rng([9, *counts])
+    bounds = [0, 7, 7, 40, 41, 300]  # an empty layer and a layer of one element among them
+    left = np.ldexp(rng.integers(-8, 9, bounds[-1]).astype(dtype), scale)
+    right = np.ldexp(rng.integers(-8, 9, bounds[-1]).astype(dtype), scale)
+    right[7:40] = 0  # a zero side: its coefficient is exactly 1
+    right[41:60] = left[41:60]  # parts parallel
+    spans = [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    span_array = np.array(spans, dtype=np.int64)
+    adapter = adapters.NumpyAdapter()
+    results = {}
+    for backend in ("c", "numpy"):
+        adapter.settings = adasum.Settings(kernels=backend)
+        dst = np.empty_like(left)
+        adapter.pair(left.copy(), right.copy(), dst, spans, span_array, *counts)
+        results[backend] = dst
+    assert results["c"].tobytes() == results["numpy"].tobytes()
+    if scale:
+        return
+    for s, e in spans:  # and the rule is the reference's
+        want = combine(left[s:e], right[s:e], *counts).astype(dtype)
+        np.testing.assert_allclose(results["c"][s:e], want, rtol=4 * np.finfo(dtype).eps, atol=0)

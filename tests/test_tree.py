@@ -19,6 +19,12 @@ def _inputs(p: int, n: int = 11, seed: int = 0) -> list[np.ndarray]:
     return [rng.standard_normal(n) for _ in range(p)]
 
 
+def _subtree(size: int, v: int, level: int) -> range:
+    """The virtual ranks of the subtree of ``level`` levels that virtual rank ``v`` belongs to."""
+    base = (v >> level) << level
+    return range(base, base + (1 << level))
+
+
 @pytest.mark.parametrize("p", SIZES)
 def test_roles_fold_pairs_and_levels(p):
     k = p.bit_length() - 1
@@ -39,7 +45,7 @@ def test_roles_fold_pairs_and_levels(p):
             assert partner.levels[i].upper != level.upper
             assert (partner.levels[i].count_left, partner.levels[i].count_right) == (level.count_left, level.count_right)
             # the two sides stand for all the ranks of the subtree
-            members = tree.subtree(p, r.virtual, i + 1)
+            members = _subtree(p, r.virtual, i + 1)
             ranks = {tree.real_rank(p, v) for v in members}
             ranks |= {q + 1 for q in ranks if q < 2 * extra}
             assert level.count_left + level.count_right == len(ranks)
@@ -52,7 +58,7 @@ def test_roles_fold_pairs_and_levels(p):
             for j in range(i + 1):
                 covered = {r.rank: covered[r.rank] | covered[r.levels[i].sum_partners[j]] for r in survivors}
             for r in survivors:
-                want = {tree.real_rank(p, v) for v in tree.subtree(p, r.virtual, i + 1)}
+                want = {tree.real_rank(p, v) for v in _subtree(p, r.virtual, i + 1)}
                 assert covered[r.rank] == want, f"P={p}, level {i + 1}, rank {r.rank}"
             covered = {r.rank: {r.rank} for r in survivors}
 

@@ -2,7 +2,7 @@
 tensors and buffers, the compiled small call and the agreement wait), where the install could build them.
 
 ``compiled`` is the extension module, or None on an install without a C compiler; the numpy kernels of
-:mod:`adasum.arrays` then do the same work (``adasum.kernels_backend()`` says which is in use), and the
+:mod:`adasum.adapters` then do the same work (``adasum.kernels_backend()`` says which is in use), and the
 small calls and the agreement run through mpi4py.
 """
 
@@ -21,7 +21,7 @@ try:
 except ImportError:  # pragma: no cover - a build without a C compiler
     compiled = None
 
-__all__ = ["compiled", "handle", "mapped_mpi_libraries", "mpi_bound", "request"]
+__all__ = ["compiled", "handle", "mapped_mpi_libraries", "mpi_bound", "request", "use_isa"]
 
 _FUNCTIONS = ("MPI_Sendrecv", "MPI_Send", "MPI_Recv", "MPI_Iallreduce", "MPI_Test")
 
@@ -43,6 +43,21 @@ def mpi_bound() -> bool:
             continue
         return bool(compiled.bind_mpi(*funcs))
     return False
+
+
+def use_isa(cap: str) -> str:
+    """Has the compiled kernels use the widest instruction set the CPU has, capped at ``cap`` (the setting
+    ``kernels_isa``), and returns its name ("none" without compiled kernels). The choice is the extension's,
+    process-wide; it is made again only when ``cap`` changes, and every choice gives the same bits."""
+    if compiled is None:
+        return "none"
+    if _isa[0] != cap:
+        _isa[1] = compiled.use_isa(cap)
+        _isa[0] = cap
+    return _isa[1]
+
+
+_isa = ["auto", "none" if compiled is None else compiled.use_isa("auto")]  # (cap, instruction set) in effect
 
 
 def handle(obj) -> int:

@@ -21,15 +21,28 @@ import numpy as np
 from mpi4py import MPI
 
 from . import tree
-from .arrays import NO_SCALE, merge_partials, partial_width
-from .combine import coefficients
-from .fusion import Operand, group_pieces
+from .combine import NO_SCALE, coefficients, merge_partials, partial_width
+from .dtypes import itemsize
+from .fusion import Operand, Placement, group_pieces
 from .transport import Transport
 
-__all__ = ["adasum_reduce", "fold_out", "home", "own"]
+__all__ = ["adasum_reduce", "fold_out"]
 
 
-def _range(g: Operand, lo: int, hi: int, in_parts: bool, layers=None, spans=None):
+class _Cursor:
+    """One operand during a run of this schedule, and where its values are now: in the caller's tensors
+    (``parts``) for ``IN_PARTS``, and for ``READS_PARTS`` until its first combine; else in ``buffer``. The
+    operand's fields that the schedule reads are copied once."""
+
+    __slots__ = ("in_parts", "size", "dtype", "bounds", "memo", "adapter", "buffer", "parts", "writes_parts")
+
+    def __init__(self, op: Operand):
+        self.in_parts = op.placement in (Placement.READS_PARTS, Placement.IN_PARTS)
+        self.size, self.dtype, self.bounds, self.memo, self.adapter = op.size, op.dtype, op.bounds, op.memo, op.adapter
+        self.buffer, self.parts, self.writes_parts = op.buffer, op.parts, op.writes_parts
+
+
+def _range(g: _Cursor, lo: int, hi: int, in_parts: bool, layers=None, spans=None):
     """``[lo, hi)`` of the fused index space: a slice of ``g.buffer`` or, ``in_parts``, flat views of the
     pieces of the caller's tensors (``g.parts``) that hold it (``layers``/``spans`` as :func:`pieces`
     gives them, if known)."""
@@ -41,18 +54,17 @@ def _range(g: Operand, lo: int, hi: int, in_parts: bool, layers=None, spans=None
     return [g.parts[i].reshape(-1)[lo + s - b[i]:lo + e - b[i]] for i, (s, e) in zip(layers, spans)]
 
 
-def own(g: Operand, lo: int, hi: int, layers=None, spans=None):
-    """This rank's current values of ``[lo, hi)``: in ``g.buffer``, or in the caller's tensors before they
-    are packed or when the result is written there."""
-    return _range(g, lo, hi, not g.packed, layers, spans)
+def own(g: _Cursor, lo: int, hi: int, layers=None, spans=None):
+    """This rank's current values of ``[lo, hi)``: in ``g.buffer``, or in the caller's tensors (see
+    :class:`_Cursor`)."""
+    return _range(g, lo, hi, g.in_parts, layers, spans)
 
 
-def home(g: Operand, lo: int, hi: int, layers=None, spans=None):
+def home(g: _Cursor, lo: int, hi: int, layers=None, spans=None):
     """Where the combined values of ``[lo, hi)`` go: ``g.buffer``, or the caller's tensors themselves."""
     return _range(g, lo, hi, g.writes_parts, layers, spans)
 
 
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
 def _cuts(g: Operand, lo: int, hi: int) -> list[int]:
@@ -62,7 +74,7 @@ def _cuts(g: Operand, lo: int, hi: int) -> list[int]:
 
 def _coalesce(g: Operand, cuts: list[int], n: int, chunk_bytes: int) -> list[int]:
     """Keeps the cuts around segments of at least ``chunk_bytes``; merges runs of shorter segments."""
-    small = max(1, chunk_bytes // _ITEMSIZE.get(g.dtype, 1))
+    small = max(1, chunk_bytes // itemsize(g.dtype))
     out, start, run = [], 0, False
     for c in [*cuts, n]:
         if c - start >= small:
@@ -108,14 +120,8 @@ def exchange_chunks(g: Operand, slo: int, shi: int, rlo: int, rhi: int, split: i
     return out
 
 
-def exchange(t: Transport, partner: int, sends: list, recvs: list) -> None:
-    """Send ``sends`` to and receive ``recvs`` from ``partner``; the partner makes the mirror call (its
-    sends are our receives)."""
-    t.exchange(sends, partner, recvs, partner)
-
-
 def widths(groups) -> list[tuple[int, int]]:
-    """(layers, columns) of every group's block of partials (see :func:`adasum.arrays.merge_partials`)."""
+    """(layers, columns) of every group's block of partials (see :func:`adasum.combine.merge_partials`)."""
     return [(len(g.bounds) - 1, partial_width(g.dtype)) for g in groups]
 
 
@@ -154,18 +160,22 @@ def _combine(groups, scratches, los, his, spans_by_group, sums, count_left, coun
     for g, scr, lo, hi, (layers, spans) in zip(groups, scratches, los, his, spans_by_group):
         if spans:
             idx = np.asarray(layers) + offset
-            dst = home(g, lo, hi, layers, spans) if g.writes_parts or not g.packed else None  # None: in place
+            dst = home(g, lo, hi, layers, spans) if g.writes_parts or g.in_parts else None  # None: in place
             g.adapter.scaled_add(own(g, lo, hi, layers, spans), scr, spans, mine[idx], theirs[idx], dst=dst)
-        g.packed = not g.writes_parts  # from here on the values are where the result goes
+        g.in_parts = g.writes_parts  # from here on the values are where the result goes
         offset += len(g.bounds) - 1
 
 
 def fold_out(groups: Sequence[Operand], transports: Sequence[Transport], partner: int, split: int = 0) -> None:
     """The folded-out rank of a pair: hands its vector to its even ``partner`` and receives the result."""
+    _fold_out([_Cursor(g) for g in groups], transports, partner, split)
+
+
+def _fold_out(groups: Sequence[_Cursor], transports: Sequence[Transport], partner: int, split: int) -> None:
     for g, t in zip(groups, transports):
-        exchange(t, partner, [own(g, a, b) for a, b in chunks(g, 0, g.size, split)], [])
+        t.exchange([own(g, a, b) for a, b in chunks(g, 0, g.size, split)], partner, [], partner)
     for g, t in zip(groups, transports):
-        exchange(t, partner, [], [home(g, a, b) for a, b in chunks(g, 0, g.size, split)])
+        t.exchange([], partner, [home(g, a, b) for a, b in chunks(g, 0, g.size, split)], partner)
 
 
 def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Operand], transports: Sequence[Transport], *,
@@ -178,10 +188,10 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Operand], transports: Se
     ranks outside ``comm`` that hold the other pieces of the same vectors (the hierarchical mode); it is
     given the partials and their :func:`widths`.
 
-    A group that is not ``packed`` is read from ``parts`` (flat views of the caller's tensors) until its
-    first combine: halves are sent from there without packing them. A group that ``writes_parts`` (an
-    in-place call on tensors that lie apart) is combined and gathered in the caller's tensors themselves,
-    with no fused buffer at all; otherwise the result is left in ``buffer``. ``split`` (the same on every
+    An operand placed ``READS_PARTS`` is read from ``parts`` (flat views of the caller's tensors) until its
+    first combine: halves are sent from there without packing them. One placed ``IN_PARTS`` (an in-place
+    call on tensors that lie apart) is combined and gathered in the caller's tensors themselves, with no
+    fused buffer at all; otherwise the result is left in ``buffer``. ``split`` (the same on every
     rank; bytes, 0 for none) cuts each exchange into the messages of :func:`chunks`; unpacked groups need it,
     since MPI sends fastest from contiguous memory.
     """
@@ -189,6 +199,7 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Operand], transports: Se
     if size == 1 or not groups:
         return
     r = tree.role(size, rank, None if counts is None else tuple(counts))
+    groups = [_Cursor(g) for g in groups]
     layout = widths(groups)
 
     def sum_local(v: np.ndarray) -> np.ndarray:
@@ -198,13 +209,13 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Operand], transports: Se
 
     # --- fold the first adjacent pairs ------------------------------------------------------------------
     if r.out_of is not None:
-        fold_out(groups, transports, r.out_of, split)
+        _fold_out(groups, transports, r.out_of, split)
         return
     if r.fold is not None:
         partner, count_self, count_partner = r.fold
         scratches = [t.kept(g.dtype, g.size) for g, t in zip(groups, transports)]
         for g, t, scr in zip(groups, transports, scratches):
-            exchange(t, partner, [], [scr[a:b] for a, b in chunks(g, 0, g.size, split)])
+            t.exchange([], partner, [scr[a:b] for a, b in chunks(g, 0, g.size, split)], partner)
         los, his = [0] * len(groups), [g.size for g in groups]
         partials, spans = _layer_partials(groups, scratches, los, his, swap=False)
         _combine(groups, scratches, los, his, spans, sum_local(partials), count_self, count_partner, upper=False)
@@ -219,7 +230,7 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Operand], transports: Se
             slo, shi = (lo, klo) if level.upper else (khi, hi)  # the half the partner keeps
             scr = t.kept(g.dtype, khi - klo)
             sc, rc = exchange_chunks(g, slo, shi, klo, khi, split)
-            exchange(t, level.partner, [own(g, a, b) for a, b in sc], [scr[a - klo:b - klo] for a, b in rc])
+            t.exchange([own(g, a, b) for a, b in sc], level.partner, [scr[a - klo:b - klo] for a, b in rc], level.partner)
             scratches.append(scr)
         partials, spans = _layer_partials(groups, scratches, los, his, swap=level.upper)
         sums = sum_local(partials)
@@ -237,8 +248,8 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Operand], transports: Se
             (plo, phi), (lo, hi) = rg[i], rg[i + 1]
             olo, ohi = (plo, lo) if level.upper else (hi, phi)
             sc, rc = exchange_chunks(g, lo, hi, olo, ohi, split)
-            exchange(t, level.partner, [own(g, a, b) for a, b in sc], [own(g, a, b) for a, b in rc])
+            t.exchange([own(g, a, b) for a, b in sc], level.partner, [own(g, a, b) for a, b in rc], level.partner)
 
     if r.fold is not None:
         for g, t in zip(groups, transports):
-            exchange(t, r.fold[0], [own(g, a, b) for a, b in chunks(g, 0, g.size, split)], [])
+            t.exchange([own(g, a, b) for a, b in chunks(g, 0, g.size, split)], r.fold[0], [], r.fold[0])

@@ -13,9 +13,9 @@ from typing import Any, NamedTuple, Sequence
 from mpi4py import MPI
 
 from . import stall
-from .arrays import FLOAT_DTYPES, INT_DTYPES, Adapter, Adapters
-from .kernels import compiled, mpi_bound, request
-from .settings import current
+from .adapters import Adapter, Adapters
+from .dtypes import FLOAT_DTYPES, INT_DTYPES, dtype_code, op_code
+from .native import compiled, mpi_bound, request
 
 __all__ = ["AdasumMismatchError", "TensorDesc", "describe", "agree", "signature"]
 
@@ -44,6 +44,9 @@ def describe(tensors: Sequence[Any], op: str, rank: int, kinds: Adapters):
         if adapter is None:
             raise TypeError(f"rank {rank}: tensor {i} is a {type(t).__module__}.{type(t).__qualname__}; "
                             "adasum takes numpy arrays, torch tensors and cupy arrays")
+        refused = adapter.refusal(t)
+        if refused is not None:
+            raise TypeError(f"rank {rank}: tensor {i} {refused}")
         dtype = adapter.dtype_name(t)
         if dtype not in _ALLOWED[op]:
             if dtype in INT_DTYPES:
@@ -69,21 +72,17 @@ def describe(tensors: Sequence[Any], op: str, rank: int, kinds: Adapters):
 _ALLOWED = {"adasum": FLOAT_DTYPES, "mean": FLOAT_DTYPES, "sum": FLOAT_DTYPES | INT_DTYPES}
 
 
-_DTYPE_CODES = {name: i for i, name in enumerate(sorted(FLOAT_DTYPES | INT_DTYPES))}
-
-
 def signature(op: str, descs: Sequence[TensorDesc], extra: tuple) -> int:
     """A 62-bit digest of what must agree between ranks.
 
     Built from integers only: Python hashes ints and tuples of ints the same in every process (only
     strings are salted per process), and hashing them is far cheaper than a cryptographic digest.
     """
-    key = (_OPS[op], tuple(int(v) for _, v in extra),
-           tuple((d.shape, _DTYPE_CODES[d.dtype]) for d in descs))
+    key = (op_code(op), tuple(int(v) for _, v in extra),
+           tuple((d.shape, dtype_code(d.dtype)) for d in descs))
     return hash(key) & ((1 << 62) - 1)
 
 
-_OPS = {"adasum": 1, "sum": 2, "mean": 3}
 AGREE_BYTES = 4 * 8  # what one rank hands to the agreement allreduce: four int64
 
 
@@ -109,7 +108,7 @@ def agree(ctx, op: str, descs: Sequence[TensorDesc] | None, error: Exception | N
     scratch = ctx.agree_scratch  # what this rank sends [0:4], what all saw [4:8]
     scratch[0], scratch[1], scratch[2], scratch[3] = sig, -sig, 1 if error is not None else 0, vote
     ctx.record("scalar_bytes", AGREE_BYTES)
-    patience = stall.patience(current())
+    patience = stall.patience(ctx.settings)
     if mpi_bound():
         rc = compiled.agree(scratch, *ctx.agree_handles, patience)
         if rc == 1:
@@ -136,9 +135,12 @@ def _explain(everyone, rank: int) -> Exception:
     for r, (_, _, _, err) in enumerate(everyone):
         if err is not None:
             kind, msg = err
-            if r == rank:
+            if r != rank and not msg.startswith(f"rank {r}:"):
+                msg = f"rank {r}: {msg}"
+            try:
                 return kind(msg)
-            return kind(msg if msg.startswith(f"rank {r}:") else f"rank {r}: {msg}")
+            except Exception:  # an exception type that takes other arguments: its text, as a RuntimeError
+                return RuntimeError(f"{kind.__name__}: {msg}")
     op0, extra0, descs0, _ = everyone[0]
     here = f"(raised on rank {rank}) "
     ops = {r: e[0] for r, e in enumerate(everyone)}

@@ -1,0 +1,273 @@
+"""torch tensors on the CPU (computed on numpy views of their memory) or a CUDA device."""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from .. import segmented as _segmented
+from ..combine import extend_range
+from .base import BLOCK, DEVICE_BLOCK, _KEPT_VIEWS, Adapter, CopyStream, DeviceCopyStream, _blocks, _host, per_layer_dots
+from .host import NumpyAdapter
+
+
+class TorchAdapter(Adapter):
+    """torch tensors on the CPU or a CUDA device; the arithmetic runs in torch on the tensor's device."""
+
+    kind = "torch"
+
+    def __init__(self, host: NumpyAdapter):
+        import torch
+
+        self.torch = torch
+        self._numpy = host  # computes on the numpy views of CPU tensors
+        self._scratch: dict = {}
+        self._views: dict = {}
+        self._segmented: _segmented.SegmentedKernels | None = None
+
+    def clear(self) -> None:
+        self._scratch.clear()
+        self._views.clear()
+        if self._segmented is not None:
+            self._segmented.clear()
+
+    def _segmented_for(self, *operands) -> _segmented.SegmentedKernels | None:
+        """The segmented Triton kernels where flat tensor ``operands`` take them under the setting
+        ``device_kernels``, else None (lists of host pieces never do)."""
+        setting = self.settings.device_kernels
+        if setting == "per-layer" or any(type(x) is list for x in operands):
+            return None
+        if not _segmented.wanted(setting, operands[0].device.type == "cuda"):
+            return None
+        if self._segmented is None:
+            self._segmented = _segmented.SegmentedKernels(self.torch)
+        return self._segmented
+
+    def refusal(self, t) -> str | None:
+        # Each of these passes torch's own checks until data is copied, mid-call; the agreement must know first.
+        if t.is_nested:
+            return "is a nested tensor; adasum reduces dense tensors (pass its components as tensors of their own)"
+        if t.layout != self.torch.strided:
+            return f"is a sparse tensor (layout {t.layout}); adasum reduces dense tensors (pass t.to_dense())"
+        if t.is_quantized:
+            return f"is a quantized tensor (dtype {t.dtype}); adasum reduces floats (pass t.dequantize())"
+        if t.device.type == "meta":
+            return "is on the meta device, which holds no data"
+        return None
+
+    def dtype_name(self, t) -> str:
+        return str(t.dtype).replace("torch.", "")
+
+    def device(self, t) -> str:
+        return str(t.device)
+
+    def is_host(self, buf) -> bool:
+        return buf.device.type == "cpu"
+
+    def _dtype(self, name):
+        return getattr(self.torch, name)
+
+    def empty(self, n, dtype, device):
+        return self.torch.empty(n, dtype=self._dtype(dtype), device=device)
+
+    def pack(self, tensors, buf, bounds, spans=None):
+        with self.torch.no_grad():
+            for t, s, e in zip(tensors, bounds[:-1], bounds[1:]):
+                buf[s:e].view(t.shape).copy_(t)
+
+    def views(self, buf, bounds, shapes):
+        return [buf[s:e].view(shape) for s, e, shape in zip(bounds[:-1], bounds[1:], shapes)]
+
+    def write_back(self, tensors, buf, bounds, spans=None):
+        with self.torch.no_grad():
+            for t, s, e in zip(tensors, bounds[:-1], bounds[1:]):
+                t.copy_(buf[s:e].view(t.shape))
+
+    def fused_view(self, tensors, adjacent=False):
+        live = [t for t in tensors if t.numel()]
+        if not live or not all(t.is_contiguous() for t in live):
+            return None
+        storage = live[0].untyped_storage().data_ptr()
+        offset = live[0].storage_offset()
+        for t in live:
+            if t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset:
+                return None
+            offset += t.numel()
+        total = sum(t.numel() for t in live)
+        return self.torch.as_strided(live[0].detach(), (total,), (1,), live[0].storage_offset())
+
+    def _wide(self, like, which, dtype):
+        key = (which, like.device, dtype)
+        buf = self._scratch.get(key)
+        if buf is None:
+            n = BLOCK if like.device.type == "cpu" else DEVICE_BLOCK
+            buf = self._scratch[key] = self.torch.empty(n, dtype=dtype, device=like.device)
+        return buf
+
+    def _block(self, like) -> int:
+        return BLOCK if like.device.type == "cpu" else DEVICE_BLOCK
+
+    def _numpy_path(self, x) -> bool:
+        """Whether an operand is computed on by the numpy adapter: host memory of a dtype numpy has (lists
+        are flat numpy views of the caller's CPU tensors, from :meth:`direct_parts`)."""
+        return type(x) is list or (x.device.type == "cpu" and x.dtype != self.torch.bfloat16)
+
+    def layout(self, tensors, indices, rank):
+        views = self._host_views(tensors)
+        return None if views is None else self._numpy.layout(views, indices, rank)
+
+    def direct_parts(self, tensors, dtype, contiguous=False):
+        if not contiguous and not all(t.is_contiguous() for t in tensors):
+            return None
+        views = self._host_views(tensors)
+        return None if views is None else self._numpy.direct_parts(views, dtype, contiguous=True)
+
+    def _host_views(self, tensors):
+        """numpy views of CPU float32/float64 tensors (their own memory), else None."""
+        torch = self.torch
+        if not tensors or tensors[0].device.type != "cpu" or tensors[0].dtype not in (torch.float32, torch.float64):
+            return None
+        return self.host_views(tensors)
+
+    def host_views(self, tensors) -> list:
+        """numpy views of the memory of CPU tensors of one dtype, kept while the same tensor objects come
+        back with the same memory, shape and contiguity: making them costs microseconds per tensor, as
+        much as the rest of a small call. Views of a few lists are kept, for loops that reduce several;
+        a list's views are dropped as soon as one of its tensors is freed."""
+        key = id(tensors[0]) if tensors else 0
+        kept = self._views.get(key)
+        if kept is not None and len(kept[0]) == len(tensors):
+            for (ref, address, shape), t in zip(kept[0], tensors):
+                if ref() is not t or t.data_ptr() != address or not t.is_contiguous() or t.shape != shape:
+                    break
+            else:
+                return kept[1]
+        views = [t.detach().numpy() for t in tensors]
+        entry = [None, views]  # [(weak reference, address, shape) per tensor, views]
+
+        def forget(_, key=key):  # a tensor is gone: its views must not keep its memory alive
+            if self._views.get(key) is entry:
+                del self._views[key]
+
+        try:
+            entry[0] = [(weakref.ref(t, forget), t.data_ptr(), t.shape) for t in tensors]
+        except TypeError:  # a tensor subclass without weak references: not kept
+            return views
+        if len(self._views) >= _KEPT_VIEWS:
+            self._views.pop(next(iter(self._views)))
+        self._views[key] = entry
+        return views
+
+    def kept_view_lists(self) -> int:
+        """How many lists of tensors have their numpy views kept now."""
+        return len(self._views)
+
+    def wrote_parts(self, tensors) -> None:
+        # The result went into the tensors' memory through numpy: tell autograd they changed in place.
+        self.torch.autograd.graph.increment_version(tensors)
+
+    def partial_dots(self, a, b, pieces):
+        torch = self.torch
+        fast = self._segmented_for(a, b)
+        if fast is not None:
+            out = fast.dots(a, b, pieces)
+            return extend_range(out, a, b, pieces) if a.dtype == torch.float64 else out
+        if self._numpy_path(a):
+            # numpy's kernels, on the same memory: they vectorise over many small layers
+            return self._numpy.partial_dots(_host(a), _host(b), pieces)
+        out = torch.zeros((len(pieces), 3), dtype=torch.float64, device=a.device)
+        native = a.dtype == torch.float64
+        wide = None if native else (self._wide(a, 0, torch.float64), self._wide(a, 1, torch.float64))
+        per_layer_dots(out, a, b, pieces, self._block(a), torch.dot, wide)
+        out = out.cpu().numpy()
+        return extend_range(out, a, b, pieces) if native else out
+
+    def pair(self, left, right, dst, pieces, span_array, count_left, count_right):
+        if self._numpy_path(left) and self._segmented_for(left, right, dst) is None:
+            self._numpy.pair(_host(left), _host(right), _host(dst), pieces, span_array, count_left, count_right)
+            return
+        super().pair(left, right, dst, pieces, span_array, count_left, count_right)
+
+    def scaled_add(self, a, b, pieces, ca, cb, dst=None):
+        torch = self.torch
+        fast = self._segmented_for(a, b, a if dst is None else dst)
+        if fast is not None:
+            fast.combine(a, b, a if dst is None else dst, pieces, ca, cb)
+            return
+        if self._numpy_path(a):
+            self._numpy.scaled_add(_host(a), _host(b), pieces, ca, cb, None if dst is None else _host(dst))
+            return
+        if dst is not None and dst is not a:
+            self.scaled_add(a, b, pieces, ca, cb)
+            dst.copy_(a)
+            return
+        if a.dtype in (torch.float32, torch.float64):
+            for (s, e), p, q in zip(pieces, ca.tolist(), cb.tolist()):
+                a[s:e].mul_(p).add_(b[s:e], alpha=q)
+            return
+        # 16-bit: widen to float32 block by block so that the result is rounded to the dtype only once
+        x32, y32 = self._wide(a, 0, torch.float32), self._wide(a, 1, torch.float32)
+        for (s, e), p, q in zip(pieces, ca.tolist(), cb.tolist()):
+            for bs, be in _blocks(s, e, self._block(a)):
+                x, y = x32[:be - bs], y32[:be - bs]
+                x.copy_(a[bs:be])
+                y.copy_(b[bs:be])
+                x.mul_(p).add_(y, alpha=q)
+                a[bs:be].copy_(x)
+
+    def divide(self, buf, divisor):
+        buf.div_(divisor)
+
+    def host_typed(self, buf):
+        return buf.numpy()
+
+    def numpy_dtype(self, buf):
+        return np.dtype(self.dtype_name(buf))
+
+    def astype(self, buf, dtype):
+        return buf.to(self._dtype(dtype))
+
+    def copy_(self, dst, src):
+        dst.copy_(src)
+
+    def mpi_bytes(self, buf):
+        u8 = buf.view(self.torch.uint8)
+        return u8.numpy() if buf.device.type == "cpu" else u8
+
+    def host_bytes_empty(self, nbytes, device):
+        torch = self.torch
+        pin = device.startswith("cuda")
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).numpy()
+
+    def to_host(self, buf, host):
+        torch = self.torch
+        torch.from_numpy(host).copy_(buf.view(torch.uint8))
+
+    def from_host(self, host, buf):
+        torch = self.torch
+        buf.view(torch.uint8).copy_(torch.from_numpy(host), non_blocking=False)
+
+    def synchronize(self, device):
+        if device.startswith("cuda"):
+            self.torch.cuda.synchronize(device)
+
+    def byte_view(self, buf):
+        return buf.view(self.torch.uint8)
+
+    def _make_copy_stream(self, device):
+        if not device.startswith("cuda"):
+            return CopyStream(self)
+        torch, where = self.torch, self.torch.device(device)
+
+        def to_host(side, buf, host):
+            with torch.cuda.stream(side):
+                torch.from_numpy(host).copy_(buf, non_blocking=True)
+
+        def from_host(side, host, buf):
+            with torch.cuda.stream(side):
+                buf.copy_(torch.from_numpy(host), non_blocking=True)
+
+        return DeviceCopyStream(self, torch.cuda.Stream(device=where), torch.cuda.Event,
+                                lambda side, events: side.wait_stream(torch.cuda.current_stream(where)),
+                                to_host, from_host)

@@ -1,0 +1,146 @@
+"""Planning a call: what its tensors and settings determine, worked out before any data moves.
+
+A :class:`Plan` is what the shapes, dtypes, devices, the op and the agreed settings of a call determine:
+the descriptions the ranks agree on, the groups and their layer tables, and the :class:`Schedule`, chosen
+once. Plans are kept in the communicator's context for calls of the same shapes (a training loop's every
+step) and hold no buffers. :func:`place` then decides, for one call, where each group's data lies while it
+is reduced (its :class:`~adasum.fusion.Placement`).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Sequence
+
+from . import stall
+from .agreement import describe, signature
+from .doubling import SmallCall
+from .dtypes import itemsize
+from .fusion import Group, Operand, Placement, TensorLayout, layer_spans, make_groups
+from .native import compiled
+from .settings import Settings
+from .transport import Transport, transport_for
+
+__all__ = ["Plan", "Schedule", "agreed_extras", "place", "plan_for", "plan_key"]
+
+
+class Schedule(enum.Enum):
+    """How a call's data travels and is combined: one per plan, chosen by :func:`choose`."""
+
+    NONE = "none"                  # one rank: nothing to exchange
+    DOUBLING = "doubling"          # whole vectors, log2 P rounds (adasum.doubling; the compiled small call)
+    HALVING = "halving"            # recursive halving, about 2·N bytes per rank (adasum.halving)
+    HIERARCHICAL = "hierarchical"  # the mean inside each node, then halving over the nodes
+    SUM = "sum"                    # MPI's own allreduce
+    MEAN = "mean"                  # MPI's own allreduce, divided by P
+
+
+def choose(op: str, hierarchical: bool, size: int, nbytes: int, s: Settings) -> Schedule:
+    """The schedule of a call of ``nbytes`` over ``size`` ranks under the settings ``s``."""
+    if size == 1:
+        return Schedule.NONE
+    if op != "adasum":
+        return Schedule(op)
+    if hierarchical:
+        return Schedule.HIERARCHICAL
+    return Schedule.HALVING if nbytes > s.small_message_limit(size) else Schedule.DOUBLING
+
+
+def agreed_extras(ctx, s: Settings) -> dict:
+    """What the ranks must agree on besides the tensors, per kind of call (part of the digest), for the
+    settings ``s``; kept on the context while the settings stay the same."""
+    kept = ctx.extras
+    if kept is None or kept[0] is not s:
+        agreed = s.agreed()
+        extras = {"adasum": (("hierarchical", False), *agreed), "hierarchical": (("hierarchical", True), *agreed),
+                  "sum": (("hierarchical", False),), "mean": (("hierarchical", False),),
+                  # and what these settings make of this communicator's calls
+                  "patience": stall.patience(s)}
+        kept = ctx.extras = (s, extras)
+    return kept[1]
+
+
+class Plan:
+    """What a call's tensors and agreed settings determine: descriptions, the agreement signature, the
+    groups with their layer tables, the schedule, and the compiled small call where it may run. Kept in the
+    communicator's context; holds no buffers (what one call holds lives in its operands)."""
+
+    __slots__ = ("descs", "signature", "nbytes", "one_group", "groups", "schedule", "small", "_transports")
+
+    def __init__(self, ctx, items, op: str, extra: tuple, s: Settings):
+        adapters, self.descs = describe(items, op, ctx.rank, ctx.adapters)
+        self.signature = signature(op, self.descs, extra)
+        self.groups: list[Group] = make_groups(items, adapters, self.descs)
+        for g in self.groups:
+            layer_spans(g)
+        self.nbytes = sum(g.size * itemsize(g.dtype) for g in self.groups)
+        # one group holding every tensor in order: the call's list is the group's members
+        self.one_group = len(self.groups) == 1 and self.groups[0].indices == list(range(len(items)))
+        # the agreed settings are part of the plan's key, so the schedule is the plan's
+        self.schedule = choose(op, dict(extra)["hierarchical"], ctx.size, self.nbytes, s)
+        active = [g for g in self.groups if g.size > 0]
+        self.small = None
+        if (self.schedule is Schedule.DOUBLING and self.one_group and compiled is not None
+                and len(active) == 1 and active[0].dtype in ("float32", "float64")
+                and (active[0].adapter.kind, active[0].device) in (("numpy", "cpu"), ("torch", "cpu"))):
+            g = active[0]
+            spans = layer_spans(g)
+            self.small = SmallCall(ctx, g, spans[0], spans[2], len(items))
+        self._transports: tuple = (None, [])
+
+    def transports(self, ctx, operands: Sequence[Operand]) -> list[Transport]:
+        """One :class:`Transport` per operand on the library's communicator, kept while the settings stay
+        the same (whether a group is staged depends on those and on its device only)."""
+        s = ctx.settings
+        if self._transports[0] is s and len(self._transports[1]) == len(operands):
+            return self._transports[1]
+        out = [transport_for(ctx, ctx.lcomm, g.adapter, g.device, g.buffer) for g in operands]
+        self._transports = (s, out)
+        return out
+
+
+def plan_key(items, op: str, extra: tuple) -> tuple:
+    if compiled is not None:
+        return op, extra, compiled.key(items)
+    return op, extra, tuple([(type(t), t.shape, t.dtype, getattr(t, "device", None)) for t in items])
+
+
+def plan_for(ctx, items, op: str, extra: tuple, s: Settings) -> Plan:
+    """The kept plan of this call, or a new one (kept)."""
+    try:
+        key = plan_key(items, op, extra)
+    except (AttributeError, TypeError, RuntimeError):  # not an array, unhashable, or without a shape
+        return Plan(ctx, items, op, extra, s)  # (a nested tensor): describe() says what is wrong
+    return ctx.plan(key, lambda: Plan(ctx, items, op, extra, s))
+
+
+def place(plan: Plan, members: Sequence[list], layouts: Sequence[TensorLayout | None] | None, inplace: bool,
+          s: Settings) -> list[tuple[Placement, Any, Any]]:
+    """Where each group's data lies while this call reduces it: ``(placement, aliased buffer or None,
+    parts or None)`` per group of ``plan``. ``members``: each group's tensors; ``layouts``: where they lie
+    (in-place calls only). Flat Adasum may use the caller's tensors directly: an in-place call on tensors
+    that lie apart is combined in them, so that nothing is written back at the end (doubling at any size,
+    halving from ``direct_min_bytes``, where it also reads them without packing them first)."""
+    halving = plan.schedule is Schedule.HALVING
+    direct = plan.schedule in (Schedule.DOUBLING, Schedule.HALVING) and s.gpu_transport != "staged" \
+        and (not halving or plan.nbytes >= s.direct_min_bytes)
+    out = []
+    for i, (g, mine) in enumerate(zip(plan.groups, members)):
+        where = layouts[i] if inplace else None
+        if inplace and where in (TensorLayout.ADJACENT, None):
+            view = g.adapter.fused_view(mine, adjacent=where == TensorLayout.ADJACENT)
+            if view is not None and len(view) == g.size:
+                out.append((Placement.ALIASED, view, None))
+                continue
+        parts = None
+        # out of place, doubling reads packed buffers only
+        if direct and g.size > 0 and (halving or inplace) and (not inplace or where in (TensorLayout.APART,
+                                                                                          TensorLayout.ADJACENT)):
+            parts = g.adapter.direct_parts(mine, g.dtype, contiguous=where is not None)
+        if parts is None:
+            out.append((Placement.PACKED, None, None))
+        elif inplace:
+            out.append((Placement.IN_PARTS if halving else Placement.WRITES_PARTS, None, parts))
+        else:
+            out.append((Placement.READS_PARTS, None, parts))
+    return out
