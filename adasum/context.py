@@ -26,7 +26,7 @@ from mpi4py import MPI
 from .adapters import Adapters
 from .settings import Settings, current
 
-__all__ = ["Context", "Traffic", "context_for", "count_traffic", "library_comm", "release_buffers"]
+__all__ = ["Context", "Traffic", "check_comm", "check_root", "context_for", "count_traffic", "library_comm", "release_buffers"]
 
 # Plans kept per communicator: a training loop reduces a few lists of the same shapes over and over.
 MAX_PLANS = 64
@@ -267,12 +267,25 @@ def _on_free(comm, keyval, ctx) -> int:
 _registry = _Registry()
 
 
-def context_for(comm: MPI.Intracomm | None) -> Context:
-    """The context of ``comm`` (default ``MPI.COMM_WORLD``), made on first use: collective then, since it
-    duplicates the communicator."""
+def check_comm(comm: MPI.Intracomm | None) -> MPI.Intracomm:
+    """``comm``, or ``MPI.COMM_WORLD`` for None; TypeError for anything but an intracommunicator."""
     comm = MPI.COMM_WORLD if comm is None else comm
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
+    return comm
+
+
+def check_root(comm: MPI.Intracomm, root, name: str = "root") -> int:
+    """``root`` if it is a rank of ``comm``; ValueError saying the valid range otherwise."""
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < comm.Get_size():
+        raise ValueError(f"{name} must be a rank of comm (0 to {comm.Get_size() - 1}), got {root!r}")
+    return root
+
+
+def context_for(comm: MPI.Intracomm | None) -> Context:
+    """The context of ``comm`` (default ``MPI.COMM_WORLD``), made on first use: collective then, since it
+    duplicates the communicator."""
+    comm = check_comm(comm)
     key = _registry.keyval
     if key is None:
         key = _registry.key()

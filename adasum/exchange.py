@@ -20,7 +20,8 @@ from mpi4py import MPI
 from . import stall
 from .context import Context, context_for
 
-__all__ = ["any_true", "max_of", "allgather", "bcast", "gather", "scatter", "bcast_buffer", "enter", "wait"]
+__all__ = ["any_true", "max_of", "allgather", "bcast", "gather", "scatter", "bcast_buffer", "failures",
+           "raise_everywhere", "enter", "wait"]
 
 
 def any_true(comm: MPI.Intracomm | None, flag: bool, what: str = "vote") -> bool:
@@ -137,6 +138,29 @@ def bcast_buffer(comm: MPI.Intracomm | None, buf: np.ndarray, root: int = 0, wha
             wait(ctx, ctx.lcomm.Ibcast([buf, MPI.BYTE], root=root), what, buf.nbytes if ctx.rank == root else 0)
     finally:
         ctx.leave()
+
+
+def failures(comm: MPI.Intracomm | None, problem: str | None, what: str = "an error vote") -> str | None:
+    """Collective: every rank's ``problem`` ("rank r: …; …", in rank order), or None where no rank has one.
+    One small vote when none has; the problems travel only when one has."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if comm.Get_size() == 1:
+        problems = [problem]
+    elif any_true(comm, problem is not None, what=what):
+        problems = allgather(comm, problem, what=what)
+    else:
+        return None
+    found = [p if p.startswith(f"rank {r}:") else f"rank {r}: {p}" for r, p in enumerate(problems) if p]
+    return "; ".join(found) or None
+
+
+def raise_everywhere(comm: MPI.Intracomm | None, problem: str | None, kind: type = ValueError,
+                     what: str = "an error vote") -> None:
+    """Collective: where any rank has a ``problem``, raise ``kind`` on every rank, naming every rank's."""
+    text = failures(comm, problem, what)
+    if text is not None:
+        comm = MPI.COMM_WORLD if comm is None else comm
+        raise kind(f"(raised on rank {comm.Get_rank()}) {text}")
 
 
 def enter(comm: MPI.Intracomm | None, what: str) -> Context:

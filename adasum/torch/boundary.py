@@ -103,12 +103,4 @@ def failures(buckets: list[Bucket], comm: MPI.Intracomm) -> str | None:
     """Collective: every rank's errors on its buckets ("rank r: error; …"), or None where no bucket failed
     on any rank. One small vote when nothing failed."""
     mine = next((b.error for b in buckets if b.error), None)
-    if comm.Get_size() == 1:
-        failed = [mine]
-    elif exchange.any_true(comm, mine is not None, what="the boundary's error vote"):
-        failed = exchange.allgather(comm, mine, what="the boundary's errors")
-    else:
-        return None
-    if not any(failed):
-        return None
-    return "; ".join(f"rank {r}: {e}" for r, e in enumerate(failed) if e)
+    return exchange.failures(comm, mine, what="the boundary's error vote")

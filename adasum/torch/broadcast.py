@@ -13,6 +13,8 @@ import torch
 from mpi4py import MPI
 
 from .. import exchange
+from ..context import check_comm, check_root
+from ..exchange import raise_everywhere
 from .optimizer import DistributedOptimizer
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state"]
@@ -73,11 +75,8 @@ def broadcast_optimizer_state(optimizer, *, root: int = 0, comm: MPI.Intracomm |
 
 
 def _comm_and_rank(comm, root: int):
-    comm = MPI.COMM_WORLD if comm is None else comm
-    if not isinstance(comm, MPI.Intracomm):
-        raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
-    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < comm.Get_size():
-        raise ValueError(f"root must be a rank of comm (0 to {comm.Get_size() - 1}), got {root!r}")
+    comm = check_comm(comm)
+    check_root(comm, root)
     return comm, comm.Get_rank()
 
 
@@ -111,14 +110,6 @@ def _difference(mine, theirs, rank: int, root: int) -> str | None:
             return (f"rank {rank}: tensor {i} is {a[0]!r} of shape {a[1]} {a[2]}, rank {root} (the root) has "
                     f"{b[0]!r} of shape {b[1]} {b[2]}")
     return None
-
-
-def raise_everywhere(comm: MPI.Intracomm, problem: str | None) -> None:
-    """One small collective; the first rank's problem becomes a ValueError on every rank."""
-    problems = exchange.allgather(comm, problem, what="an error vote")
-    first = next((p for p in problems if p is not None), None)
-    if first is not None:
-        raise ValueError(f"(raised on rank {comm.Get_rank()}) {first}")
 
 
 def to_cpu(obj: Any) -> Any:

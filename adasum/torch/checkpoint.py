@@ -26,7 +26,9 @@ import torch
 from mpi4py import MPI
 
 from .. import exchange
-from .broadcast import raise_everywhere, to_cpu
+from ..context import check_comm, check_root
+from ..exchange import raise_everywhere
+from .broadcast import to_cpu
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint"]
 
@@ -157,11 +159,8 @@ def _model_misfit(model: torch.nn.Module, saved: dict[str, Any], rank: int, path
 
 
 def _setup(comm, root: int):
-    comm = MPI.COMM_WORLD if comm is None else comm
-    if not isinstance(comm, MPI.Intracomm):
-        raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
-    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < comm.Get_size():
-        raise ValueError(f"root must be a rank of comm (0 to {comm.Get_size() - 1}), got {root!r}")
+    comm = check_comm(comm)
+    check_root(comm, root)
     return comm, comm.Get_rank(), comm.Get_size()
 
 

@@ -27,7 +27,7 @@ import torch
 from mpi4py import MPI
 
 from ..allreduce import Op
-from ..context import library_comm
+from ..context import check_comm, library_comm
 from .amp import LossScale
 from .boundary import failures
 from .compress import Wire
@@ -43,9 +43,7 @@ class _CommState:
     process's ``MPI.COMM_WORLD``."""
 
     def __init__(self, comm: MPI.Intracomm | None):
-        comm = MPI.COMM_WORLD if comm is None else comm
-        if not isinstance(comm, MPI.Intracomm):
-            raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
+        comm = check_comm(comm)
         self.comm = comm.Dup()
         library_comm(self.comm)
         weakref.finalize(self, _free, self.comm)

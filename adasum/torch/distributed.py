@@ -11,6 +11,7 @@ import torch
 from mpi4py import MPI
 
 from .. import exchange
+from ..context import check_comm
 from ..launch import check_launch
 from ..world import local_rank, local_size
 
@@ -30,9 +31,7 @@ def init_process_group(backend: str | None = None, *, comm: MPI.Intracomm | None
     """
     import torch.distributed as dist
 
-    comm = MPI.COMM_WORLD if comm is None else comm
-    if not isinstance(comm, MPI.Intracomm):
-        raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
+    comm = check_comm(comm)
     check_launch()
     rank, size = comm.Get_rank(), comm.Get_size()
     if dist.is_available() and dist.is_initialized():

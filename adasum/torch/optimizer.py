@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 from .. import exchange
 from ..allreduce import Op
+from ..context import check_comm
 from ..launch import check_launch
 from .accumulate import AccumulationWindow
 from .amp import LossScale
@@ -115,9 +116,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.op = Op(op).value
         except ValueError:
             raise ValueError(f"op must be one of 'adasum', 'sum', 'mean', got {op!r}") from None
-        comm = MPI.COMM_WORLD if comm is None else comm
-        if not isinstance(comm, MPI.Intracomm):
-            raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
+        comm = check_comm(comm)
         check_launch()  # a job whose processes MPI does not see raises here
         if hierarchical and self.op != "adasum":
             raise ValueError(f"hierarchical=True needs op 'adasum', got op '{self.op}'")
