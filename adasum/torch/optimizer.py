@@ -270,6 +270,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients, unless a window is open (then the gradients are still accumulating)."""
+        if self._engine is not None and self._engine.started:
+            # The backward that closes a window handed buckets to the thread, and step() never took them.
+            self._engine.finish()  # wait for the thread: from here on nothing touches the parameters
+            raise RuntimeError(
+                f"rank {self.comm.Get_rank()}: zero_grad() after the backward that closes a window but before "
+                "its step(): every rank must call step() after each micro-batch's backward; the window's "
+                "reduced buckets are dropped and the parameters keep the window's start")
         if self._window.seen:
             return
         inner = getattr(self.optimizer, "zero_grad", None)
