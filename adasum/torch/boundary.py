@@ -10,6 +10,8 @@ reduces them (sum/mean).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from mpi4py import MPI
 
@@ -20,7 +22,9 @@ from .overlap import OverlapEngine
 from .strategy import AdasumDeltas, Bucket, trained_params
 from .tensors import average_, grads_of
 
-__all__ = ["Boundary", "failures"]
+__all__ = ["Boundary", "failures", "log_skip"]
+
+_log = logging.getLogger("adasum")
 
 
 class Boundary:
@@ -104,3 +108,12 @@ def failures(buckets: list[Bucket], comm: MPI.Intracomm) -> str | None:
     on any rank. One small vote when nothing failed."""
     mine = next((b.error for b in buckets if b.error), None)
     return exchange.failures(comm, mine, what="the boundary's error vote")
+
+
+def log_skip(comm: MPI.Intracomm, strategy, number: int, skipped: int) -> None:
+    """Rank 0 logs, on the ``adasum`` logger, that update ``number`` was skipped on every rank."""
+    if comm.Get_rank() == 0:
+        what = "weight deltas" if isinstance(strategy, AdasumDeltas) else "gradients"
+        _log.warning("adasum: update %d skipped on every rank: the %s %s hold a NaN or Inf; parameters left "
+                     "unchanged (%d skipped so far)", number, "reduced" if comm.Get_size() > 1 else "local", what,
+                     skipped)

@@ -102,7 +102,7 @@ class Wire:
         """Per tensor, the power of two it travels multiplied by, and its largest magnitude over all ranks."""
         if self.dtype is not torch.float16:
             return [1.0] * len(tensors), None
-        local = np.array([float(t.detach().abs().max()) if t.numel() else 0.0 for t in tensors])
+        local = _largest_magnitudes(tensors)
         amax = exchange.max_of(comm, local, what="the fp16 wire's scales")
         target = _FP16_MAX / (2 ** math.ceil(math.log2(2 * comm.Get_size())))
         scales = []
@@ -124,6 +124,20 @@ class Wire:
         if (name, what) not in self._reported:
             self._reported.add((name, what))
             _log.warning(text)
+
+
+def _largest_magnitudes(tensors: list[torch.Tensor]) -> np.ndarray:
+    """Per tensor, its largest magnitude (0 for an empty one; NaN where it holds one), in float64: one fused
+    pass and one copy to the host per device."""
+    out = np.zeros(len(tensors))
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel():
+            by_device.setdefault(t.device, []).append(i)
+    for idx in by_device.values():
+        norms = torch._foreach_norm([tensors[i].detach() for i in idx], float("inf"))
+        out[idx] = torch.stack([n.to(torch.float64) for n in norms]).cpu().numpy()
+    return out
 
 
 def _scaled(t: torch.Tensor, s: float) -> torch.Tensor:

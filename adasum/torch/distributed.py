@@ -13,6 +13,7 @@ from mpi4py import MPI
 from .. import exchange
 from ..context import check_comm
 from ..launch import check_launch
+from ..settings import launch_environment
 from ..world import local_rank, local_size
 
 __all__ = ["init_process_group"]
@@ -45,7 +46,8 @@ def init_process_group(backend: str | None = None, *, comm: MPI.Intracomm | None
     hosts = exchange.allgather(comm, socket.gethostname(), what="init_process_group's hosts")
     address = None
     if rank == 0:
-        address = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if len(set(hosts)) == 1 else _host_address())
+        given = launch_environment().get("MASTER_ADDR")  # as the process was started with it
+        address = given or ("127.0.0.1" if len(set(hosts)) == 1 else _host_address())
         with socket.socket() as s:
             s.bind(("", 0))
             address = (address, s.getsockname()[1])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import logging
 import weakref
 from typing import Any, Callable
 
@@ -26,15 +25,13 @@ from ..context import check_comm
 from ..launch import check_launch
 from .accumulate import AccumulationWindow
 from .amp import LossScale
-from .boundary import Boundary
+from .boundary import Boundary, log_skip
 from .compress import Wire
 from .overlap import OverlapEngine
 from .strategy import AdasumDeltas, GradientReduce, trained_params
 from .tensors import StartCopy
 
 __all__ = ["DistributedOptimizer"]
-
-_log = logging.getLogger("adasum")
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -107,11 +104,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  skip_nonfinite: bool = True, hierarchical: bool = False, overlap: bool = False,
                  bucket_bytes: int = 25 << 20, compression: str | None = None):
         # torch.optim.Optimizer.__init__ is not called: the wrapped optimizer owns groups, state, defaults.
-        if isinstance(optimizer, DistributedOptimizer):
-            raise TypeError("optimizer is already a DistributedOptimizer; wrap the torch optimizer only once")
-        if not callable(getattr(optimizer, "step", None)) or not hasattr(optimizer, "param_groups"):
-            raise TypeError(f"optimizer must be a torch optimizer with param_groups and step(), got "
-                            f"{type(optimizer).__name__}")
+        _check_arguments(optimizer, bucket_bytes)
         try:
             self.op = Op(op).value
         except ValueError:
@@ -120,8 +113,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_launch()  # a job whose processes MPI does not see raises here
         if hierarchical and self.op != "adasum":
             raise ValueError(f"hierarchical=True needs op 'adasum', got op '{self.op}'")
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
         self.optimizer = optimizer
         self.comm = comm
         wire = Wire(compression)
@@ -270,13 +261,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients, unless a window is open (then the gradients are still accumulating)."""
-        if self._engine is not None and self._engine.started:
-            # The backward that closes a window handed buckets to the thread, and step() never took them.
-            self._engine.finish()  # wait for the thread: from here on nothing touches the parameters
-            raise RuntimeError(
-                f"rank {self.comm.Get_rank()}: zero_grad() after the backward that closes a window but before "
-                "its step(): every rank must call step() after each micro-batch's backward; the window's "
-                "reduced buckets are dropped and the parameters keep the window's start")
+        if self._engine is not None:
+            self._engine.refuse_unfinished("zero_grad()")
         if self._window.seen:
             return
         inner = getattr(self.optimizer, "zero_grad", None)
@@ -352,11 +338,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _record_skip(self) -> None:
         self.skipped_updates += 1
         self.step_was_skipped = True
-        if self.comm.Get_rank() == 0:
-            what = "weight deltas" if isinstance(self._strategy, AdasumDeltas) else "gradients"
-            _log.warning("adasum: update %d skipped on every rank: the %s %s hold a NaN or Inf; parameters "
-                         "left unchanged (%d skipped so far)", self.boundaries + 1,
-                         "reduced" if self.comm.Get_size() > 1 else "local", what, self.skipped_updates)
+        log_skip(self.comm, self._strategy, self.boundaries + 1, self.skipped_updates)
 
     # --- state ------------------------------------------------------------------------------------------------
 
@@ -380,13 +362,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         own = state.pop("adasum", None) or {}
         grads = own.get("accumulated_grads")
         params = self._params()
-        if grads is not None and len(grads) != len(params):
-            raise ValueError(f"the state holds accumulated gradients for {len(grads)} parameters, the optimizer "
-                             f"has {len(params)}")
-        for i, (p, g) in enumerate(zip(params, grads or [])):
-            if g is not None and tuple(g.shape) != tuple(p.shape):
-                raise ValueError(f"accumulated gradient {i} has shape {tuple(g.shape)}, parameter {i} has "
-                                 f"{tuple(p.shape)}")
+        _check_accumulated(grads, params)
         self.optimizer.load_state_dict(state)
         self._window.load_state_dict(own)
         self.boundaries = int(own.get("boundaries", 0))
@@ -424,3 +400,24 @@ def _check_agreement(comm: MPI.Intracomm, mine: dict[str, Any], params: list[tor
     if odd:
         raise ValueError(f"(raised on rank {rank}) the parameter shapes or dtypes of rank(s) "
                          f"{', '.join(map(str, odd))} differ from rank 0's")
+
+
+def _check_arguments(optimizer, bucket_bytes) -> None:
+    if isinstance(optimizer, DistributedOptimizer):
+        raise TypeError("optimizer is already a DistributedOptimizer; wrap the torch optimizer only once")
+    if not callable(getattr(optimizer, "step", None)) or not hasattr(optimizer, "param_groups"):
+        raise TypeError(f"optimizer must be a torch optimizer with param_groups and step(), got "
+                        f"{type(optimizer).__name__}")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+
+
+def _check_accumulated(grads, params: list[torch.Tensor]) -> None:
+    """A state's accumulated gradients (or None) must fit the parameters, one per parameter."""
+    if grads is not None and len(grads) != len(params):
+        raise ValueError(f"the state holds accumulated gradients for {len(grads)} parameters, the optimizer "
+                         f"has {len(params)}")
+    for i, (p, g) in enumerate(zip(params, grads or [])):
+        if g is not None and tuple(g.shape) != tuple(p.shape):
+            raise ValueError(f"accumulated gradient {i} has shape {tuple(g.shape)}, parameter {i} has "
+                             f"{tuple(p.shape)}")

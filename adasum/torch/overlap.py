@@ -265,6 +265,16 @@ class OverlapEngine:
         nbytes = [p.numel() * p.element_size() for p in params]
         self._plan = BucketPlan(order, nbytes, bw.fired, self.bucket_bytes)
 
+    def refuse_unfinished(self, what: str) -> None:
+        """Raise where the backward that closes a window handed buckets to the thread and ``step()`` never
+        took them (a skipped ``step()``), after waiting for the thread: nothing touches the parameters then."""
+        if self.started:
+            self.finish()
+            raise RuntimeError(
+                f"rank {self.comm.Get_rank()}: {what} after the backward that closes a window but before its "
+                "step(): every rank must call step() after each micro-batch's backward; the window's reduced "
+                "buckets are dropped and the parameters keep the window's start")
+
     def disable(self, why: str) -> None:
         """Overlap off for good (later boundaries run in ``step()``)."""
         self.disabled = why
