@@ -24,3 +24,20 @@ def shared_dir(comm):
     comm.Barrier()
     if comm.Get_rank() == 0:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def pg():
+    """torch.distributed started from MPI (gloo) for a module's tests, and destroyed after them, so that no
+    process group is left for the interpreter's exit."""
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    import adasum.torch as at
+
+    at.init_process_group("gloo", comm=MPI.COMM_WORLD)
+    yield
+    MPI.COMM_WORLD.Barrier()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+

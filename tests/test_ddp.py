@@ -18,13 +18,6 @@ from adasum.torch.ddp import AdasumState, DeltaState, adasum_delta_hook, adasum_
 from helpers import assert_identical_across_ranks, raw_bytes
 
 
-@pytest.fixture
-def pg(comm):
-    at.init_process_group("gloo", comm=comm)
-    yield
-    comm.Barrier()
-
-
 class Net(torch.nn.Module):
     """Two layers; ``unused``: and a third that forward never uses (for find_unused_parameters)."""
 

@@ -54,13 +54,6 @@ def reference(comm, steps: int, shuffle: bool):
     return net
 
 
-@pytest.fixture
-def pg(comm):
-    at.init_process_group("gloo", comm=comm)
-    yield
-    comm.Barrier()
-
-
 @pytest.mark.mpi(min_size=2)
 def test_accelerate_recipe(comm, pg):
     from accelerate import Accelerator
