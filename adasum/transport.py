@@ -19,6 +19,7 @@ from mpi4py import MPI
 from . import settings as _settings
 from .adapters import Adapter
 from .native import mapped_mpi_libraries
+from .waiting import wait_all
 
 __all__ = ["TAG", "Transport", "cuda_aware_mpi", "get_gpu_transport", "set_gpu_transport", "transport_for",
            "use_staging"]
@@ -91,13 +92,13 @@ class Transport:
     def sendrecv(self, send, dest: int, recv, source: int) -> None:
         if type(send) is np.ndarray and type(recv) is np.ndarray and not self.staged:
             self._record("sent_bytes", send.nbytes, 1)
-            self.comm.Sendrecv([send, MPI.BYTE], dest, TAG, [recv, MPI.BYTE], source, TAG)
+            wait_all([self.comm.Irecv([recv, MPI.BYTE], source, TAG), self.comm.Isend([send, MPI.BYTE], dest, TAG)])
             return
         sbytes, rbytes = self.nbytes(send), self.nbytes(recv)
         self._record("sent_bytes", sbytes, 1)
         if not self.staged:
             with self._described(send, True) as smsg, self._described(recv, False) as rmsg:
-                self.comm.Sendrecv(smsg, dest, TAG, rmsg, source, TAG)
+                wait_all([self.comm.Irecv(rmsg, source, TAG), self.comm.Isend(smsg, dest, TAG)])
             return
         self._staged(send, sbytes, dest, recv, rbytes, source)
 
@@ -124,9 +125,9 @@ class Transport:
         if recv is not None:
             rbuf = a.byte_view(recv)
             for (lo, hi), req in zip(rcuts, rreqs):
-                req.Wait()
+                wait_all([req])
                 copies.from_host(hr[lo:hi], rbuf[lo:hi])
-        MPI.Request.Waitall(sreqs)
+        wait_all(sreqs)
         copies.end()
 
     def exchange(self, sends: list, dest: int, recvs: list, source: int) -> None:
@@ -177,7 +178,7 @@ class Transport:
                         buf = live[0] if live else np.empty(0, np.uint8)
                 self._record("sent_bytes", buf.nbytes, 1)
                 reqs.append(self.comm.Isend([buf, MPI.BYTE], dest, TAG))
-            MPI.Request.Waitall(reqs)
+            wait_all(reqs)
         finally:
             for dtype in dtypes:
                 dtype.Free()
@@ -187,16 +188,16 @@ class Transport:
         self._record("allreduce_bytes", self.nbytes(buf))
         if not self.staged:
             if self.adapter.is_host(buf):
-                self.comm.Allreduce(MPI.IN_PLACE, self.adapter.host_typed(buf), op=MPI.SUM)
+                wait_all([self.comm.Iallreduce(MPI.IN_PLACE, self.adapter.host_typed(buf), op=MPI.SUM)])
             else:
                 self.adapter.synchronize(self.device)
-                self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+                wait_all([self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)])
             return
         nbytes = self.nbytes(buf)
         host = self.stage(0, nbytes)
         self.adapter.to_host(buf, host)
         typed = host.view(self.adapter.numpy_dtype(buf))
-        self.comm.Allreduce(MPI.IN_PLACE, typed, op=MPI.SUM)
+        wait_all([self.comm.Iallreduce(MPI.IN_PLACE, typed, op=MPI.SUM)])
         self.adapter.from_host(host, buf)
 
     @contextlib.contextmanager
@@ -214,14 +215,14 @@ class Transport:
         self._record("sent_bytes", nbytes, 1)
         if not self.staged:
             with self._described(buf, True) as msg:
-                self.comm.Send(msg, dest, TAG)
+                wait_all([self.comm.Isend(msg, dest, TAG)])
             return
         self._staged(buf, nbytes, dest, None, 0, dest)
 
     def recv(self, buf, source: int) -> None:
         if not self.staged:
             with self._described(buf, False) as msg:
-                self.comm.Recv(msg, source, TAG)
+                wait_all([self.comm.Irecv(msg, source, TAG)])
             return
         self._staged(None, 0, source, buf, self.nbytes(buf), source)
 

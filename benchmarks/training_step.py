@@ -39,10 +39,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 VARIANTS = ["local", "adasum", "adasum-overlap", "adasum-overlap-bf16", "mean", "mean-overlap",
-            "mean-overlap-bf16", "ddp", "ddp-adasum"]
+            "mean-overlap-bf16", "ddp", "ddp-fp16", "ddp-adasum"]
+WIRES16 = ("bf16", "fp16")
 
 
 class MLP(torch.nn.Sequential):
@@ -86,16 +88,22 @@ def build(variant: str, name: str, rank: int, quick: bool, bucket_bytes: int):
     inner = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     if variant == "local":
         return model, inner, x, y, loss_fn
-    if variant in ("ddp", "ddp-adasum"):  # torch DDP over gloo; with adasum_hook, Adasum of the gradients
+    if variant.startswith("ddp"):  # torch DDP over gloo; with adasum_hook, Adasum of the gradients
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         if variant == "ddp-adasum":
             from adasum.torch.ddp import AdasumState, adasum_hook
 
             ddp.register_comm_hook(AdasumState(), adasum_hook)
+        elif variant == "ddp-fp16":  # torch's own hook: gradients cast to fp16 for the allreduce
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+            ddp.register_comm_hook(None, fp16_compress_hook)
         return ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9), x, y, loss_fn
     parts = variant.split("-")
-    opt = at.DistributedOptimizer(inner, op=parts[0], overlap="overlap" in parts, bucket_bytes=bucket_bytes,
-                                  compression="bf16" if "bf16" in parts else None)
+    wire = [w for w in WIRES16 if w in parts]
+    extra = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    opt = at.DistributedOptimizer(inner, op=parts[0], overlap="overlap" in parts,
+                                  compression=wire[0] if wire else None, **extra)
     return model, opt, x, y, loss_fn
 
 
@@ -152,11 +160,14 @@ def run(args) -> dict:
                "models": {}}
     for name in args.models.split(","):
         setups = {v: build(v, name, rank, args.quick, args.bucket_bytes) for v in variants}
-        params = sum(p.numel() for p in setups["local"][0].parameters()) if "local" in setups else None
+        params = sum(p.numel() for p in setups[variants[0]][0].parameters())
         for v in variants:
             steps(setups[v], args.warmup)
+        # MPI's own allreduce of the model's bytes (as float32, and half of them: a 16-bit wire's bytes)
+        wires = {"fp32": np.ones(params or 1, np.float32), "16bit": np.ones((params or 2) // 2, np.float32)}
         times = {v: [] for v in variants}
         phases = {v: [] for v in variants}
+        mpi = {w: [] for w in wires}
         for _ in range(args.rounds):
             for v in variants:
                 comm.Barrier()
@@ -165,15 +176,28 @@ def run(args) -> dict:
                 dt = (time.perf_counter() - t0) / args.steps
                 times[v].append(comm.allreduce(dt, op=MPI.MAX))
                 phases[v].append([comm.allreduce(t / args.steps, op=MPI.MAX) for t in ph])
+            for w, buf in wires.items():
+                comm.Barrier()
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+                mpi[w].append(comm.allreduce((time.perf_counter() - t0) / args.steps, op=MPI.MAX))
         med = {v: statistics.median(ts) for v, ts in times.items()}
         base = med.get("local")
         vs_base = {v: statistics.median(a / b for a, b in zip(times[v], times[v.split("@")[0] + "@base"]))
                    for v in variants if f"{v.split('@')[0]}@base" in times and not v.endswith("@base")}
+        mpi_med = {w: statistics.median(ts) for w, ts in mpi.items()}
+        limit = None
+        if "local" in phases:  # forward + max(backward, MPI's allreduce of the bytes) + local update
+            fwd, bwd, upd = [statistics.median(r[i] for r in phases["local"]) for i in range(3)]
+            limit = {w: fwd + max(bwd, t if size > 1 else 0.0) + upd for w, t in mpi_med.items()}
         results["models"][name] = {
             "parameters": params,
             "vs_base": vs_base,
             "median_s": med,
             "overhead_s": {v: med[v] - base for v in variants} if base is not None else None,
+            "mpi_allreduce_s": mpi_med,
+            "limit_s": limit,
             "rounds_s": times,
             # Per variant: median over rounds of forward, backward, step + zero_grad (each the slowest rank's).
             "phases_s": {v: [statistics.median(r[i] for r in ph) for i in range(3)] for v, ph in phases.items()},
@@ -190,18 +214,36 @@ def run(args) -> dict:
     return results
 
 
+def wire_of(variant: str) -> str:
+    """Which wire a variant's bytes travel on: "16bit" for bf16/fp16 variants, else "fp32"."""
+    parts = variant.split("@")[0].split("-")
+    return "16bit" if any(w in parts for w in WIRES16) else "fp32"
+
+
+def reference_ddp(variant: str, med: dict) -> str | None:
+    """The DDP variant a variant is compared with: DDP's fp16 hook for 16-bit wires, else plain DDP."""
+    want = "ddp-fp16" if wire_of(variant) == "16bit" else "ddp"
+    return want if want in med else None
+
+
 def table(r: dict, name: str) -> str:
     med, over = r["median_s"], r["overhead_s"] or {}
-    ddp = over.get("ddp")
-    lines = [f"{name} ({r['parameters'] / 1e6:.1f}M parameters), P = {r['P']}: median time per step, slowest rank",
-             f"{'variant':22s} {'step ms':>9s} {'overhead ms':>12s} {'/ DDP overhead':>15s}"]
+    limit = r.get("limit_s") or {}
+    lines = [f"{name} ({r['parameters'] / 1e6:.1f}M parameters), P = {r['P']}: median time per step, slowest rank"]
+    if limit:
+        lines[0] += (f"; limit {1e3 * limit['fp32']:.1f} ms (16-bit wire: {1e3 * limit['16bit']:.1f}) with MPI's "
+                     f"allreduce of the bytes {1e3 * r['mpi_allreduce_s']['fp32']:.1f} "
+                     f"({1e3 * r['mpi_allreduce_s']['16bit']:.1f}) ms")
+    lines.append(f"{'variant':22s} {'step ms':>9s} {'overhead ms':>12s} {'/ limit':>8s} {'/ DDP':>7s}")
     phases = r.get("phases_s") or {}
     vs_base = r.get("vs_base") or {}
     lines[-1] += " / base" if vs_base else ""
     lines[-1] += "   forward / backward / step ms" if phases else ""
     for v, t in med.items():
         o = over.get(v)
-        rel = f"{o / ddp:15.2f}" if o is not None and ddp and v not in ("local", "ddp") else " " * 15
+        ref = reference_ddp(v, med)
+        rel = f"{t / limit[wire_of(v)]:8.2f}" if limit else " " * 8
+        rel += f"{t / med[ref]:7.2f}" if ref and ref != v and v != "local" else " " * 7
         rel += (f"{vs_base[v]:7.3f}" if v in vs_base else " " * 7) if vs_base else ""
         ph = "   " + " / ".join(f"{1e3 * x:.1f}" for x in phases[v]) if v in phases else ""
         lines.append(f"{v:22s} {1e3 * t:9.1f} {'' if o is None else f'{1e3 * o:12.1f}'} {rel}{ph}")
@@ -240,7 +282,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=5, help="steps per variant per round")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--bucket-bytes", type=int, default=25 << 20)
+    p.add_argument("--bucket-bytes", type=int, help="DistributedOptimizer's bucket_bytes (default: its own)")
     p.add_argument("--base", help="another checkout of adasum (extension built in place) to compare with")
     p.add_argument("--quick", action="store_true", help="tiny models, 2 rounds of 2 steps")
     p.add_argument("--json", help="write the results here (rank 0)")

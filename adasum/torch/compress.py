@@ -15,7 +15,8 @@ norms and the combine in float32 or wider. For ``sum``/``mean`` the library wide
 float32 before ``MPI_Allreduce`` (MPI has no 16-bit float sum), so the optimizer reduces them here instead:
 a reduce-scatter written as one ``Alltoall`` of 16-bit slices, each rank summing its slice in float32 in
 rank order (the same bits on every rank), then one ``Allgather`` of the rounded 16-bit slices. Each rank
-sends 2·(P-1)/P of the 16-bit buffer, half of what a float32 allreduce sends.
+sends 2·(P-1)/P of the 16-bit buffer, half of what a float32 allreduce sends. The scale and the cast are
+one pass into the packed buffer, and the unscale and the widening one pass out of it.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class Wire:
         self.dtype = wire_dtype(compression)
         self.name = {None: None, torch.float16: "fp16", torch.bfloat16: "bf16"}[self.dtype]
         self._reported: set[tuple[int, str]] = set()
+        self._kept = Kept()  # the 16-bit sum's buffers: one reduction at a time runs on a wire
 
     def adasum_(self, tensors: list[torch.Tensor], comm: MPI.Intracomm, hierarchical: bool = False,
                 names: list[str] | None = None):
@@ -70,9 +72,12 @@ class Wire:
             adasum_allreduce_inplace(tensors, op="adasum", comm=comm, hierarchical=hierarchical)
             return None
         scales, amax = self._scales(tensors, comm, names)
-        wire = [_scaled(t, s).to(self.dtype) for t, s in zip(tensors, scales)]
-        adasum_allreduce_inplace(wire, op="adasum", comm=comm, hierarchical=hierarchical)
-        _unscale_into(tensors, wire, scales)
+        device = tensors[0].device if tensors else torch.device("cpu")
+        flat = self._kept.get("adasum", sum(t.numel() for t in tensors), self.dtype, device)
+        views = _views(flat, tensors)
+        _pack(tensors, views, scales)
+        adasum_allreduce_inplace(views, op="adasum", comm=comm, hierarchical=hierarchical)  # layers of one buffer
+        _unpack(views, tensors, scales)
         return amax
 
     def sum_(self, tensors: list[torch.Tensor], comm: MPI.Intracomm, mean: bool, names: list[str] | None = None):
@@ -81,9 +86,7 @@ class Wire:
             adasum_allreduce_inplace(tensors, op="mean" if mean else "sum", comm=comm)
             return None
         scales, amax = self._scales(tensors, comm, names)
-        wire = [_scaled(t, s) for t, s in zip(tensors, scales)]
-        reduce_16bit(wire, self.dtype, comm, mean)
-        _unscale_into(tensors, wire, scales)
+        reduce_16bit(tensors, self.dtype, comm, mean, scales, self._kept)
         return amax
 
     def explain(self, tensors: list[torch.Tensor], amax, names: list[str]) -> None:
@@ -140,39 +143,25 @@ def _largest_magnitudes(tensors: list[torch.Tensor]) -> np.ndarray:
     return out
 
 
-def _scaled(t: torch.Tensor, s: float) -> torch.Tensor:
-    """``t·s`` in float32 or wider (a new tensor; ``t`` itself when ``s`` is 1 and it is that wide)."""
-    wide = t if t.dtype in (torch.float32, torch.float64) else t.to(torch.float32)
-    return wide * s if s != 1.0 else wide
-
-
-def _unscale_into(tensors: list[torch.Tensor], wire: list[torch.Tensor], scales: list[float]) -> None:
-    with torch.no_grad():
-        for t, w, s in zip(tensors, wire, scales):
-            if w is not t:
-                t.copy_(w)
-            if s != 1.0:
-                t.div_(s)
-
-
-def reduce_16bit(tensors: list[torch.Tensor], dtype: torch.dtype, comm: MPI.Intracomm, mean: bool) -> None:
+def reduce_16bit(tensors: list[torch.Tensor], dtype: torch.dtype, comm: MPI.Intracomm, mean: bool,
+                 scales: list[float] | None = None, kept: "Kept | None" = None) -> None:
     """Sum (or mean) of ``tensors`` over ``comm``, in place, travelling as ``dtype``; identical on every rank.
 
-    ``tensors`` may be of any float dtype and device; the result is the float32 sum of the 16-bit values
-    every rank sent, rounded once to ``dtype`` and stored back in each tensor's own dtype. The messages go
-    over the library's duplicate of ``comm`` as one numbered call waited through the stall inspector, and
-    count in ``adasum.count_traffic(comm)`` as ``allreduce_bytes`` (the 16-bit buffer each rank
-    contributes).
+    ``tensors`` may be of any float dtype and device; each is multiplied by its ``scales`` entry (default 1)
+    as it is cast to ``dtype`` and packed, in one pass. The result is the float32 sum of the 16-bit values
+    every rank sent, in rank order, rounded once to ``dtype``, divided by the scale as it is unpacked into
+    each tensor's own dtype. The messages go over the library's duplicate of ``comm`` as one numbered call
+    waited through the stall inspector, and count in ``adasum.count_traffic(comm)`` as
+    ``allreduce_bytes`` (the 16-bit buffer each rank contributes). ``kept``: buffers reused between calls.
     """
-    size = comm.Get_size()
-    flat = torch.cat([t.detach().reshape(-1).to("cpu", dtype) for t in tensors]) if tensors else \
-        torch.empty(0, dtype=dtype)
-    n = flat.numel()
+    size, rank = comm.Get_size(), comm.Get_rank()
+    n = sum(t.numel() for t in tensors)
     chunk = -(-n // size)
-    send = torch.zeros(chunk * size, dtype=dtype)
-    send[:n] = flat
-    recv = torch.empty_like(send)
-    out = torch.empty_like(send)
+    kept = kept if kept is not None else Kept()
+    send, recv = kept.get("send", chunk * size, dtype), kept.get("recv", chunk * size, dtype)
+    views = _views(send, tensors)
+    _pack(tensors, views, scales)
+    send[n:].zero_()
     what = "the 16-bit sum"
     ctx = exchange.enter(comm, what)  # a numbered call, waited through the stall inspector
     try:
@@ -180,22 +169,61 @@ def reduce_16bit(tensors: list[torch.Tensor], dtype: torch.dtype, comm: MPI.Intr
             req = ctx.lcomm.Ialltoall(_raw(send), _raw(recv))
             exchange.wait(ctx, req, what, n * 2, field="allreduce_bytes")
         parts = recv.view(size, chunk)
-        acc = parts[0].to(torch.float32)
+        acc = kept.get("acc", chunk, torch.float32)
+        acc.copy_(parts[0])
         for j in range(1, size):
-            acc += parts[j].to(torch.float32)
-        if mean:
-            acc /= size
-        mine = acc.to(dtype)
+            acc.add_(parts[j])  # widened element by element, in rank order
+        mine = send[rank * chunk:(rank + 1) * chunk]
+        torch.div(acc, size, out=mine) if mean else mine.copy_(acc)
         if chunk:
-            exchange.wait(ctx, ctx.lcomm.Iallgather(_raw(mine), _raw(out)), what, 0, field="allreduce_bytes")
+            exchange.wait(ctx, ctx.lcomm.Iallgather(MPI.IN_PLACE, _raw(send)), what, 0, field="allreduce_bytes")
     finally:
         ctx.leave()
-    off = 0
+    _unpack(views, tensors, scales)
+
+
+def _pack(tensors: list[torch.Tensor], views: list[torch.Tensor], scales: list[float] | None) -> None:
+    """Each tensor times its scale, cast to the views' dtype, into its view: one pass (on the same device)."""
     with torch.no_grad():
-        for t in tensors:
-            k = t.numel()
-            t.copy_(out[off:off + k].view(t.shape))
-            off += k
+        for t, v, s in zip(tensors, views, scales or [1.0] * len(tensors)):
+            flat = t.detach().reshape(-1)
+            if s == 1.0:
+                v.copy_(flat)
+            elif flat.device == v.device:
+                torch.mul(flat, s, out=v)
+            else:
+                v.copy_(flat * s)
+
+
+def _unpack(views: list[torch.Tensor], tensors: list[torch.Tensor], scales: list[float] | None) -> None:
+    """Each view into its tensor, widened to the tensor's own dtype, then divided by its scale there (a
+    division in 16 bits would underflow)."""
+    with torch.no_grad():
+        for t, v, s in zip(tensors, views, scales or [1.0] * len(tensors)):
+            t.copy_(v.view(t.shape))
+            if s != 1.0:
+                t.div_(s)
+
+
+class Kept:
+    """The 16-bit wire's buffers, kept between calls and grown as needed (one set per :class:`Wire`)."""
+
+    def __init__(self):
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, n: int, dtype: torch.dtype, device=torch.device("cpu")) -> torch.Tensor:
+        buf = self._bufs.get(name)
+        if buf is None or buf.dtype != dtype or buf.device != device or buf.numel() < n:
+            buf = self._bufs[name] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n]
+
+
+def _views(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, off = [], 0
+    for t in tensors:
+        out.append(flat[off:off + t.numel()])
+        off += t.numel()
+    return out
 
 
 def _raw(t: torch.Tensor):

@@ -93,6 +93,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         overlapped_boundaries: boundaries whose buckets were reduced during backward (``overlap``).
         buckets_started_in_backward: of the last such boundary, how many buckets were handed to the
             thread before ``step()`` was called.
+        timeline: of the last such boundary, one dict per bucket in the order the ranks reduce them:
+            ``bucket``, ``bytes``, and in seconds after the backward's first gradient, ``ready`` (handed to
+            the thread), ``began`` and ``ended`` (the thread's work on it: local step, casts, collective) and
+            ``step`` (when ``step()`` came to wait for the thread). Empty without overlap.
     """
 
     # GradScaler.step(opt) hands scaling over to optimizers that say this; step() then tells the user to
@@ -188,6 +192,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def buckets_started_in_backward(self) -> int:
         return 0 if self._engine is None else self._engine.buckets_started_in_backward
+
+    @property
+    def timeline(self) -> list[dict]:
+        return [] if self._engine is None else list(self._engine.timeline)
 
     def close(self) -> None:
         """Stop the overlap thread, remove the hooks and free the thread's communicator (done when the

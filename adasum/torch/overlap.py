@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import traceback
 import weakref
 from typing import Callable
@@ -59,14 +60,16 @@ class BucketPlan:
 
 
 class Job:
-    """One bucket's work on the thread; :meth:`wait` returns once it ran."""
+    """One bucket's work on the thread; :meth:`wait` returns once it ran. ``times``: when it was given to
+    the thread, began and ended (``time.perf_counter()``)."""
 
-    __slots__ = ("fn", "done", "error")
+    __slots__ = ("fn", "done", "error", "times")
 
     def __init__(self, fn: Callable[[], None]):
         self.fn: Callable[[], None] | None = fn
         self.done = threading.Event()
         self.error: str | None = None
+        self.times = [time.perf_counter(), 0.0, 0.0]
 
     def wait(self) -> None:
         self.done.wait()
@@ -100,11 +103,13 @@ def _serve(jobs: queue.SimpleQueue) -> None:
         job = jobs.get()
         if job is None:
             return
+        job.times[1] = time.perf_counter()
         try:
             job.fn()
         except BaseException as e:  # noqa: BLE001 - reported in step() on every rank
             job.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
         finally:
+            job.times[2] = time.perf_counter()
             job.fn = None
             job.done.set()
             del job
@@ -114,7 +119,7 @@ class _Backward:
     """The progress of one closing backward."""
 
     __slots__ = ("params", "fired", "order", "observe", "count", "scale", "next", "buckets", "jobs",
-                 "waiting")
+                 "waiting", "began")
 
     def __init__(self, params: list[torch.Tensor], plan: BucketPlan | None, count: int, scale: float):
         self.params = params
@@ -127,6 +132,7 @@ class _Backward:
         self.buckets: list[Bucket] = []
         self.jobs: list[Job] = []
         self.waiting = None if plan is None else list(plan.waiting)
+        self.began = time.perf_counter()  # the first gradient of this backward
 
 
 class OverlapEngine:
@@ -154,6 +160,7 @@ class OverlapEngine:
         self.closed = False
         self.overlapped_boundaries = 0       # boundaries whose buckets were reduced during backward
         self.buckets_started_in_backward = 0  # of the last such boundary, buckets handed over before step()
+        self.timeline: list[dict] = []       # of the last such boundary (see DistributedOptimizer.timeline)
         self.install()
 
     # --- hooks ------------------------------------------------------------------------------------------------
@@ -231,6 +238,7 @@ class OverlapEngine:
             return None
         self._bw = None
         self.buckets_started_in_backward = bw.next
+        called = time.perf_counter()
         while bw.next < len(self._plan.buckets):
             self._submit(bw)
         for job, bucket in zip(bw.jobs, bw.buckets):
@@ -238,6 +246,10 @@ class OverlapEngine:
             if job.error and bucket.error is None:
                 bucket.error = job.error
         self.overlapped_boundaries += 1
+        self.timeline = [{"bucket": b, "bytes": sum(p.numel() * p.element_size() for p in bucket.params),
+                          "ready": job.times[0] - bw.began, "began": job.times[1] - bw.began,
+                          "ended": job.times[2] - bw.began, "step": called - bw.began}
+                         for b, (job, bucket) in enumerate(zip(bw.jobs, bw.buckets))]
         return bw.buckets, bw.scale
 
     def after_boundary(self) -> None:

@@ -54,6 +54,7 @@ run() {
     local bin="$ROOT/.venv/bin"
     ip netns exec "$(ns_of 0)" env PATH="$bin:$PATH" OMP_NUM_THREADS=1 \
         MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=adasum0 \
+        MASTER_ADDR="$SUBNET.1" GLOO_SOCKET_IFNAME=adasum0 \
         "$bin/mpiexec" -launcher ssh -launcher-exec "$HERE/nsexec" -iface adasum0 -f "$hostfile" \
         -n $((n * per)) "$@"
     rm -f "$hostfile"

@@ -1,0 +1,149 @@
+"""Training steps across emulated hosts: step time against the number of hosts, per link rate, with the
+limit drawn in (the scaling picture of ``training_step.py``).
+
+    sudo python benchmarks/scaling.py --hosts 1,2,4 --rates 1gbit,2500mbit --out benchmarks/results/scaling
+    python benchmarks/scaling.py --plot-only --out benchmarks/results/scaling
+
+For each link rate, ``cluster/netns.sh`` builds as many hosts as the largest count asks for (one rank per
+host, TCP between hosts through links rate-limited with tc), and ``training_step.py`` runs across 2, 4, ...
+of them; one host is one rank without communication, run once. Each run writes its JSON beside the
+others (``{rate}-{hosts}h.json``, ``1h.json``); ``results.json`` merges them, ``scaling.png`` plots the step
+times per model and wire (fp32, 16-bit) and ``tables.md`` holds, per model, wire, rate and hosts, the step of
+each contender over the limit and over torch DDP's step (DDP's fp16 hook for 16-bit wires). The limit is
+forward + max(backward, MPI's own allreduce of the wire's bytes) + the local update, all measured in the
+same job (see ``training_step.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from training_step import reference_ddp, wire_of  # noqa: E402
+
+CONTENDERS = "local,adasum,adasum-overlap,adasum-overlap-bf16,mean,mean-overlap,mean-overlap-bf16,ddp,ddp-fp16"
+
+
+def run(args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    hosts = [int(h) for h in args.hosts.split(",")]
+    python = str(ROOT / ".venv" / "bin" / "python")
+    step = [python, "-m", "mpi4py", str(HERE / "training_step.py"), "--models", args.models, "--variants",
+            args.variants, "--rounds", str(args.rounds), "--steps", str(args.steps)]
+    if args.bucket_bytes:
+        step += ["--bucket-bytes", str(args.bucket_bytes)]
+    netns = ["bash", str(HERE / "cluster" / "netns.sh")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if 1 in hosts:
+        subprocess.run([str(ROOT / ".venv" / "bin" / "mpiexec"), "-n", "1", *step, "--json", str(out / "1h.json")],
+                       check=True, env=env)
+    for rate in args.rates.split(","):
+        subprocess.run([*netns, "down"], check=True)
+        subprocess.run([*netns, "up", str(max(hosts)), rate], check=True)
+        try:
+            for n in (h for h in hosts if h > 1):
+                print(f"== {n} hosts at {rate}", flush=True)
+                subprocess.run([*netns, "run", str(n), "1", "--", *step, "--json", str(out / f"{rate}-{n}h.json")],
+                               check=True, env=env)
+        finally:
+            subprocess.run([*netns, "down"], check=True)
+
+
+def merge(out: Path) -> dict:
+    """Every run's results, keyed by rate (``"1 host"`` for the single host) and host count."""
+    merged: dict = {}
+    for path in sorted(out.glob("*h.json")):
+        stem = path.stem
+        rate, _, n = stem.rpartition("-") if "-" in stem else ("", "", stem)
+        merged.setdefault(rate or "local", {})[n[:-1]] = json.load(open(path))
+    with open(out / "results.json", "w") as f:
+        json.dump(merged, f, indent=1)
+    return merged
+
+
+def tables(merged: dict) -> str:
+    lines = []
+    rates = [r for r in merged if r != "local"]
+    for rate in rates:
+        for n, res in sorted(merged[rate].items(), key=lambda kv: int(kv[0])):
+            for name, m in res["models"].items():
+                med, limit = m["median_s"], m.get("limit_s") or {}
+                lines.append(f"\n{name}, {n} hosts at {rate}: limit {1e3 * limit['fp32']:.0f} ms "
+                             f"(16-bit {1e3 * limit['16bit']:.0f} ms)\n")
+                lines.append("| variant | step ms | step / limit | step / DDP |")
+                lines.append("|---|---|---|---|")
+                for v, t in med.items():
+                    ref = reference_ddp(v, med)
+                    vs = f"{t / med[ref]:.2f}" if ref and ref != v and v != "local" else ""
+                    lines.append(f"| {v} | {1e3 * t:.0f} | {t / limit[wire_of(v)]:.2f} | {vs} |")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def plot(merged: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [r for r in merged if r != "local"]
+    one = merged.get("local", {}).get("1")
+    models = list(next(iter(merged[rates[0]].values()))["models"])
+    wires = ["fp32", "16bit"]
+    fig, axes = plt.subplots(len(models), len(rates) * len(wires), figsize=(4.2 * len(rates) * len(wires),
+                             3.6 * len(models)), squeeze=False)
+    for row, name in enumerate(models):
+        for col, (rate, wire) in enumerate((r, w) for r in rates for w in wires):
+            ax = axes[row][col]
+            runs = {1: one} if one else {}
+            runs.update({int(n): res for n, res in merged[rate].items()})
+            xs = sorted(runs)
+            variants = [v for v in runs[xs[-1]]["models"][name]["median_s"]
+                        if v == "local" or wire_of(v) == wire and v != "ddp-adasum"]
+            for v in variants:
+                pts = [(x, 1e3 * runs[x]["models"][name]["median_s"][v]) for x in xs
+                       if v in runs[x]["models"][name]["median_s"]]
+                style = {"color": "tab:red"} if v.startswith("ddp") else {}
+                ax.plot(*zip(*pts), marker="o", label=v, **style)
+            lim = [(x, 1e3 * runs[x]["models"][name]["limit_s"][wire]) for x in xs]
+            ax.plot(*zip(*lim), "k--", label="limit")
+            ax.set_title(f"{name}, {wire} wire, {rate}")
+            ax.set_xlabel("hosts (one rank each)")
+            ax.set_ylabel("step (ms, slowest rank)")
+            ax.set_xticks(xs)
+            ax.set_ylim(bottom=0)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hosts", default="1,2,4")
+    p.add_argument("--rates", default="1gbit,2500mbit")
+    p.add_argument("--models", default="mlp,transformer")
+    p.add_argument("--variants", default=CONTENDERS)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--bucket-bytes", type=int)
+    p.add_argument("--out", default="benchmarks/out/scaling")
+    p.add_argument("--plot-only", action="store_true", help="merge, tabulate and plot the runs in --out")
+    args = p.parse_args(argv)
+    if not args.plot_only:
+        run(args)
+    out = Path(args.out)
+    merged = merge(out)
+    (out / "tables.md").write_text(tables(merged))
+    plot(merged, out / "scaling.png")
+    print((out / "tables.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
