@@ -47,7 +47,7 @@ def test_dots_match_float64(dtype):
 
 
 def _dots_in_the_documented_order(x: np.ndarray, y: np.ndarray) -> list[float]:
-    """[x·y, x·x, y·y] summed in the order _kernels.c fixes, one float64 operation at a time."""
+    """[x·y, x·x, y·y] summed in the order _kernels_loops.c fixes, one float64 operation at a time."""
     x, y = x.astype(np.float64).tolist(), y.astype(np.float64).tolist()
     n, out = len(x), []
     for u, v in [(x, y), (x, x), (y, y)]:
