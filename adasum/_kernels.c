@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The bytes [start, end) of one buffer, for layout(); ordered by start. */
 typedef struct {
     uintptr_t start, end;
 } extent;

@@ -94,7 +94,10 @@ def build_node_layout(ctx) -> NodeLayout:
         problem = (f"rank {rank}: the shared-memory split put it at local rank {local_rank} of a node of "
                    f"{node_comm.Get_size()} ranks, but the ranks naming that node are {nodes[node]}")
     # Checked together, so that a rank that fails cannot leave the others waiting in the next split.
-    raise_found(rank, failures_in(ctx, problem, "checking the node layout"), RuntimeError)
+    text = failures_in(ctx, problem, "checking the node layout")
+    if text is not None:
+        node_comm.Free()
+        raise_found(rank, text, RuntimeError)
     slices = min(len(ranks) for ranks in nodes)
     holder = local_rank < slices
     cross_comm = comm.Split(local_rank if holder else MPI.UNDEFINED, key=node)
