@@ -17,7 +17,7 @@ from .adapters import Adapter, Adapters
 from .dtypes import FLOAT_DTYPES, INT_DTYPES, dtype_code, op_code
 from .native import compiled, mpi_bound, request
 
-__all__ = ["AdasumMismatchError", "TensorDesc", "describe", "agree", "signature"]
+__all__ = ["AdasumMismatchError", "TensorDesc", "agree", "agreed", "describe", "load", "resume", "signature"]
 
 
 class AdasumMismatchError(ValueError):
@@ -96,7 +96,6 @@ def agree(ctx, op: str, descs: Sequence[TensorDesc] | None, error: Exception | N
     ``signature(op, descs, extra)`` computed earlier. ``vote`` (a non-negative int) rides along: the call
     returns the largest vote of all ranks, so that the ranks can settle a choice in the same collective.
     """
-    comm = ctx.lcomm
     if ctx.size == 1:
         if error is not None:
             raise error
@@ -105,21 +104,42 @@ def agree(ctx, op: str, descs: Sequence[TensorDesc] | None, error: Exception | N
         sig = 0
     else:
         sig = signature(op, descs, extra) if digest is None else digest
-    scratch = ctx.agree_scratch  # what this rank sends [0:4], what all saw [4:8]
-    scratch[0], scratch[1], scratch[2], scratch[3] = sig, -sig, 1 if error is not None else 0, vote
+    scratch = ctx.agree_scratch
+    load(scratch, sig, error is not None, vote)
     ctx.record("scalar_bytes", AGREE_BYTES)
-    patience = stall.patience(ctx.settings)
-    if mpi_bound():
+    s = ctx.settings
+    patience = stall.patience(s)
+    if s.native_mpi and mpi_bound():  # the wait without the GIL, as the compiled small call makes it
         rc = compiled.agree(scratch, *ctx.agree_handles, patience)
         if rc == 1:
-            stall.wait(ctx, request(int(scratch[8])), op, descs, waited=patience)
+            resume(ctx, op, descs, patience)
         elif rc:
             raise MPI.Exception(rc)
     else:
-        stall.wait(ctx, comm.Iallreduce(scratch[0:4], scratch[4:8], op=MPI.MAX), op, descs)
-    if scratch[6] == 0 and scratch[4] == -scratch[5]:
+        stall.wait(ctx, ctx.lcomm.Iallreduce(scratch[0:4], scratch[4:8], op=MPI.MAX), op, descs)
+    if agreed(scratch):
         return int(scratch[7])
-    raise explain(comm, op, descs, error, extra)
+    raise explain(ctx.lcomm, op, descs, error, extra)
+
+
+# The agreement's one encoding, which the compiled small call (adasum/_kernels_mpi.c) writes and reads the
+# same way. scratch[0:4] is what this rank sends, [digest, -digest, failed, vote]; the allreduce's MAX of
+# every rank's into scratch[4:8] shows one digest (max d == -max(-d) exactly when all ranks sent the same
+# d), no failure, and the largest vote. scratch[8]: the request of an agreement still waiting.
+def load(scratch, digest: int, failed: bool, vote: int) -> None:
+    """What this rank sends, into ``scratch[0:4]``."""
+    scratch[0], scratch[1], scratch[2], scratch[3] = digest, -digest, 1 if failed else 0, vote
+
+
+def agreed(scratch) -> bool:
+    """Whether every rank sent the same digest and none failed (``scratch[4:8]`` holds the MAX)."""
+    return scratch[6] == 0 and scratch[4] == -scratch[5]
+
+
+def resume(ctx, op: str, descs, waited: float) -> None:
+    """Go on waiting, through the stall inspector, for the agreement the compiled kernels left waiting
+    after ``waited`` seconds (its request in ``ctx.agree_scratch[8]``)."""
+    stall.wait(ctx, request(int(ctx.agree_scratch[8])), op, descs, waited=waited)
 
 
 def explain(comm: MPI.Intracomm, op: str, descs: Sequence[TensorDesc] | None, error: Exception | None,

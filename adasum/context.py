@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import operator
 import threading
 import weakref
 from dataclasses import dataclass
@@ -39,8 +40,8 @@ class Traffic:
     ``sent_bytes`` counts the vector exchanges; ``scalar_bytes`` the per-level dot-product sums and the
     agreement check; ``allreduce_bytes`` the buffers given to ``MPI_Allreduce`` (sum, mean);
     ``node_bytes`` the buffers given to the collectives inside a node (hierarchical mode: the
-    reduce-scatter's input and the slice this rank broadcasts); ``compiled_calls`` the calls that ran as
-    one compiled call (the small host calls of :class:`adasum.doubling.SmallCall`).
+    reduce-scatter's input and the slice this rank broadcasts); ``compiled_calls`` the calls that went
+    into the compiled small call (:class:`adasum.doubling.SmallCall`), however they ended.
     """
 
     sent_bytes: int = 0
@@ -201,12 +202,16 @@ class Context:
         return plan
 
     def node_layout(self):
-        """The node layout of the hierarchical mode on this communicator, built (collectively) once."""
+        """The node layout of the hierarchical mode on this communicator, built (collectively, inside a call
+        in flight here) once."""
         if self._nodes is None:
             from .hierarchical import build_node_layout
 
-            self._nodes = build_node_layout(self.lcomm)
+            self._nodes = build_node_layout(self)
         return self._nodes
+
+    def has_node_layout(self) -> bool:
+        return self._nodes is not None
 
     def record(self, field: str, nbytes: int, messages: int = 0) -> None:
         for t in self.counters:
@@ -276,10 +281,15 @@ def check_comm(comm: MPI.Intracomm | None) -> MPI.Intracomm:
 
 
 def check_root(comm: MPI.Intracomm, root, name: str = "root") -> int:
-    """``root`` if it is a rank of ``comm``; ValueError saying the valid range otherwise."""
-    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < comm.Get_size():
+    """``root`` (any integer, numpy's too, but not a bool) as an int if it is a rank of ``comm``; ValueError
+    saying the valid range otherwise."""
+    try:
+        value = None if isinstance(root, bool) else operator.index(root)
+    except TypeError:
+        value = None
+    if value is None or not 0 <= value < comm.Get_size():
         raise ValueError(f"{name} must be a rank of comm (0 to {comm.Get_size() - 1}), got {root!r}")
-    return root
+    return value
 
 
 def context_for(comm: MPI.Intracomm | None) -> Context:

@@ -20,16 +20,16 @@ from typing import Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import stall, tree
+from . import tree
 from .adapters import nonempty
 from .dtypes import itemsize
 from .fusion import Operand, layer_spans
 from .transport import TAG, Transport
-from .agreement import AGREE_BYTES
+from .agreement import AGREE_BYTES, resume
 from .halving import fold_out
 
 from .native import compiled as _kernels  # None without a C compiler: SmallCall is then never made
-from .native import handle, request
+from .native import handle
 
 __all__ = ["SmallCall", "adasum_reduce_doubling"]
 
@@ -118,19 +118,20 @@ class SmallCall:
         """The whole call, agreement on ``digest`` included, in one ``_kernels.small_doubling``: 0, -1 if
         the ranks disagree (nothing was sent; every rank must then explain), or MPI's error code. An
         agreement still waiting after ``patience`` seconds (the stall inspector's) goes on in
-        :func:`adasum.stall.wait` (``descs`` describe the call there), and the call then resumes where it
-        stopped."""
+        :func:`adasum.agreement.resume`, as the general path's does (``descs`` describe the call there), and
+        the call then resumes where it stopped. Counted in ``compiled_calls`` however it ends."""
         ctx = self.ctx
         buf, scr = self._buffers()
         scratch = ctx.agree_scratch
+        if ctx.counters:
+            ctx.record("compiled_calls", 1)
+            ctx.record("scalar_bytes", AGREE_BYTES)
         rc = _kernels.small_doubling(buf, scr, live, dst, self.span_array, self.program, digest, scratch, patience)
         if rc == -2:
-            stall.wait(ctx, request(int(scratch[8])), "adasum", descs, waited=patience)
+            resume(ctx, "adasum", descs, patience)
             rc = _kernels.small_doubling(buf, scr, live, dst, self.span_array, self.program, digest, scratch, -1.0)
         if rc == 0 and ctx.counters:
-            ctx.record("scalar_bytes", AGREE_BYTES)
             ctx.record("sent_bytes", self.messages * self.nbytes, self.messages)
-            ctx.record("compiled_calls", 1)
         return rc
 
     def live(self, items: list) -> list:

@@ -6,7 +6,7 @@ agreement's digest and the stall inspector's messages carry.
 
 from __future__ import annotations
 
-__all__ = ["FLOAT_DTYPES", "INT_DTYPES", "OPS", "dtype_code", "itemsize", "op_code"]
+__all__ = ["FLOAT_DTYPES", "INT_DTYPES", "OPS", "dtype_code", "itemsize", "op_code", "op_name"]
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
              "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8, "uint64": 8}
@@ -30,3 +30,8 @@ def dtype_code(dtype: str) -> int:
 def op_code(op: str) -> int:
     """The op's code, -1 for a name that is none of :data:`OPS`."""
     return OPS.index(op) if op in OPS else -1
+
+
+def op_name(code: int) -> str | None:
+    """The op of a code :func:`op_code` gave, None for any other number."""
+    return OPS[code] if 0 <= code < len(OPS) else None

@@ -18,22 +18,27 @@ import numpy as np
 from mpi4py import MPI
 
 from . import stall
-from .context import Context, context_for
+from .context import Context, check_comm, check_root, context_for
 
 __all__ = ["any_true", "max_of", "allgather", "bcast", "gather", "scatter", "bcast_buffer", "failures",
-           "raise_everywhere", "enter", "wait"]
+           "failures_in", "any_true_in", "allgather_in", "raise_everywhere", "raise_found", "enter", "wait"]
 
 
 def any_true(comm: MPI.Intracomm | None, flag: bool, what: str = "vote") -> bool:
     """Whether ``flag`` is true on any rank of ``comm``."""
     ctx = enter(comm, what)
     try:
-        mine = np.array([1 if flag else 0], dtype=np.int64)
-        out = np.zeros(1, dtype=np.int64)
-        wait(ctx, ctx.lcomm.Iallreduce(mine, out, op=MPI.MAX), what, 8)
-        return bool(out[0])
+        return any_true_in(ctx, flag, what)
     finally:
         ctx.leave()
+
+
+def any_true_in(ctx: Context, flag: bool, what: str) -> bool:
+    """:func:`any_true` inside a call already in flight on ``ctx`` (as :func:`failures_in`)."""
+    mine = np.array([1 if flag else 0], dtype=np.int64)
+    out = np.zeros(1, dtype=np.int64)
+    wait(ctx, ctx.lcomm.Iallreduce(mine, out, op=MPI.MAX), what, 8)
+    return bool(out[0])
 
 
 def max_of(comm: MPI.Intracomm | None, values: np.ndarray, what: str = "maximum") -> np.ndarray:
@@ -57,20 +62,25 @@ def allgather(comm: MPI.Intracomm | None, obj: Any, what: str = "allgather") -> 
     """Every rank's ``obj``, in rank order, on every rank."""
     ctx = enter(comm, what)
     try:
-        data = _dumps(obj)
-        sizes = np.empty(ctx.size, dtype=np.int64)
-        wait(ctx, ctx.lcomm.Iallgather(np.array([data.size], dtype=np.int64), sizes), what, 8)
-        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        out = np.empty(int(sizes.sum()), dtype=np.uint8)
-        req = ctx.lcomm.Iallgatherv(data, [out, (sizes, offsets), MPI.BYTE])
-        wait(ctx, req, what, data.size)
-        return [pickle.loads(out[o:o + s].tobytes()) for o, s in zip(offsets, sizes)]
+        return allgather_in(ctx, obj, what)
     finally:
         ctx.leave()
 
 
+def allgather_in(ctx: Context, obj: Any, what: str) -> list:
+    """:func:`allgather` inside a call already in flight on ``ctx`` (as :func:`failures_in`)."""
+    data = _dumps(obj)
+    sizes = np.empty(ctx.size, dtype=np.int64)
+    wait(ctx, ctx.lcomm.Iallgather(np.array([data.size], dtype=np.int64), sizes), what, 8)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    out = np.empty(int(sizes.sum()), dtype=np.uint8)
+    wait(ctx, ctx.lcomm.Iallgatherv(data, [out, (sizes, offsets), MPI.BYTE]), what, data.size)
+    return [pickle.loads(out[o:o + s].tobytes()) for o, s in zip(offsets, sizes)]
+
+
 def bcast(comm: MPI.Intracomm | None, obj: Any, root: int = 0, what: str = "broadcast") -> Any:
     """``root``'s ``obj`` on every rank (what the other ranks pass is ignored)."""
+    check_root(check_comm(comm), root)
     ctx = enter(comm, what)
     try:
         data = _dumps(obj) if ctx.rank == root else None
@@ -86,6 +96,7 @@ def bcast(comm: MPI.Intracomm | None, obj: Any, root: int = 0, what: str = "broa
 
 def gather(comm: MPI.Intracomm | None, obj: Any, root: int = 0, what: str = "gather") -> list | None:
     """Every rank's ``obj``, in rank order, on ``root``; None on the other ranks."""
+    check_root(check_comm(comm), root)
     ctx = enter(comm, what)
     try:
         data = _dumps(obj)
@@ -104,6 +115,7 @@ def gather(comm: MPI.Intracomm | None, obj: Any, root: int = 0, what: str = "gat
 
 def scatter(comm: MPI.Intracomm | None, objs: list | None, root: int = 0, what: str = "scatter") -> Any:
     """Rank ``r`` gets ``objs[r]`` of ``root`` (``objs``: one object per rank on ``root``, ignored elsewhere)."""
+    check_root(check_comm(comm), root)
     ctx = enter(comm, what)
     try:
         if ctx.rank == root:
@@ -132,6 +144,7 @@ def scatter(comm: MPI.Intracomm | None, objs: list | None, root: int = 0, what: 
 def bcast_buffer(comm: MPI.Intracomm | None, buf: np.ndarray, root: int = 0, what: str = "broadcast") -> None:
     """``root``'s bytes of ``buf`` (a contiguous numpy array, the same size on every rank) into every
     rank's ``buf``."""
+    check_root(check_comm(comm), root)
     ctx = enter(comm, what)
     try:
         if buf.size:
@@ -143,13 +156,27 @@ def bcast_buffer(comm: MPI.Intracomm | None, buf: np.ndarray, root: int = 0, wha
 def failures(comm: MPI.Intracomm | None, problem: str | None, what: str = "an error vote") -> str | None:
     """Collective: every rank's ``problem`` ("rank r: …; …", in rank order), or None where no rank has one.
     One small vote when none has; the problems travel only when one has."""
-    comm = MPI.COMM_WORLD if comm is None else comm
+    comm = check_comm(comm)
     if comm.Get_size() == 1:
-        problems = [problem]
-    elif any_true(comm, problem is not None, what=what):
-        problems = allgather(comm, problem, what=what)
-    else:
+        return _joined([problem])
+    ctx = enter(comm, what)
+    try:
+        return failures_in(ctx, problem, what)
+    finally:
+        ctx.leave()
+
+
+def failures_in(ctx: Context, problem: str | None, what: str) -> str | None:
+    """:func:`failures` on ``ctx``'s communicator inside a call already in flight there (the library's own
+    collective steps, such as finding the node layout)."""
+    if ctx.size == 1:
+        return _joined([problem])
+    if not any_true_in(ctx, problem is not None, what):
         return None
+    return _joined(allgather_in(ctx, problem, what))
+
+
+def _joined(problems: list) -> str | None:
     found = [p if p.startswith(f"rank {r}:") else f"rank {r}: {p}" for r, p in enumerate(problems) if p]
     return "; ".join(found) or None
 
@@ -157,10 +184,15 @@ def failures(comm: MPI.Intracomm | None, problem: str | None, what: str = "an er
 def raise_everywhere(comm: MPI.Intracomm | None, problem: str | None, kind: type = ValueError,
                      what: str = "an error vote") -> None:
     """Collective: where any rank has a ``problem``, raise ``kind`` on every rank, naming every rank's."""
-    text = failures(comm, problem, what)
+    comm = check_comm(comm)
+    raise_found(comm.Get_rank(), failures(comm, problem, what), kind)
+
+
+def raise_found(rank: int, text: str | None, kind: type = ValueError) -> None:
+    """Raise ``kind`` with ``text`` (what went wrong, on which ranks) on this ``rank``, unless ``text`` is
+    None: the one form of an error that every rank raises, each saying where it was raised."""
     if text is not None:
-        comm = MPI.COMM_WORLD if comm is None else comm
-        raise kind(f"(raised on rank {comm.Get_rank()}) {text}")
+        raise kind(f"(raised on rank {rank}) {text}")
 
 
 def enter(comm: MPI.Intracomm | None, what: str) -> Context:

@@ -34,6 +34,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .combine import merge_partials
+from .exchange import allgather_in, failures_in, raise_found
 from .fusion import Group, Operand
 from .transport import Transport, transport_for
 from .halving import adasum_reduce
@@ -75,15 +76,16 @@ class NodeLayout:
                 c.Free()
 
 
-def build_node_layout(comm: MPI.Intracomm) -> NodeLayout:
-    """The node layout of ``comm`` (collective: every rank must call it). The library's context of a
-    communicator builds it once, on the first call that needs it, and keeps it."""
+def build_node_layout(ctx) -> NodeLayout:
+    """The node layout of ``ctx``'s communicator (collective, inside a call in flight on ``ctx``: every rank
+    must call it). The context builds it once, on the first call that needs it, and keeps it."""
+    comm = ctx.lcomm
     rank = comm.Get_rank()
     node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank = node_comm.Get_rank()
     # Local rank 0 is the node's lowest rank (key = rank), which names the node.
     lowest = node_comm.bcast(rank, root=0)
-    firsts = comm.allgather(lowest)
+    firsts = allgather_in(ctx, lowest, "finding the node layout")
     leaders = sorted(set(firsts))
     nodes = [[r for r, f in enumerate(firsts) if f == leader] for leader in leaders]
     node = leaders.index(lowest)
@@ -92,9 +94,10 @@ def build_node_layout(comm: MPI.Intracomm) -> NodeLayout:
         problem = (f"rank {rank}: the shared-memory split put it at local rank {local_rank} of a node of "
                    f"{node_comm.Get_size()} ranks, but the ranks naming that node are {nodes[node]}")
     # Checked together, so that a rank that fails cannot leave the others waiting in the next split.
-    problems = [p for p in comm.allgather(problem) if p]
-    if problems:
-        raise RuntimeError("; ".join(problems))
+    text = failures_in(ctx, problem, "checking the node layout")
+    if text is not None:
+        node_comm.Free()
+        raise_found(rank, text, RuntimeError)
     slices = min(len(ranks) for ranks in nodes)
     holder = local_rank < slices
     cross_comm = comm.Split(local_rank if holder else MPI.UNDEFINED, key=node)

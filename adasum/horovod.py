@@ -46,6 +46,7 @@ from mpi4py import MPI
 
 from . import exchange, world
 from .allreduce import adasum_allreduce
+from .context import check_root
 from .torch.compress import Wire
 from .torch import DistributedOptimizer as _DistributedOptimizer
 from .torch import broadcast_optimizer_state as _broadcast_optimizer_state
@@ -239,7 +240,8 @@ def broadcast_optimizer_state(optimizer, root_rank: int) -> None:
 
 def broadcast_object(obj, root_rank: int = 0, name=None):
     """``root_rank``'s ``obj`` (pickled) on every rank. ``name`` is accepted and unused."""
-    return exchange.bcast(MPI.COMM_WORLD, obj, root=_root(root_rank), what="broadcast_object")
+    root = check_root(MPI.COMM_WORLD, root_rank, "root_rank")
+    return exchange.bcast(MPI.COMM_WORLD, obj, root=root, what="broadcast_object")
 
 
 def allgather_object(obj, name=None) -> list:
@@ -313,15 +315,15 @@ def allgather(tensor: torch.Tensor, name=None, process_set=None) -> torch.Tensor
     parts = exchange.allgather(MPI.COMM_WORLD, (mine if mine.dim() else None, grad), what="allgather")
     me = rank()
     if any(p is None for p, _ in parts):
-        raise ValueError(f"(raised on rank {me}) allgather needs tensors of at least one dimension; 0-d on "
-                         f"rank(s) {[r for r, (p, _) in enumerate(parts) if p is None]}")
+        exchange.raise_found(me, "allgather needs tensors of at least one dimension; 0-d on "
+                                 f"rank(s) {[r for r, (p, _) in enumerate(parts) if p is None]}")
     first = parts[0][0]
     differ = [f"rank {r}: {p.dtype}, {tuple(p.shape)}, requires_grad={g}" for r, (p, g) in enumerate(parts)
               if p.dtype != first.dtype or p.shape[1:] != first.shape[1:] or g != parts[0][1]]
     if differ:
-        raise ValueError(f"(raised on rank {me}) allgather: the ranks differ in dtype, trailing shape or "
-                         f"requires_grad; rank 0: {first.dtype}, {tuple(first.shape)}, "
-                         f"requires_grad={parts[0][1]}; " + "; ".join(differ))
+        exchange.raise_found(me, "allgather: the ranks differ in dtype, trailing shape or requires_grad; "
+                                 f"rank 0: {first.dtype}, {tuple(first.shape)}, requires_grad={parts[0][1]}; "
+                                 + "; ".join(differ))
     out = torch.cat([p for p, _ in parts]).to(tensor.device)
     return _Allgather.apply(tensor, out, [p.shape[0] for p, _ in parts])
 
@@ -332,8 +334,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name=None, process_set=None)
     other ranks' is zero."""
     _unsupported_process_set(process_set)
     grad = torch.is_grad_enabled() and tensor.requires_grad
-    _agree("broadcast", _describe(tensor, root_rank=root_rank, grad=grad),
-           None if 0 <= root_rank < size() else f"root_rank {root_rank} is not a rank of {size()}")
+    _agree("broadcast", _describe(tensor, root_rank=root_rank, grad=grad), _root_problem(root_rank))
     return _Broadcast.apply(tensor, root_rank)
 
 
@@ -455,18 +456,20 @@ def _agree(what: str, mine: dict, error: str | None = None) -> None:
     me = rank()
     errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(everyone) if e]
     if errors:
-        raise ValueError(f"(raised on rank {me}) {what}: " + "; ".join(errors))
+        exchange.raise_found(me, f"{what}: " + "; ".join(errors))
     first = everyone[0][1]
     differ = [f"rank {r} has {d}" for r, (_, d) in enumerate(everyone) if d != first]
     if differ:
-        raise ValueError(f"(raised on rank {me}) {what}: the ranks disagree: rank 0 has {first}; "
-                         + "; ".join(differ))
+        exchange.raise_found(me, f"{what}: the ranks disagree: rank 0 has {first}; " + "; ".join(differ))
 
 
-def _root(root_rank: int) -> int:
-    if not isinstance(root_rank, int) or not 0 <= root_rank < size():
-        raise ValueError(f"root_rank must be a rank of the world (0..{size() - 1}), got {root_rank!r}")
-    return root_rank
+def _root_problem(root_rank) -> str | None:
+    """Why ``root_rank`` is not a rank of the world, or None."""
+    try:
+        check_root(MPI.COMM_WORLD, root_rank, "root_rank")
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _unsupported_process_set(process_set) -> None:

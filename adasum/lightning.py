@@ -37,6 +37,7 @@ from mpi4py import MPI
 
 from . import exchange, world
 from .allreduce import adasum_allreduce
+from .context import check_comm
 from .torch import DistributedOptimizer, broadcast_parameters
 
 __all__ = ["AdasumStrategy", "MPIEnvironment"]
@@ -47,7 +48,7 @@ class MPIEnvironment(ClusterEnvironment):
 
     def __init__(self, comm: MPI.Intracomm | None = None):
         super().__init__()
-        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.comm = check_comm(comm)
 
     @property
     def creates_processes_externally(self) -> bool:

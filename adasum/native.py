@@ -1,9 +1,10 @@
-"""The compiled kernels (``adasum/_kernels.c``: float32/float64 dot products and combine, copies between
-tensors and buffers, the compiled small call and the agreement wait), where the install could build them.
+"""The compiled kernels (the extension ``adasum._kernels``, built from ``adasum/_kernels*.c``: float32/float64
+dot products and combine, copies between tensors and buffers, the compiled small call and the agreement's
+wait), where the install could build them.
 
 ``compiled`` is the extension module, or None on an install without a C compiler; the numpy kernels of
 :mod:`adasum.adapters` then do the same work (``adasum.kernels_backend()`` says which is in use), and the
-small calls and the agreement run through mpi4py.
+small calls and the agreement run through mpi4py (as they do with the setting ``native_mpi`` off).
 """
 
 from __future__ import annotations

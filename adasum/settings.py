@@ -59,8 +59,10 @@ class Settings:
             ``"numpy"``: always the numpy kernels (same results to rounding; the compiled ones are faster).
         kernels_isa: the widest instruction set the compiled kernels use: ``"auto"`` (the widest the CPU has,
             AVX-512F or AVX2), ``"avx2"`` or ``"portable"`` (plain C). All of them give the same bits.
-        native_mpi: small calls on host buffers run their MPI calls and kernels in one compiled call, where
-            the MPI library can be bound; off, the same steps run from Python, with the same messages and bits.
+        native_mpi: the compiled kernels call the MPI library directly, where it can be bound: small calls
+            on host buffers run their MPI calls and kernels in one compiled call, and every call's agreement
+            is waited for there; off, the same steps run from Python through mpi4py, with the same messages
+            and bits.
         gpu_transport: how device buffers reach MPI: ``"auto"`` (directly where MPI is CUDA-aware, else
             staged), ``"direct"`` or ``"staged"`` (copied through page-locked host buffers; applied to host
             buffers too, where it only adds a copy).

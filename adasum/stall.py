@@ -27,7 +27,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .dtypes import OPS, itemsize, op_code
+from .dtypes import itemsize, op_code, op_name
 from .settings import current
 from .transport import TAG
 
@@ -67,11 +67,12 @@ def _describe(op: str | None, descs) -> tuple[int, int, int]:
 
 def _what(fields, label: str | None = None) -> str:
     op, n, nbytes = (int(v) for v in fields)
-    if 0 <= op < len(OPS) and OPS[op] == "exchange":
+    name = op_name(op)
+    if name == "exchange":
         return f"an exchange of the training layer ({label + ', ' if label else ''}{nbytes} bytes)"
     if n < 0:
         return "making the library's duplicate of it" if op == -2 else "inputs it could not describe"
-    return f"op '{OPS[op] if 0 <= op < len(OPS) else '?'}', {n} tensor{'s' * (n != 1)}, {nbytes} bytes"
+    return f"op '{name or '?'}', {n} tensor{'s' * (n != 1)}, {nbytes} bytes"
 
 
 def _announce(ctx, comm: MPI.Intracomm, mine: np.ndarray) -> None:

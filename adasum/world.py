@@ -10,27 +10,31 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from . import exchange
+from .context import check_comm, context_for
+
 __all__ = ["rank", "size", "local_rank", "local_size", "node_rank", "node_count"]
-
-
-def _comm(comm: MPI.Intracomm | None) -> MPI.Intracomm:
-    return MPI.COMM_WORLD if comm is None else comm
 
 
 def rank(comm: MPI.Intracomm | None = None) -> int:
     """This process's rank in ``comm`` (default ``MPI.COMM_WORLD``)."""
-    return _comm(comm).Get_rank()
+    return check_comm(comm).Get_rank()
 
 
 def size(comm: MPI.Intracomm | None = None) -> int:
     """The number of ranks in ``comm`` (default ``MPI.COMM_WORLD``)."""
-    return _comm(comm).Get_size()
+    return check_comm(comm).Get_size()
 
 
 def _layout(comm: MPI.Intracomm | None):
-    from .context import context_for
-
-    return context_for(_comm(comm)).node_layout()
+    ctx = context_for(comm)
+    if ctx.has_node_layout():
+        return ctx.node_layout()
+    ctx = exchange.enter(comm, "finding the node layout")  # collective: a numbered call, stall-watched
+    try:
+        return ctx.node_layout()
+    finally:
+        ctx.leave()
 
 
 def local_rank(comm: MPI.Intracomm | None = None) -> int:

@@ -146,10 +146,11 @@ def test_inplace_single_and_noncontiguous(comm, kind):
         assert tuple(out.shape) == (6, 5)
         np.testing.assert_allclose(as_f64(out), want, rtol=1e-12, atol=1e-12)
         # in place, into the non-contiguous view; the other columns stay untouched
-        res = adasum.adasum_allreduce_inplace(base[:, ::2])
+        view = base[:, ::2]
+        res = adasum.adasum_allreduce_inplace(view)
         np.testing.assert_allclose(as_f64(base[:, ::2]), want, rtol=1e-12, atol=1e-12)
         np.testing.assert_array_equal(as_f64(base[:, 1::2]), data[rank][:, 1::2])
-        assert res is not None
+        assert res is view  # the in-place call returns what it was given
         # in place on a contiguous list, with the Op enum
         pair = [make(data[rank][0], kind, "float32"), make(data[rank][1], kind, "float32")]
         adasum.adasum_allreduce_inplace(pair, op=adasum.Op.SUM)

@@ -106,9 +106,10 @@ def test_triton_kernels_match_the_per_layer_kernels(comm, kind, schedule):
 
 
 def test_device_kernels_setting_is_validated():
+    before = adasum.current_settings()
     with pytest.raises(ValueError, match="device kernels must be one of"):
         adasum.configure(device_kernels="cuda")
-    assert adasum.current_settings().device_kernels in ("auto", "triton", "per-layer")
+    assert adasum.current_settings() is before  # a refused change changes nothing
 
 
 @pytest.mark.skipif(CUPY_IS_REAL, reason="counts calls of the stand-in module")
@@ -162,9 +163,10 @@ def test_cpu_array_among_device_arrays_is_rejected(comm):
 
 
 def test_transport_mode_validation_and_cuda_aware_override():
+    before = adasum.current_settings()
     with pytest.raises(ValueError, match="gpu transport must be one of"):
         adasum.set_gpu_transport("nvlink")
-    assert adasum.get_gpu_transport() in ("auto", "direct", "staged")
+    assert adasum.current_settings() is before
     old = adasum.configure(cuda_aware=True)
     try:
         assert adasum.cuda_aware_mpi() is True

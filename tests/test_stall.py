@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import platform
+import re
 import time
 
 import numpy as np
@@ -106,6 +108,75 @@ def test_a_late_rank_is_warned_about_and_the_call_completes(comm, caplog):
         dup.Free()
     finally:
         adasum.configure(old)
+
+
+def _compiled_small_calls() -> bool:
+    """Whether small host calls run as one compiled call here (native_mpi on): the platforms the extension
+    binds MPI on, with the compiled kernels in use."""
+    return (platform.system() == "Linux" and platform.machine() in ("x86_64", "aarch64")
+            and adasum.kernels_backend() == "c")
+
+
+def _one_path(comm, native: bool) -> dict:
+    """A result, a disagreement, a late rank and a missing rank, on a communicator of their own, with the
+    agreement waited for by the compiled kernels (``native``) or through mpi4py; what each rank saw."""
+    size, rank, last = comm.Get_size(), comm.Get_rank(), comm.Get_size() - 1
+    compiled = 1 if native and _compiled_small_calls() else 0
+    seen = {}
+    old = adasum.configure(native_mpi=native, small_message_bytes=1 << 20, stall_warning=0.3, stall_timeout=1.0)
+    try:
+        dup = comm.Dup()
+        dup.Set_name("agree")
+        adasum.adasum_allreduce(_x(rank), comm=dup)  # makes the plan the compiled small call needs
+        with adasum.count_traffic(dup) as t:
+            seen["result"] = [a.tobytes() for a in adasum.adasum_allreduce(_x(rank), comm=dup)]
+        assert t.compiled_calls == compiled, f"rank {rank}: {t.compiled_calls} compiled calls"
+        bad = _x(rank)
+        if rank == last:
+            bad[1] = bad[1][:-1]
+        with adasum.count_traffic(dup) as t, pytest.raises(adasum.AdasumMismatchError) as mismatch:
+            adasum.adasum_allreduce(bad, comm=dup)
+        seen["mismatch"] = str(mismatch.value)
+        assert t.compiled_calls == (0 if rank == last else compiled)  # the odd rank has no plan of its shapes
+        if rank == 0:
+            time.sleep(0.6)  # past the first patience (0.3 s), within the timeout
+        with adasum.count_traffic(dup) as t:
+            seen["late"] = [a.tobytes() for a in adasum.adasum_allreduce(_x(rank), comm=dup)]
+        assert t.compiled_calls == compiled
+        if rank == 0:
+            dup.Barrier()  # never enters the next call
+        else:
+            with adasum.count_traffic(dup) as t, pytest.raises(adasum.AdasumStallError) as stalled:
+                adasum.adasum_allreduce(_x(rank), comm=dup)
+            seen["stall"] = re.sub(r"\d+\.\d s", "T s", str(stalled.value))
+            assert t.compiled_calls == compiled
+            dup.Barrier()
+    finally:
+        adasum.configure(old)
+    return seen
+
+
+def test_the_compiled_and_the_python_agreement_wait_alike(comm):
+    """The agreement's wait has a compiled implementation (small calls, and the agreement of every call with
+    native_mpi on) and one through mpi4py: the same result, the same disagreement error, a late rank waited
+    for and a missing rank named in the same words, whichever path each call takes."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        pytest.skip("needs ranks to agree with")
+    python, native = _one_path(comm, False), _one_path(comm, True)
+    assert native == python
+    want = reference_allreduce([_x(r) for r in range(size)])
+    for got in (python["result"], python["late"]):
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.frombuffer(g), w, rtol=1e-12)
+    assert re.fullmatch(rf"\(raised on rank {rank}\) tensor 1 differs: rank {size - 1} has shape \(2,\) float64, "
+                        r"rank 0 has shape \(3,\) float64", python["mismatch"]), python["mismatch"]
+    if rank > 0:
+        assert re.fullmatch(rf"rank {rank}: call #5 on communicator 'agree' \(op 'adasum', 2 tensors, 64 bytes\) "
+                            r"has waited T s for rank 0, which has not entered it; waiting in it: ranks? [\d, ]+",
+                            python["stall"]), python["stall"]
+    comm.Barrier()
+    _check_world_still_works(comm)
 
 
 def test_stall_settings_are_validated_and_read_from_the_environment():
