@@ -160,11 +160,13 @@ static PyMethodDef methods[] = {
      "this platform's calling convention is not known to pass handles of either MPI ABI alike (both are then "
      "unusable)."},
     {"agree", k_agree, METH_VARARGS,
-     "agree(scratch, comm, int64, max, patience) -> 0, 1 or an MPI error code: MPI_Iallreduce(MAX) of "
-     "scratch[0:4] into scratch[4:8], waited for without the GIL; 1 if it is still waiting after patience "
-     "seconds (> 0; 0 waits for ever), its request handle in scratch[8]."},
+     "agree(scratch, comm, int64, max, patience, spin, nap, nap_max) -> 0, 1 or an MPI error code: "
+     "MPI_Iallreduce(MAX) of scratch[0:4] into scratch[4:8], waited for without the GIL by the rule of "
+     "adasum.waiting (nap_max 0: without sleeping); 1 if it is still waiting after patience seconds (> 0; 0 "
+     "waits for ever), its request handle in scratch[8]."},
     {"small_doubling", k_small_doubling, METH_VARARGS,
-     "small_doubling(buf, scr, src, dst, spans, program, digest, scratch, patience) -> 0, -1 (the ranks "
+     "small_doubling(buf, scr, src, dst, spans, program, digest, scratch, patience, spin, nap, nap_max) -> 0, "
+     "-1 (the ranks "
      "disagree), -2 (still waiting for the agreement after patience seconds; its request in scratch[8]) or an "
      "MPI error code: a small Adasum call by recursive doubling, agreement included, without Python in "
      "between (see the source for the program's fields)."},

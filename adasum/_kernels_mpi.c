@@ -44,13 +44,15 @@ seconds_since(const struct timespec *t0)
 
 /*
  * The agreement of a call: MPI_Iallreduce(MAX) of scratch[0:4] into scratch[4:8] on comm, then MPI_Test
- * until it completes (as a blocking allreduce would wait, without holding the GIL). After `patience`
- * seconds (> 0) it stops waiting: 1 is returned and the request's handle is left in scratch[8] for the
- * caller to go on waiting and tell who has not arrived. 0 when complete, or MPI's error code (> 1).
- * scratch must outlive the request.
+ * until it completes, without holding the GIL, by the rule of adasum.waiting: `wait` is (spin, first nap,
+ * longest nap) in seconds. It tests without pause for `spin` seconds, then between sleeps that double
+ * from the first nap to the longest, so that a thread computing beside this one keeps the core; a longest
+ * nap of 0 tests without sleeping. After `patience` seconds (> 0) it stops waiting: 1 is returned and the
+ * request's handle is left in scratch[8] for the caller to go on waiting and tell who has not arrived. 0
+ * when complete, or MPI's error code (> 1). scratch must outlive the request.
  */
 int
-agree_spin(int64_t *scratch, intptr_t int64, intptr_t max, intptr_t comm, double patience)
+agree_spin(int64_t *scratch, intptr_t int64, intptr_t max, intptr_t comm, double patience, const double *wait)
 {
     long long status[16] = {0};
     intptr_t req = 0; /* MPICH's handle is an int: its upper half stays 0 */
@@ -59,17 +61,24 @@ agree_spin(int64_t *scratch, intptr_t int64, intptr_t max, intptr_t comm, double
         return rc;
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
+    double nap = wait[1];
     for (unsigned long spins = 1;; spins++) {
         if ((rc = mpi.test(&req, &flag, status)))
             return rc;
         if (flag)
             return 0;
-        /* Hand the core over now and then: with more ranks than cores (oversubscribed, as on a laptop or
-         * a CI machine) the rank being waited for may need it. At 4 ranks on 2 cores a pure spin took a
-         * 4 ms agreement, against 13-20 us with this and 31-44 us for a blocking MPI_Allreduce. */
-        if ((spins & 15) == 0)
+        double waited = (spins & 15) == 0 || wait[2] > 0 ? seconds_since(&t0) : 0.0;
+        if (wait[2] > 0 && waited >= wait[0]) {
+            struct timespec d = {0, (long)(nap * 1e9)};
+            nanosleep(&d, NULL);
+            nap = nap * 2 < wait[2] ? nap * 2 : wait[2];
+        } else if ((spins & 15) == 0) {
+            /* Hand the core over now and then: with more ranks than cores (oversubscribed, as on a laptop
+             * or a CI machine) the rank being waited for may need it. At 4 ranks on 2 cores a pure spin
+             * took a 4 ms agreement, against 13-20 us with this and 31-44 us for a blocking MPI_Allreduce. */
             sched_yield();
-        if (patience > 0 && (spins & 1023) == 0 && seconds_since(&t0) >= patience) {
+        }
+        if (patience > 0 && ((spins & 1023) == 0 || wait[2] > 0) && waited >= patience) {
             scratch[8] = (int64_t)req;
             return 1;
         }
@@ -99,22 +108,23 @@ get_scratch(PyObject *obj, Py_buffer *view, const char *caller)
     return 0;
 }
 
-/* agree(scratch, comm, int64, max, patience) -> 0 (done), 1 (still waiting: the request is in
- * scratch[8]) or MPI's error code; see agree_spin(). */
+/* agree(scratch, comm, int64, max, patience, spin, nap, nap_max) -> 0 (done), 1 (still waiting: the
+ * request is in scratch[8]) or MPI's error code; see agree_spin(). */
 PyObject *
 k_agree(PyObject *self, PyObject *args)
 {
     PyObject *oscratch;
     long long comm, int64, max;
-    double patience;
-    if (!PyArg_ParseTuple(args, "OLLLd:agree", &oscratch, &comm, &int64, &max, &patience))
+    double patience, wait[3];
+    if (!PyArg_ParseTuple(args, "OLLLdddd:agree", &oscratch, &comm, &int64, &max, &patience, &wait[0], &wait[1],
+                          &wait[2]))
         return NULL;
     Py_buffer b;
     if (!mpi_ready("agree") || !get_scratch(oscratch, &b, "agree"))
         return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = agree_spin((int64_t *)b.buf, (intptr_t)int64, (intptr_t)max, (intptr_t)comm, patience);
+    rc = agree_spin((int64_t *)b.buf, (intptr_t)int64, (intptr_t)max, (intptr_t)comm, patience, wait);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&b);
     return PyLong_FromLong(rc);

@@ -14,7 +14,8 @@ enum { P_COMM, P_BYTE, P_INT64, P_MAX, P_TAG, P_NBYTES, P_OUT, P_FOLD, P_FOLD_SE
 
 /* The steps of small_doubling() (its docstring), on operands already acquired, without the GIL. */
 static int
-run_small(const int64_t *prog, long long digest, int64_t *scratch, double patience, const operand *buf,
+run_small(const int64_t *prog, long long digest, int64_t *scratch, double patience, const double *wait,
+          const operand *buf,
           const operand *scr, const operand *src, const operand *dst, const int64_t *sp, Py_ssize_t n)
 {
     intptr_t comm = (intptr_t)prog[P_COMM], byte = (intptr_t)prog[P_BYTE];
@@ -24,7 +25,7 @@ run_small(const int64_t *prog, long long digest, int64_t *scratch, double patien
     if (patience >= 0) { /* a negative patience: the agreement is done (it went on in Python) */
         /* what adasum.agreement.load(scratch, digest, False, 0) writes */
         scratch[0] = digest, scratch[1] = -digest, scratch[2] = 0, scratch[3] = 0;
-        rc = agree_spin(scratch, (intptr_t)prog[P_INT64], (intptr_t)prog[P_MAX], comm, patience);
+        rc = agree_spin(scratch, (intptr_t)prog[P_INT64], (intptr_t)prog[P_MAX], comm, patience, wait);
         if (rc == 1)
             return -2;
         if (rc)
@@ -65,8 +66,8 @@ run_small(const int64_t *prog, long long digest, int64_t *scratch, double patien
 }
 
 /*
- * small_doubling(buf, scr, src, dst, spans, program, digest, scratch, patience): the whole of a small
- * Adasum call by recursive doubling, as adasum.doubling.SmallCall makes it (the same collective, messages
+ * small_doubling(buf, scr, src, dst, spans, program, digest, scratch, patience, spin, nap, nap_max): a small
+ * Adasum call, whole, by recursive doubling, as adasum.doubling.SmallCall makes it (the same collective, messages
  * and kernel calls as the general schedule, so ranks may mix the two), with no Python in between: the
  * agreement allreduce of [digest, -digest, 0, 0] (agree_spin(), in scratch), packing src into buf, the
  * fold, one exchange and pair() per level, the result into dst. Returns 0, -1 if the ranks disagree
@@ -79,10 +80,10 @@ k_small_doubling(PyObject *self, PyObject *args)
 {
     PyObject *objs[4], *ospans, *oprog, *oscratch;
     long long digest;
-    double patience;
+    double patience, wait[3];
     static const char *names[] = {"buf", "scr", "dst", "src"};
-    if (!PyArg_ParseTuple(args, "OOOOOOLOd:small_doubling", &objs[0], &objs[1], &objs[3], &objs[2], &ospans,
-                          &oprog, &digest, &oscratch, &patience))
+    if (!PyArg_ParseTuple(args, "OOOOOOLOdddd:small_doubling", &objs[0], &objs[1], &objs[3], &objs[2], &ospans,
+                          &oprog, &digest, &oscratch, &patience, &wait[0], &wait[1], &wait[2]))
         return NULL;
     Py_buffer prog, scratch;
     if (!mpi_ready("small_doubling") || !get_scratch(oscratch, &scratch, "small_doubling"))
@@ -123,8 +124,8 @@ k_small_doubling(PyObject *self, PyObject *args)
     }
     if (ok) {
         Py_BEGIN_ALLOW_THREADS
-        rc = run_small(p, digest, (int64_t *)scratch.buf, patience, &c.ops[0], &c.ops[1], &c.ops[3], &c.ops[2],
-                       c.sp, c.n);
+        rc = run_small(p, digest, (int64_t *)scratch.buf, patience, wait, &c.ops[0], &c.ops[1], &c.ops[3],
+                       &c.ops[2], c.sp, c.n);
         Py_END_ALLOW_THREADS
     }
     release_call(&c);

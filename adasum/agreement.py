@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Sequence
 
 from mpi4py import MPI
 
-from . import stall
+from . import stall, waiting
 from .adapters import Adapter, Adapters
 from .dtypes import FLOAT_DTYPES, INT_DTYPES, dtype_code, op_code
 from .native import compiled, mpi_bound, request
@@ -110,7 +110,7 @@ def agree(ctx, op: str, descs: Sequence[TensorDesc] | None, error: Exception | N
     s = ctx.settings
     patience = stall.patience(s)
     if s.native_mpi and mpi_bound():  # the wait without the GIL, as the compiled small call makes it
-        rc = compiled.agree(scratch, *ctx.agree_handles, patience)
+        rc = compiled.agree(scratch, *ctx.agree_handles, patience, *waiting.policy(ctx.waiting()))
         if rc == 1:
             resume(ctx, op, descs, patience)
         elif rc:

@@ -130,6 +130,8 @@ class Context:
         self._busy = threading.Lock()
         self._current: tuple | None = None  # (call number, what) of the call in flight
         self._freed = False
+        # Waited on by a thread beside the compute (the overlap thread): under waiting="auto" its waits nap.
+        self.beside_compute = False
 
     @property
     def lcomm(self) -> MPI.Intracomm:
@@ -184,6 +186,11 @@ class Context:
         self.settings = settings if settings is not None else current()
         self.adapters.use(self.settings)
         return self.calls
+
+    def waiting(self) -> str:
+        """How the call in flight waits (``"nap"`` or ``"spin"``; see :mod:`adasum.waiting`)."""
+        how = self.settings.waiting if self.settings is not None else current().waiting
+        return ("nap" if self.beside_compute else "spin") if how == "auto" else how
 
     def leave(self) -> None:
         self._current = None

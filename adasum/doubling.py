@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import tree
+from . import tree, waiting
 from .adapters import nonempty
 from .dtypes import itemsize
 from .fusion import Operand, layer_spans
@@ -126,10 +126,13 @@ class SmallCall:
         if ctx.counters:
             ctx.record("compiled_calls", 1)
             ctx.record("scalar_bytes", AGREE_BYTES)
-        rc = _kernels.small_doubling(buf, scr, live, dst, self.span_array, self.program, digest, scratch, patience)
+        wait = waiting.policy(ctx.waiting())
+        rc = _kernels.small_doubling(buf, scr, live, dst, self.span_array, self.program, digest, scratch, patience,
+                                     *wait)
         if rc == -2:
             resume(ctx, "adasum", descs, patience)
-            rc = _kernels.small_doubling(buf, scr, live, dst, self.span_array, self.program, digest, scratch, -1.0)
+            rc = _kernels.small_doubling(buf, scr, live, dst, self.span_array, self.program, digest, scratch, -1.0,
+                                         *wait)
         if rc == 0 and ctx.counters:
             ctx.record("sent_bytes", self.messages * self.nbytes, self.messages)
         return rc

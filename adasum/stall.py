@@ -27,9 +27,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+
 from .dtypes import itemsize, op_code, op_name
 from .settings import current
 from .transport import TAG
+from .waiting import wait_all
 
 __all__ = ["AdasumStallError", "patience", "wait", "drain"]
 
@@ -110,20 +112,15 @@ def wait(ctx, req: MPI.Request, op: str | None, descs, waited: float = 0.0,
     s = ctx.settings if ctx.settings is not None else current()
     warn, timeout = s.stall_warning, s.stall_timeout
     if warn is None and timeout is None:
-        req.Wait()
+        wait_all([req], ctx.waiting())
         return
     comm = ctx.lcomm if via is None else via
     first = patience(s)
     start = time.monotonic() - waited
-    spins = 0
-    while time.monotonic() - start < first:  # as a blocking allreduce waits (mpi4py's own, without kernels)
-        if req.Test():
-            if via is not None:  # drop what an earlier stall left on the user's communicator
-                _collect(via, -1, {})
-            return
-        spins += 1
-        if spins % 16 == 0:
-            time.sleep(0)  # with more ranks than cores, the rank being waited for may need this core
+    if wait_all([req], ctx.waiting(), until=start + first):  # as any wait of the library (adasum.waiting)
+        if via is not None:  # drop what an earlier stall left on the user's communicator
+            _collect(via, -1, {})
+        return
     seq = ctx.calls
     mine = np.array([seq, *_describe(op, descs), ctx.rank], dtype=np.int64)
     heard: dict[int, np.ndarray] = {ctx.rank: mine[1:4]}

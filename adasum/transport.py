@@ -48,6 +48,10 @@ class Transport:
         self.device = device
         self.staged = staged
         self._record = ctx.record
+        self.waiting = ctx.waiting()  # "nap" or "spin", from the call's setting (adasum.waiting)
+
+    def _wait(self, reqs: list) -> None:
+        wait_all(reqs, self.waiting)
 
     def kept(self, dtype: str, n: int, slot: str = "recv"):
         """``n`` elements of a buffer of this transport's kind and device, kept in the context between calls."""
@@ -92,13 +96,14 @@ class Transport:
     def sendrecv(self, send, dest: int, recv, source: int) -> None:
         if type(send) is np.ndarray and type(recv) is np.ndarray and not self.staged:
             self._record("sent_bytes", send.nbytes, 1)
-            wait_all([self.comm.Irecv([recv, MPI.BYTE], source, TAG), self.comm.Isend([send, MPI.BYTE], dest, TAG)])
+            self._wait([self.comm.Irecv([recv, MPI.BYTE], source, TAG),
+                        self.comm.Isend([send, MPI.BYTE], dest, TAG)])
             return
         sbytes, rbytes = self.nbytes(send), self.nbytes(recv)
         self._record("sent_bytes", sbytes, 1)
         if not self.staged:
             with self._described(send, True) as smsg, self._described(recv, False) as rmsg:
-                wait_all([self.comm.Irecv(rmsg, source, TAG), self.comm.Isend(smsg, dest, TAG)])
+                self._wait([self.comm.Irecv(rmsg, source, TAG), self.comm.Isend(smsg, dest, TAG)])
             return
         self._staged(send, sbytes, dest, recv, rbytes, source)
 
@@ -125,9 +130,9 @@ class Transport:
         if recv is not None:
             rbuf = a.byte_view(recv)
             for (lo, hi), req in zip(rcuts, rreqs):
-                wait_all([req])
+                self._wait([req])
                 copies.from_host(hr[lo:hi], rbuf[lo:hi])
-        wait_all(sreqs)
+        self._wait(sreqs)
         copies.end()
 
     def exchange(self, sends: list, dest: int, recvs: list, source: int) -> None:
@@ -178,7 +183,7 @@ class Transport:
                         buf = live[0] if live else np.empty(0, np.uint8)
                 self._record("sent_bytes", buf.nbytes, 1)
                 reqs.append(self.comm.Isend([buf, MPI.BYTE], dest, TAG))
-            wait_all(reqs)
+            self._wait(reqs)
         finally:
             for dtype in dtypes:
                 dtype.Free()
@@ -188,16 +193,16 @@ class Transport:
         self._record("allreduce_bytes", self.nbytes(buf))
         if not self.staged:
             if self.adapter.is_host(buf):
-                wait_all([self.comm.Iallreduce(MPI.IN_PLACE, self.adapter.host_typed(buf), op=MPI.SUM)])
+                self._wait([self.comm.Iallreduce(MPI.IN_PLACE, self.adapter.host_typed(buf), op=MPI.SUM)])
             else:
                 self.adapter.synchronize(self.device)
-                wait_all([self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)])
+                self._wait([self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)])
             return
         nbytes = self.nbytes(buf)
         host = self.stage(0, nbytes)
         self.adapter.to_host(buf, host)
         typed = host.view(self.adapter.numpy_dtype(buf))
-        wait_all([self.comm.Iallreduce(MPI.IN_PLACE, typed, op=MPI.SUM)])
+        self._wait([self.comm.Iallreduce(MPI.IN_PLACE, typed, op=MPI.SUM)])
         self.adapter.from_host(host, buf)
 
     @contextlib.contextmanager
@@ -215,14 +220,14 @@ class Transport:
         self._record("sent_bytes", nbytes, 1)
         if not self.staged:
             with self._described(buf, True) as msg:
-                wait_all([self.comm.Isend(msg, dest, TAG)])
+                self._wait([self.comm.Isend(msg, dest, TAG)])
             return
         self._staged(buf, nbytes, dest, None, 0, dest)
 
     def recv(self, buf, source: int) -> None:
         if not self.staged:
             with self._described(buf, False) as msg:
-                wait_all([self.comm.Irecv(msg, source, TAG)])
+                self._wait([self.comm.Irecv(msg, source, TAG)])
             return
         self._staged(None, 0, source, buf, self.nbytes(buf), source)
 
@@ -250,13 +255,14 @@ class Transport:
         if self.staged:
             hs, hr = self.stage(0, self.nbytes(send)), self.stage(1, self.nbytes(recv))
             a.to_host(send, hs)
-            self.comm.Reduce_scatter(hs.view(np.dtype(dtype)), hr.view(np.dtype(dtype)), counts, op=MPI.SUM)
+            self._wait([self.comm.Ireduce_scatter(hs.view(np.dtype(dtype)), hr.view(np.dtype(dtype)), counts,
+                                                  op=MPI.SUM)])
             a.from_host(hr, recv)
         elif a.is_host(send):
-            self.comm.Reduce_scatter(a.host_typed(send), a.host_typed(recv), counts, op=MPI.SUM)
+            self._wait([self.comm.Ireduce_scatter(a.host_typed(send), a.host_typed(recv), counts, op=MPI.SUM)])
         else:
             a.synchronize(self.device)
-            self.comm.Reduce_scatter(send, recv, counts, op=MPI.SUM)
+            self._wait([self.comm.Ireduce_scatter(send, recv, counts, op=MPI.SUM)])
 
     def broadcast_slices(self, buf, bounds: list[tuple[int, int]]) -> None:
         """Rank j broadcasts ``buf[lo:hi]`` for ``(lo, hi) = bounds[j]``, for every rank with a non-empty
@@ -275,14 +281,14 @@ class Transport:
                 a.to_host(buf[lo:hi], host[lo * item:hi * item])
             for j in holders:
                 lo, hi = bounds[j]
-                self.comm.Bcast([host[lo * item:hi * item], MPI.BYTE], root=j)
+                self._wait([self.comm.Ibcast([host[lo * item:hi * item], MPI.BYTE], root=j)])
             a.from_host(host, buf)
             return
         if not a.is_host(buf):
             a.synchronize(self.device)
         for j in holders:
             lo, hi = bounds[j]
-            self.comm.Bcast([a.mpi_bytes(buf[lo:hi]), MPI.BYTE], root=j)
+            self._wait([self.comm.Ibcast([a.mpi_bytes(buf[lo:hi]), MPI.BYTE], root=j)])
 
 
 def transport_for(ctx, comm: MPI.Intracomm, adapter: Adapter, device: str, buf) -> Transport:

@@ -42,6 +42,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import adasum
+
 VARIANTS = ["local", "adasum", "adasum-overlap", "adasum-overlap-bf16", "mean", "mean-overlap",
             "mean-overlap-bf16", "ddp", "ddp-fp16", "ddp-adasum"]
 WIRES16 = ("bf16", "fp16")
@@ -170,6 +172,9 @@ def run(args) -> dict:
         mpi = {w: [] for w in wires}
         for _ in range(args.rounds):
             for v in variants:
+                # "-spin", "-nap": the library's setting ``waiting`` for this variant (default "auto")
+                parts = v.split("@")[0].split("-")
+                adasum.configure(waiting="spin" if "spin" in parts else "nap" if "nap" in parts else "auto")
                 comm.Barrier()
                 t0 = time.perf_counter()
                 ph = steps(setups[v], args.steps)

@@ -28,15 +28,22 @@ from typing import Callable
 import torch
 from mpi4py import MPI
 
-from ..context import library_comm
+from ..context import context_for, library_comm
 from .strategy import Bucket, trained_params
 
 __all__ = ["BucketPlan", "CommThread", "Job", "OverlapEngine"]
 
 
+FIRST_BUCKET_BYTES = 1 << 20
+
+
 class BucketPlan:
     """The buckets (lists of parameter indices) and, per parameter, how many gradient accumulations one
-    closing backward produces (seen on this rank in the observed boundary)."""
+    closing backward produces (seen on this rank in the observed boundary).
+
+    The first bucket is cut at ``FIRST_BUCKET_BYTES`` (or ``bucket_bytes``, where smaller), so that the
+    wire starts with the first layers backward finishes rather than after a whole bucket of them; the
+    others at ``bucket_bytes``."""
 
     def __init__(self, order: list[int], nbytes: list[int], expected: list[int], bucket_bytes: int):
         self.buckets: list[list[int]] = []
@@ -45,7 +52,7 @@ class BucketPlan:
         for i in order:
             cur.append(i)
             size += nbytes[i]
-            if size >= bucket_bytes:
+            if size >= (bucket_bytes if self.buckets else min(bucket_bytes, FIRST_BUCKET_BYTES)):
                 self.buckets.append(cur)
                 cur, size = [], 0
         if cur:
@@ -145,6 +152,7 @@ class OverlapEngine:
     def __init__(self, optimizer, strategy, window, loss_scale, comm: MPI.Intracomm, bucket_bytes: int):
         self.comm = comm.Dup()
         library_comm(self.comm)  # the library's own duplicate, made here on the main thread
+        context_for(self.comm).beside_compute = True  # its waits leave the core to backward (adasum.waiting)
         self._thread = CommThread(f"adasum-overlap-{self.comm.Get_rank()}")
         self._optimizer = optimizer
         self._strategy = strategy
