@@ -274,16 +274,13 @@ def _hierarchical(ctx: Context, plan: Plan, operands: Sequence[Operand], split: 
 
 
 def _plain_reduce(ctx: Context, groups: Sequence[Operand], mean: bool) -> None:
-    """``sum`` and ``mean``: MPI's allreduce on each fused buffer; 16-bit floats travel as float32."""
+    """``sum`` and ``mean``: MPI's allreduce on each fused buffer; 16-bit floats travel as 16 bits, summed
+    in float32 (:meth:`Transport.allreduce_16bit`)."""
     size = ctx.size
     for g in groups:
         t = transport_for(ctx, ctx.lcomm, g.adapter, g.device, g.buffer)
         if g.dtype in ("float16", "bfloat16"):
-            wide = g.adapter.astype(g.buffer, "float32")
-            t.allreduce_sum(wide)
-            if mean:
-                g.adapter.divide(wide, size)
-            g.adapter.copy_(g.buffer, wide)
+            t.allreduce_16bit(g.buffer, g.dtype, mean)
         else:
             t.allreduce_sum(g.buffer)
             if mean:

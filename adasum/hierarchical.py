@@ -140,14 +140,13 @@ class _NodeCollectives:
         """Leave this local rank's slice of the node's mean in ``g.buffer`` (nothing on non-holders)."""
         g, a, t = self.g, self.g.adapter, self.transport
         lo, n = self.displs[self.comm.Get_rank()], self.counts[self.comm.Get_rank()]
-        wide = "float32" if g.dtype in _SMALL_FLOATS else g.dtype  # MPI has no 16-bit sum
-        if wide != g.dtype:
-            send = t.kept(wide, g.size, "node-wide")
-            a.copy_(send, g.buffer)
-        else:
-            send = g.buffer
-        recv = t.kept(wide, n, "node-recv")
-        t.reduce_scatter_sum(send, recv, self.counts, wide)
+        if g.dtype in _SMALL_FLOATS:  # travels as 16 bits, summed in float32 (MPI has no 16-bit sum)
+            bits = t.reduce_scatter_16bit(g.buffer, self.counts, g.dtype, self.local_size)
+            if n:
+                a.from_host(bits.view(np.uint8), g.buffer[lo:lo + n])
+            return
+        recv = t.kept(g.dtype, n, "node-recv")
+        t.reduce_scatter_sum(g.buffer, recv, self.counts, g.dtype)
         if n:
             a.divide(recv, self.local_size)
             a.copy_(g.buffer[lo:lo + n], recv)

@@ -205,6 +205,53 @@ class Transport:
         self._wait([self.comm.Iallreduce(MPI.IN_PLACE, typed, op=MPI.SUM)])
         self.adapter.from_host(host, buf)
 
+    def allreduce_16bit(self, buf, dtype: str, mean: bool) -> None:
+        """Sum (``mean``: mean) of a flat float16/bfloat16 buffer, in place, travelling as 16 bits (MPI has
+        no 16-bit float sum): :meth:`reduce_scatter_16bit` in equal blocks, then one allgather of the rounded
+        blocks. Each rank sends 2·(P-1)/P of the buffer's bytes, half of a float32 allreduce's."""
+        size, me = self.comm.Get_size(), self.comm.Get_rank()
+        n = self.nbytes(buf) // 2
+        chunk = -(-n // size)
+        counts = [max(0, min(chunk, n - j * chunk)) for j in range(size)]
+        mine = self.reduce_scatter_16bit(buf, counts, dtype, size if mean else 1)
+        host = self._host_bits(buf, n, 0)
+        displs = [j * chunk for j in range(size)]
+        host[displs[me]:displs[me] + counts[me]] = mine
+        self._wait([self.comm.Iallgatherv(MPI.IN_PLACE, [host, (counts, displs), MPI.UINT16_T])])
+        if not (self.adapter.is_host(buf) and not self.staged):
+            self.adapter.from_host(host.view(np.uint8), buf)
+
+    def reduce_scatter_16bit(self, send, counts: list[int], dtype: str, divisor: int = 1) -> np.ndarray:
+        """Rank j's block (``counts``) of the sum of every rank's ``send`` (a flat float16 or bfloat16
+        buffer), as the host bits of ``dtype``: one ``Alltoallv`` of 16-bit blocks, the blocks added in
+        float32 in rank order (the same bits on every rank), divided by ``divisor``, rounded once."""
+        size, me = self.comm.Get_size(), self.comm.Get_rank()
+        host = self._host_bits(send, sum(counts), 0, copy=True)
+        mine = counts[me]
+        recv = self.stage(1, 2 * mine * size).view(np.uint16)
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+        self._record("allreduce_bytes", 2 * sum(counts))
+        self._wait([self.comm.Ialltoallv([host, (counts, displs), MPI.UINT16_T],
+                                         [recv, ([mine] * size, [mine * j for j in range(size)]), MPI.UINT16_T])])
+        rows = recv.reshape(size, mine)
+        with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN carry on, as in a float sum
+            acc = widen_16bit(rows[0], dtype)
+            for j in range(1, size):
+                acc += widen_16bit(rows[j], dtype)
+            if divisor != 1:
+                acc /= np.float32(divisor)
+            return narrow_16bit(acc, dtype)
+
+    def _host_bits(self, buf, n: int, which: int, copy: bool = False) -> np.ndarray:
+        """``buf``'s ``n`` 16-bit elements as host uint16: its own memory where MPI can read it, else a
+        staging buffer (``which``) that ``copy`` fills from it."""
+        if self.adapter.is_host(buf) and not self.staged:
+            return self.adapter.mpi_bytes(buf).view(np.uint16)
+        host = self.stage(which, 2 * n).view(np.uint16)
+        if copy:
+            self.adapter.to_host(buf, host.view(np.uint8))
+        return host
+
     @contextlib.contextmanager
     def _described(self, buf, sending: bool):
         """:meth:`_message` for one MPI call, its datatype freed afterwards."""
@@ -289,6 +336,24 @@ class Transport:
         for j in holders:
             lo, hi = bounds[j]
             self._wait([self.comm.Ibcast([a.mpi_bytes(buf[lo:hi]), MPI.BYTE], root=j)])
+
+
+def widen_16bit(bits: np.ndarray, dtype: str) -> np.ndarray:
+    """float16 or bfloat16 values, given as their uint16 bits, as a new float32 array (exact)."""
+    if dtype == "float16":
+        return bits.view(np.float16).astype(np.float32)
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def narrow_16bit(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 ``values`` rounded to the nearest float16 or bfloat16 (ties to even; NaN stays NaN), as
+    uint16 bits: the rounding of torch's and numpy's casts."""
+    if dtype == "float16":
+        return values.astype(np.float16).view(np.uint16)
+    u = values.view(np.uint32)
+    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    bits[np.isnan(values)] = 0x7FC0
+    return bits
 
 
 def transport_for(ctx, comm: MPI.Intracomm, adapter: Adapter, device: str, buf) -> Transport:

@@ -10,13 +10,10 @@ sum are linear in a common factor, so the result is divided by the same power af
 still overflows or underflows is logged once per layer. bfloat16 has float32's exponent range and is sent
 unscaled.
 
-Adasum of 16-bit tensors is the library's own: it sends them as they are and computes the dot products,
-norms and the combine in float32 or wider. For ``sum``/``mean`` the library widens 16-bit buffers to
-float32 before ``MPI_Allreduce`` (MPI has no 16-bit float sum), so the optimizer reduces them here instead:
-a reduce-scatter written as one ``Alltoall`` of 16-bit slices, each rank summing its slice in float32 in
-rank order (the same bits on every rank), then one ``Allgather`` of the rounded 16-bit slices. Each rank
-sends 2·(P-1)/P of the 16-bit buffer, half of what a float32 allreduce sends. The scale and the cast are
-one pass into the packed buffer, and the unscale and the widening one pass out of it.
+The library reduces 16-bit buffers itself: Adasum sends them as they are and computes the dot products,
+norms and the combine in float32 or wider; ``sum``/``mean`` send 16-bit blocks and add them in float32
+(:meth:`adasum.transport.Transport.allreduce_16bit`). The tensors of a reduction are scaled, cast and packed
+into one 16-bit buffer in one pass, and widened, unscaled and unpacked in one pass after it.
 """
 
 from __future__ import annotations
@@ -148,37 +145,16 @@ def reduce_16bit(tensors: list[torch.Tensor], dtype: torch.dtype, comm: MPI.Intr
     """Sum (or mean) of ``tensors`` over ``comm``, in place, travelling as ``dtype``; identical on every rank.
 
     ``tensors`` may be of any float dtype and device; each is multiplied by its ``scales`` entry (default 1)
-    as it is cast to ``dtype`` and packed, in one pass. The result is the float32 sum of the 16-bit values
-    every rank sent, in rank order, rounded once to ``dtype``, divided by the scale as it is unpacked into
-    each tensor's own dtype. The messages go over the library's duplicate of ``comm`` as one numbered call
-    waited through the stall inspector, and count in ``adasum.count_traffic(comm)`` as
-    ``allreduce_bytes`` (the 16-bit buffer each rank contributes). ``kept``: buffers reused between calls.
+    as it is cast to ``dtype`` and packed into one host buffer, in one pass. The library's sum of that
+    buffer (:func:`adasum.adasum_allreduce_inplace`: the float32 sum of the 16-bit values every rank sent,
+    in rank order, rounded once) is then divided by the scale as it is unpacked into each tensor's own
+    dtype. ``kept``: buffers reused between calls.
     """
-    size, rank = comm.Get_size(), comm.Get_rank()
-    n = sum(t.numel() for t in tensors)
-    chunk = -(-n // size)
     kept = kept if kept is not None else Kept()
-    send, recv = kept.get("send", chunk * size, dtype), kept.get("recv", chunk * size, dtype)
-    views = _views(send, tensors)
+    flat = kept.get("sum", sum(t.numel() for t in tensors), dtype)
+    views = _views(flat, tensors)
     _pack(tensors, views, scales)
-    send[n:].zero_()
-    what = "the 16-bit sum"
-    ctx = exchange.enter(comm, what)  # a numbered call, waited through the stall inspector
-    try:
-        if chunk:
-            req = ctx.lcomm.Ialltoall(_raw(send), _raw(recv))
-            exchange.wait(ctx, req, what, n * 2, field="allreduce_bytes")
-        parts = recv.view(size, chunk)
-        acc = kept.get("acc", chunk, torch.float32)
-        acc.copy_(parts[0])
-        for j in range(1, size):
-            acc.add_(parts[j])  # widened element by element, in rank order
-        mine = send[rank * chunk:(rank + 1) * chunk]
-        torch.div(acc, size, out=mine) if mean else mine.copy_(acc)
-        if chunk:
-            exchange.wait(ctx, ctx.lcomm.Iallgather(MPI.IN_PLACE, _raw(send)), what, 0, field="allreduce_bytes")
-    finally:
-        ctx.leave()
+    adasum_allreduce_inplace([flat], op="mean" if mean else "sum", comm=comm)
     _unpack(views, tensors, scales)
 
 
@@ -226,5 +202,3 @@ def _views(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor
     return out
 
 
-def _raw(t: torch.Tensor):
-    return [t.view(torch.int16).numpy(), MPI.SHORT]
