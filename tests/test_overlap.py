@@ -347,3 +347,27 @@ def test_no_mpi_call_off_the_boundary_with_overlap(comm, op):
     micro_steps(1)
     assert opt.is_boundary and opt.overlapped_boundaries == 2
     assert_identical_across_ranks(comm, list(model.parameters()))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_timeline_shows_each_bucket_and_the_first_leaves_early(comm):
+    """The first bucket is cut at 1 MiB (the last layer backward finishes), the others at bucket_bytes; the
+    timeline of a boundary lists them in order with when each was handed over, began and ended."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(600, 600) for _ in range(3)])
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), overlap=True, comm=comm)
+    try:
+        x = torch.randn(4, 600, generator=torch.Generator().manual_seed(comm.Get_rank()))
+        assert opt.timeline == []
+        for _ in range(3):  # the first boundary observes backward's order; the later ones overlap
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        layer = 600 * 600 * 4 + 600 * 4
+        tl = opt.timeline
+        assert [e["bucket"] for e in tl] == [0, 1] and [e["bytes"] for e in tl] == [layer, 2 * layer]
+        for e in tl:
+            assert 0 <= e["ready"] <= e["began"] <= e["ended"], e
+        assert tl[0]["ready"] <= tl[1]["ready"] <= tl[1]["step"] and tl[0]["ended"] <= tl[1]["began"]
+    finally:
+        opt.close()
