@@ -2,8 +2,11 @@
 the background thread and its communicator, and the state of the backward in progress.
 
 On the backward that closes a window, a post-accumulate-grad hook on every parameter counts the gradient
-accumulations; a bucket whose parameters all have theirs is handed to the thread at once, which runs the
-reduce strategy's :meth:`reduce` on it (``side=True``: the parameters keep their values until ``step()``).
+accumulations; a bucket whose parameters all have theirs is handed over at once to two threads: one runs
+the strategy's :meth:`local` part (averaging, the local step, the deltas; ``side=True``: the parameters keep
+their values until ``step()``), the other its :meth:`combine` (the collective), once the local part is done.
+So bucket k+1's local step runs while bucket k's bytes are on the wire; the wire thread's waits nap
+(:mod:`adasum.waiting`), leaving the core to backward and to the local thread.
 
 A bucket is a run of parameters in the order backward finished them in the first observed boundary, as
 rank 0 saw it (shared with every rank), cut where it holds at least ``bucket_bytes`` bytes. Every rank
@@ -126,7 +129,7 @@ class _Backward:
     """The progress of one closing backward."""
 
     __slots__ = ("params", "fired", "order", "observe", "count", "scale", "next", "buckets", "jobs",
-                 "waiting", "began")
+                 "local_jobs", "waiting", "began")
 
     def __init__(self, params: list[torch.Tensor], plan: BucketPlan | None, count: int, scale: float):
         self.params = params
@@ -137,7 +140,8 @@ class _Backward:
         self.scale = scale              # the loss scale of its gradients
         self.next = 0                   # the next bucket to hand to the thread
         self.buckets: list[Bucket] = []
-        self.jobs: list[Job] = []
+        self.jobs: list[Job] = []        # the wire's, one per bucket
+        self.local_jobs: list[Job] = []  # the local parts'
         self.waiting = None if plan is None else list(plan.waiting)
         self.began = time.perf_counter()  # the first gradient of this backward
 
@@ -153,7 +157,8 @@ class OverlapEngine:
         self.comm = comm.Dup()
         library_comm(self.comm)  # the library's own duplicate, made here on the main thread
         context_for(self.comm).beside_compute = True  # its waits leave the core to backward (adasum.waiting)
-        self._thread = CommThread(f"adasum-overlap-{self.comm.Get_rank()}")
+        self._thread = CommThread(f"adasum-overlap-{self.comm.Get_rank()}")  # the wire
+        self._local = CommThread(f"adasum-local-{self.comm.Get_rank()}")
         self._optimizer = optimizer
         self._strategy = strategy
         self._window = window
@@ -228,7 +233,9 @@ class OverlapEngine:
         bw.next += 1
         bucket = Bucket([bw.params[i] for i in idx], idx, bw.count, bw.scale)
         bw.buckets.append(bucket)
-        bw.jobs.append(self._thread.submit(_reduce_job(self._strategy, bucket, self.comm)))
+        local = self._local.submit(_local_job(self._strategy, bucket))
+        bw.local_jobs.append(local)
+        bw.jobs.append(self._thread.submit(_wire_job(self._strategy, bucket, self.comm, local)))
 
     # --- at the boundary ----------------------------------------------------------------------------------
 
@@ -255,9 +262,10 @@ class OverlapEngine:
                 bucket.error = job.error
         self.overlapped_boundaries += 1
         self.timeline = [{"bucket": b, "bytes": sum(p.numel() * p.element_size() for p in bucket.params),
-                          "ready": job.times[0] - bw.began, "began": job.times[1] - bw.began,
-                          "ended": job.times[2] - bw.began, "step": called - bw.began}
-                         for b, (job, bucket) in enumerate(zip(bw.jobs, bw.buckets))]
+                          "ready": job.times[0] - bw.began, "local": local.times[1] - bw.began,
+                          "began": job.times[1] - bw.began, "ended": job.times[2] - bw.began,
+                          "step": called - bw.began}
+                         for b, (job, local, bucket) in enumerate(zip(bw.jobs, bw.local_jobs, bw.buckets))]
         return bw.buckets, bw.scale
 
     def after_boundary(self) -> None:
@@ -308,6 +316,7 @@ class OverlapEngine:
         self.closed = True
         self._remove_hooks()
         self._bw = None
+        self._local.close()
         self._thread.close()
         if not MPI.Is_finalized():
             self.comm.Free()  # the library's state on it (and its own duplicate) goes with it
@@ -326,7 +335,16 @@ def _hook(owner: "weakref.ref[OverlapEngine]", i: int):
     return hook
 
 
-def _reduce_job(strategy, bucket: Bucket, comm: MPI.Intracomm) -> Callable[[], None]:
+def _local_job(strategy, bucket: Bucket) -> Callable[[], None]:
     def job() -> None:
-        strategy.reduce(bucket, comm, side=True)
+        strategy.local(bucket, side=True)
+    return job
+
+
+def _wire_job(strategy, bucket: Bucket, comm: MPI.Intracomm, local: Job) -> Callable[[], None]:
+    def job() -> None:
+        local.wait()
+        if local.error and bucket.error is None:
+            bucket.error = local.error  # the bucket still takes part in the collective, with NaN deltas
+        strategy.combine(bucket, comm)
     return job

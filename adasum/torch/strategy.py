@@ -2,8 +2,10 @@
 bucket of parameters, as a plain object that holds no reference to the optimizer proxy.
 
 A boundary is one or more :class:`Bucket` s. :meth:`reduce` runs once per bucket, on the main thread inside
-``step()`` or on the overlap thread during backward (``side=True``), with the communicator to reduce on;
-after every rank has agreed that no bucket failed, :meth:`settle` and :meth:`update` run on the main thread.
+``step()``, with the communicator to reduce on: :meth:`local` (this rank's part: averaging, the local step,
+the deltas) then :meth:`combine` (the wire). With overlap the two run on two threads during backward
+(``side=True``), so that one bucket's local part runs while the previous bucket's bytes are on the wire.
+After every rank has agreed that no bucket failed, :meth:`settle` and :meth:`update` run on the main thread.
 
 - :class:`AdasumDeltas` (``op="adasum"``): average the bucket's gradients, take the wrapped optimizer's
   step on the bucket's parameters only, take the deltas (new - start) and combine them with Adasum, one
@@ -68,9 +70,16 @@ class AdasumDeltas:
         self.start.ensure(params)
 
     def reduce(self, bucket: Bucket, comm: MPI.Intracomm, side: bool, everything: bool = False) -> None:
-        """Local step on the bucket, Adasum of its deltas over ``comm``. A failure here still takes part in
-        the reduction (with a NaN delta, so every rank skips the update), and is kept on the bucket.
-        ``everything``: the bucket holds every parameter of the optimizer (one plain step)."""
+        """Local step on the bucket, Adasum of its deltas over ``comm``: :meth:`local`, then :meth:`combine`.
+        A failure here still takes part in the reduction (with a NaN delta, so every rank skips the update),
+        and is kept on the bucket. ``everything``: the bucket holds every parameter of the optimizer (one
+        plain step)."""
+        self.local(bucket, side, everything)
+        self.combine(bucket, comm)
+
+    def local(self, bucket: Bucket, side: bool, everything: bool = False) -> None:
+        """This rank's part: average the gradients, take the local step, form the deltas (in kept buffers,
+        the parameters back at their start, where ``side``); no communication."""
         params, index = bucket.params, bucket.index
         bucket.side = side
         local_ok = False
@@ -98,9 +107,18 @@ class AdasumDeltas:
                 self.start.apply(deltas, index, "sub")
             if not local_ok:
                 mark_nonfinite(deltas)
-            bucket.amax = self.wire.adasum_(deltas, comm, self.hierarchical,
-                                            bucket.names() if self.wire.dtype else None)
         bucket.result = deltas
+
+    def combine(self, bucket: Bucket, comm: MPI.Intracomm) -> None:
+        """Adasum of the bucket's deltas over ``comm``, in place. Where :meth:`local` failed before it formed
+        them, the bucket takes part with NaN deltas (every rank then skips the update)."""
+        params = bucket.params
+        with torch.no_grad():
+            if len(bucket.result) != len(params):
+                bucket.result = [torch.zeros_like(p) for p in params]
+                mark_nonfinite(bucket.result)
+            bucket.amax = self.wire.adasum_(bucket.result, comm, self.hierarchical,
+                                            bucket.names() if self.wire.dtype else None)
 
     def settle(self, buckets: list[Bucket]) -> None:
         """Nothing to hand over before the update: the deltas stay apart from the gradients."""
@@ -142,16 +160,25 @@ class GradientReduce:
         """Nothing is kept between the buckets of a boundary."""
 
     def reduce(self, bucket: Bucket, comm: MPI.Intracomm, side: bool, everything: bool = False) -> None:
-        """Average the bucket's gradients and reduce them over ``comm`` in one call. A parameter without a
-        gradient takes part with zeros; it gets the reduced gradient if some rank had one, else it stays
-        without (so the wrapped optimizer skips it on every rank alike). One extra layer carries which
-        ranks had gradients."""
-        params = bucket.params
+        """Average the bucket's gradients and reduce them over ``comm`` in one call (:meth:`local`, then
+        :meth:`combine`)."""
+        self.local(bucket, side, everything)
+        self.combine(bucket, comm)
+
+    def local(self, bucket: Bucket, side: bool, everything: bool = False) -> None:
+        """Average the bucket's gradients (and unscale them)."""
         bucket.side = side
         with torch.no_grad():
             if not bucket.averaged:
-                average_(grads_of(params), bucket.count, bucket.scale)
+                average_(grads_of(bucket.params), bucket.count, bucket.scale)
             bucket.averaged = True
+
+    def combine(self, bucket: Bucket, comm: MPI.Intracomm) -> None:
+        """Reduce the averaged gradients over ``comm`` in one call. A parameter without a gradient takes part
+        with zeros; it gets the reduced gradient if some rank had one, else it stays without (so the wrapped
+        optimizer skips it on every rank alike). One extra layer carries which ranks had gradients."""
+        params = bucket.params
+        with torch.no_grad():
             if not params or comm.Get_size() == 1:
                 return
             ref = params[0]
