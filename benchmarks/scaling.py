@@ -107,11 +107,13 @@ def plot(merged: dict, png: Path) -> None:
             xs = sorted(runs)
             variants = [v for v in runs[xs[-1]]["models"][name]["median_s"]
                         if v == "local" or wire_of(v) == wire and v != "ddp-adasum"]
+            palette = iter(["tab:gray", "tab:blue", "tab:cyan", "tab:green", "tab:olive", "tab:purple"])
             for v in variants:
                 pts = [(x, 1e3 * runs[x]["models"][name]["median_s"][v]) for x in xs
                        if v in runs[x]["models"][name]["median_s"]]
-                style = {"color": "tab:red"} if v.startswith("ddp") else {}
-                ax.plot(*zip(*pts), marker="o", label=v, **style)
+                color = "tab:red" if v.startswith("ddp") else next(palette)
+                ax.plot(*zip(*pts), marker="o", label=v, color=color,
+                        linestyle="--" if "overlap" not in v and v != "local" and not v.startswith("ddp") else "-")
             lim = [(x, 1e3 * runs[x]["models"][name]["limit_s"][wire]) for x in xs]
             ax.plot(*zip(*lim), "k--", label="limit")
             ax.set_title(f"{name}, {wire} wire, {rate}")
