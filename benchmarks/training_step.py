@@ -15,6 +15,18 @@ median minus the local step's median (the same model and optimizer without commu
 rank at the same time, so they share the cores alike), and where the time goes: forward, backward and
 step + zero_grad, each the slowest rank's, median over rounds.
 
+Variants: ``local``; ``adasum`` or ``mean`` with ``-overlap``, ``-bf16`` or ``-fp16`` (the 16-bit wire) and
+``-spin`` or ``-nap`` (the library's setting ``waiting`` during that variant's turns; default ``"auto"``)
+and ``-b<N>m`` (``bucket_bytes`` of N MiB for that variant);
+``ddp`` (torch DDP over gloo), ``ddp-fp16`` (with torch's ``fp16_compress_hook``) and ``ddp-adasum`` (with
+``adasum.torch.ddp.adasum_hook``); ``hvd``, ``hvd-fp16`` and ``hvd-adasum``: Horovod's DistributedOptimizer
+(Average, Average with its fp16 compression, Adasum), where Horovod is installed beside this checkout (it
+is never needed otherwise; run it with ``HOROVOD_CYCLE_TIME=0.1``). Each round also times MPI's own
+allreduce of the model's bytes (float32, and half of them for 16-bit wires), which gives the **limit** of a
+step: forward + max(backward, that allreduce) + the local update, from the local variant's phases. The table shows each step over the limit
+(the 16-bit one for 16-bit wires) and over DDP's step (``ddp-fp16``'s for 16-bit wires). Across emulated
+hosts, run it through ``cluster/netns.sh`` (``scaling.py`` does, for several host counts and link rates).
+
 ``--base DIR`` (another checkout, its extension built in place, as for ``benchmarks/compare.py``) adds,
 for every DistributedOptimizer variant V, ``V@base``: the same variant with that version's ``adasum``,
 imported next to this checkout's under another name, taking turns with the others in the same job; and
@@ -90,6 +102,15 @@ def build(variant: str, name: str, rank: int, quick: bool, bucket_bytes: int):
     inner = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     if variant == "local":
         return model, inner, x, y, loss_fn
+    if variant.startswith("hvd"):  # Horovod, where it is installed: Average (-fp16: its fp16 compression), Adasum
+        import horovod.torch as hvd
+
+        hvd.init()
+        op = hvd.Adasum if variant == "hvd-adasum" else hvd.Average
+        compression = hvd.Compression.fp16 if variant == "hvd-fp16" else hvd.Compression.none
+        opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), op=op,
+                                       compression=compression)
+        return model, opt, x, y, loss_fn
     if variant.startswith("ddp"):  # torch DDP over gloo; with adasum_hook, Adasum of the gradients
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         if variant == "ddp-adasum":
@@ -103,6 +124,8 @@ def build(variant: str, name: str, rank: int, quick: bool, bucket_bytes: int):
         return ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9), x, y, loss_fn
     parts = variant.split("-")
     wire = [w for w in WIRES16 if w in parts]
+    sized = [int(q[1:-1]) << 20 for q in parts if q[:1] == "b" and q[-1:] == "m" and q[1:-1].isdigit()]
+    bucket_bytes = sized[0] if sized else bucket_bytes  # "-b4m": 4 MiB buckets for this variant
     extra = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
     opt = at.DistributedOptimizer(inner, op=parts[0], overlap="overlap" in parts,
                                   compression=wire[0] if wire else None, **extra)
