@@ -37,3 +37,31 @@ def test_quick_run_and_report(comm, capsys):
         bench.main(["--report", path, "--png", png])
         out = capsys.readouterr().out
         assert "adasum-overlap-bf16" in out and "ddp" in out and os.path.getsize(png) > 0
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(300)
+def test_scaling_report_tabulates_and_plots_runs(comm, capsys):
+    """benchmarks/scaling.py --plot-only merges runs named {rate}-{hosts}h.json and 1h.json into a table of
+    step / limit and step / DDP per rate and host count, and a plot."""
+    spec = importlib.util.spec_from_file_location("benchmark_scaling", os.path.join(os.path.dirname(_PATH),
+                                                                                   "scaling.py"))
+    scaling = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scaling)
+    root = comm.bcast(tempfile.mkdtemp() if comm.Get_rank() == 0 else None, root=0)
+    run = os.path.join(root, "1gbit-2h.json")
+    bench.main(["--quick", "--models", "mlp", "--variants", "local,adasum-overlap,ddp", "--json", run])
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        results = json.load(open(run))
+        limit = results["models"]["mlp"]["limit_s"]
+        assert limit["fp32"] > 0 and limit["16bit"] > 0
+        os.link(run, os.path.join(root, "1h.json"))
+        scaling.main(["--plot-only", "--out", root])
+        text = open(os.path.join(root, "tables.md")).read()
+        med = results["models"]["mlp"]["median_s"]
+        want = f"| adasum-overlap | {1e3 * med['adasum-overlap']:.0f} | " \
+               f"{med['adasum-overlap'] / limit['fp32']:.2f} | {med['adasum-overlap'] / med['ddp']:.2f} |"
+        assert "mlp, 2 hosts at 1gbit" in text and want in text, text
+        assert os.path.getsize(os.path.join(root, "scaling.png")) > 0
+        assert set(json.load(open(os.path.join(root, "results.json")))) == {"local", "1gbit"}
