@@ -227,6 +227,12 @@ def set_launch_verified() -> None:
     _holder.launch_verified = True
 
 
+def export_environment(env: Mapping[str, object]) -> None:
+    """Set variables of this process's environment (for what ``torch.distributed`` and frameworks read,
+    such as ``MASTER_ADDR``); the settings and the launch environment kept at import stay as they were."""
+    os.environ.update({k: str(v) for k, v in env.items()})
+
+
 def launch_environment() -> dict[str, str]:
     """The launcher-related environment variables (torchrun, Slurm, MPI process managers) at import."""
     return dict(_holder.launch)

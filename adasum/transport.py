@@ -216,7 +216,7 @@ class Transport:
         chunk = -(-n // size)
         counts = [max(0, min(chunk, n - j * chunk)) for j in range(size)]
         mine = self.reduce_scatter_16bit(buf, counts, dtype, size if mean else 1)
-        host = self._host_bits(buf, n, 0)
+        host = self._host_bits(buf, n, 0)  # the buffer itself, or staging 0, which holds its copy already
         block = [host[j * chunk:j * chunk + counts[j]] for j in range(size)]
         block[me][...] = mine
         others = [j for j in range(size) if j != me]

@@ -4,7 +4,6 @@ size, the node of each rank), so that DDP, Lightning, Accelerate and the Hugging
 
 from __future__ import annotations
 
-import os
 import socket
 
 import torch
@@ -13,7 +12,7 @@ from mpi4py import MPI
 from .. import exchange
 from ..context import check_comm
 from ..launch import check_launch
-from ..settings import launch_environment
+from ..settings import export_environment, launch_environment
 from ..world import local_rank, local_size
 
 __all__ = ["init_process_group"]
@@ -54,7 +53,7 @@ def init_process_group(backend: str | None = None, *, comm: MPI.Intracomm | None
     address = exchange.bcast(comm, address, what="init_process_group's address")
     env = {"RANK": rank, "WORLD_SIZE": size, "LOCAL_RANK": local_rank(comm), "LOCAL_WORLD_SIZE": local_size(comm),
            "MASTER_ADDR": address[0], "MASTER_PORT": address[1]}
-    os.environ.update({k: str(v) for k, v in env.items()})
+    export_environment(env)
     kwargs = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, **kwargs)
 

@@ -93,10 +93,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         overlapped_boundaries: boundaries whose buckets were reduced during backward (``overlap``).
         buckets_started_in_backward: of the last such boundary, how many buckets were handed to the
             thread before ``step()`` was called.
-        timeline: of the last such boundary, one dict per bucket in the order the ranks reduce them:
-            ``bucket``, ``bytes``, and in seconds after the backward's first gradient, ``ready`` (handed to
-            the thread), ``began`` and ``ended`` (the thread's work on it: local step, casts, collective) and
-            ``step`` (when ``step()`` came to wait for the thread). Empty without overlap.
+        timeline: of the last such boundary, when each bucket was handed over, reduced and done
+            (:attr:`adasum.torch.overlap.OverlapEngine.timeline`); empty without overlap.
     """
 
     # GradScaler.step(opt) hands scaling over to optimizers that say this; step() then tells the user to

@@ -173,7 +173,10 @@ class OverlapEngine:
         self.closed = False
         self.overlapped_boundaries = 0       # boundaries whose buckets were reduced during backward
         self.buckets_started_in_backward = 0  # of the last such boundary, buckets handed over before step()
-        self.timeline: list[dict] = []       # of the last such boundary (see DistributedOptimizer.timeline)
+        # Of the last such boundary, one dict per bucket in the order the ranks reduce them: "bucket", "bytes",
+        # and in seconds after the backward's first gradient "ready" (handed to the threads), "local" (its
+        # local part began), "began" and "ended" (its collective), "step" (when step() came to wait).
+        self.timeline: list[dict] = []
         self.install()
 
     # --- hooks ------------------------------------------------------------------------------------------------
