@@ -28,7 +28,7 @@ from mpi4py import MPI
 from .. import exchange
 from ..allreduce import adasum_allreduce_inplace
 
-__all__ = ["WIRE_DTYPES", "Wire", "wire_dtype", "reduce_16bit"]
+__all__ = ["WIRE_DTYPES", "Wire", "wire_dtype"]
 
 _log = logging.getLogger("adasum")
 _FP16_MAX = 65504.0
@@ -59,7 +59,7 @@ class Wire:
         self.dtype = wire_dtype(compression)
         self.name = {None: None, torch.float16: "fp16", torch.bfloat16: "bf16"}[self.dtype]
         self._reported: set[tuple[int, str]] = set()
-        self._kept = Kept()  # the 16-bit sum's buffers: one reduction at a time runs on a wire
+        self._kept = Kept()  # the 16-bit buffer: one reduction at a time runs on a wire
 
     def adasum_(self, tensors: list[torch.Tensor], comm: MPI.Intracomm, hierarchical: bool = False,
                 names: list[str] | None = None):
@@ -69,12 +69,7 @@ class Wire:
             adasum_allreduce_inplace(tensors, op="adasum", comm=comm, hierarchical=hierarchical)
             return None
         scales, amax = self._scales(tensors, comm, names)
-        device = tensors[0].device if tensors else torch.device("cpu")
-        flat = self._kept.get("adasum", sum(t.numel() for t in tensors), self.dtype, device)
-        views = _views(flat, tensors)
-        _pack(tensors, views, scales)
-        adasum_allreduce_inplace(views, op="adasum", comm=comm, hierarchical=hierarchical)  # layers of one buffer
-        _unpack(views, tensors, scales)
+        self._reduce16(tensors, scales, "adasum", comm, hierarchical)
         return amax
 
     def sum_(self, tensors: list[torch.Tensor], comm: MPI.Intracomm, mean: bool, names: list[str] | None = None):
@@ -83,8 +78,22 @@ class Wire:
             adasum_allreduce_inplace(tensors, op="mean" if mean else "sum", comm=comm)
             return None
         scales, amax = self._scales(tensors, comm, names)
-        reduce_16bit(tensors, self.dtype, comm, mean, scales, self._kept)
+        self._reduce16(tensors, scales, "mean" if mean else "sum", comm)
         return amax
+
+    def _reduce16(self, tensors: list[torch.Tensor], scales: list[float], op: str, comm: MPI.Intracomm,
+                  hierarchical: bool = False) -> None:
+        """``op`` of ``tensors`` over ``comm``, in place, travelling as the wire's dtype: each tensor times its
+        scale is cast into its view of one kept 16-bit buffer (one pass), the library reduces that buffer (the
+        views as layers for Adasum), and each view divided by its scale goes back into its tensor's own dtype
+        (one pass). Identical on every rank."""
+        device = tensors[0].device if tensors else torch.device("cpu")
+        flat = self._kept.get(sum(t.numel() for t in tensors), self.dtype, device)
+        views = _views(flat, tensors)
+        _pack(tensors, views, scales)
+        # Adasum is per layer; a sum is element-wise, so the buffer goes whole
+        adasum_allreduce_inplace(views if op == "adasum" else [flat], op=op, comm=comm, hierarchical=hierarchical)
+        _unpack(views, tensors, scales)
 
     def explain(self, tensors: list[torch.Tensor], amax, names: list[str]) -> None:
         """After a reduction whose result is not finite: log, once per layer, each layer that the 16-bit
@@ -140,24 +149,6 @@ def _largest_magnitudes(tensors: list[torch.Tensor]) -> np.ndarray:
     return out
 
 
-def reduce_16bit(tensors: list[torch.Tensor], dtype: torch.dtype, comm: MPI.Intracomm, mean: bool,
-                 scales: list[float] | None = None, kept: "Kept | None" = None) -> None:
-    """Sum (or mean) of ``tensors`` over ``comm``, in place, travelling as ``dtype``; identical on every rank.
-
-    ``tensors`` may be of any float dtype and device; each is multiplied by its ``scales`` entry (default 1)
-    as it is cast to ``dtype`` and packed into one host buffer, in one pass. The library's sum of that
-    buffer (:func:`adasum.adasum_allreduce_inplace`: the float32 sum of the 16-bit values every rank sent,
-    in rank order, rounded once) is then divided by the scale as it is unpacked into each tensor's own
-    dtype. ``kept``: buffers reused between calls.
-    """
-    kept = kept if kept is not None else Kept()
-    flat = kept.get("sum", sum(t.numel() for t in tensors), dtype)
-    views = _views(flat, tensors)
-    _pack(tensors, views, scales)
-    adasum_allreduce_inplace([flat], op="mean" if mean else "sum", comm=comm)
-    _unpack(views, tensors, scales)
-
-
 def _pack(tensors: list[torch.Tensor], views: list[torch.Tensor], scales: list[float] | None) -> None:
     """Each tensor times its scale, cast to the views' dtype, into its view: one pass (on the same device)."""
     with torch.no_grad():
@@ -182,15 +173,15 @@ def _unpack(views: list[torch.Tensor], tensors: list[torch.Tensor], scales: list
 
 
 class Kept:
-    """The 16-bit wire's buffers, kept between calls and grown as needed (one set per :class:`Wire`)."""
+    """The 16-bit wire's buffer, kept between calls and grown as needed (one per :class:`Wire`)."""
 
     def __init__(self):
-        self._bufs: dict[str, torch.Tensor] = {}
+        self._buf: torch.Tensor | None = None
 
-    def get(self, name: str, n: int, dtype: torch.dtype, device=torch.device("cpu")) -> torch.Tensor:
-        buf = self._bufs.get(name)
+    def get(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = self._buf
         if buf is None or buf.dtype != dtype or buf.device != device or buf.numel() < n:
-            buf = self._bufs[name] = torch.empty(n, dtype=dtype, device=device)
+            buf = self._buf = torch.empty(n, dtype=dtype, device=device)
         return buf[:n]
 
 
