@@ -1,5 +1,5 @@
-"""The one compiled part of adasum: the extension ``adasum._kernels``, one module built from the C files
-``adasum/_kernels*.c`` (``adasum/_kernels.h`` says which file holds what).
+"""The one compiled part of adasum: the extension ``adasum.kernels._kernels``, one module built from the C files
+``adasum/kernels/_kernels*.c`` (``adasum/kernels/_kernels.h`` says which file holds what).
 
 Everything else is in pyproject.toml. The extension is optional: without a C compiler the package still
 installs and falls back to numpy kernels (slower; ``adasum.kernels_backend()`` says which is in use).
@@ -19,9 +19,9 @@ _SOURCES = ["_kernels.c", "_kernels_loops.c", "_kernels_operands.c", "_kernels_p
 setup(
     ext_modules=[
         Extension(
-            "adasum._kernels",
-            [f"adasum/{name}" for name in _SOURCES],
-            depends=["adasum/_kernels.h"],
+            "adasum.kernels._kernels",
+            [f"adasum/kernels/{name}" for name in _SOURCES],
+            depends=["adasum/kernels/_kernels.h"],
             # No FMA contraction: every rank computes bitwise the same results whatever its CPU.
             extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"],
             optional=True,

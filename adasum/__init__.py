@@ -5,16 +5,16 @@ binary tree of ranks, by recursive vector halving, so each rank sends about as m
 bandwidth-optimal allreduce. ``adasum.torch.DistributedOptimizer`` applies it to weight deltas in training.
 """
 
-from .allreduce import Op, adasum_allreduce, adasum_allreduce_inplace
+from .call.allreduce import Op, adasum_allreduce, adasum_allreduce_inplace
 from .adapters import kernels_backend, set_kernels_backend
-from .context import Traffic, count_traffic, release_buffers
-from .stall import AdasumStallError
-from .settings import Settings, configure, get_small_message_bytes, set_small_message_bytes
-from .settings import current as current_settings
-from .transport import cuda_aware_mpi, get_gpu_transport, set_gpu_transport
-from .agreement import AdasumMismatchError
-from .launch import AdasumLaunchError
-from .world import local_rank, local_size, rank, size
+from .runtime.context import Traffic, count_traffic, release_buffers
+from .runtime.stall import AdasumStallError
+from .runtime.settings import Settings, configure, get_small_message_bytes, set_small_message_bytes
+from .runtime.settings import current as current_settings
+from .runtime.transport import cuda_aware_mpi, get_gpu_transport, set_gpu_transport
+from .call.agreement import AdasumMismatchError
+from .runtime.launch import AdasumLaunchError
+from .runtime.world import local_rank, local_size, rank, size
 
 __all__ = [
     "Op",

@@ -38,7 +38,7 @@ HOSTFILE_RUNS = [
     ("interleaved", 5, "0,2,4;1,3"),  # two one-slot hosts, ranks wrap around: unequal and non-contiguous
 ]
 HOSTFILE_TESTS = ["tests/test_hierarchical.py", "tests/test_world.py"]
-# The numpy kernels (the fallback where adasum._kernels could not be built) run the core tests too.
+# The numpy kernels (the fallback where adasum.kernels._kernels could not be built) run the core tests too.
 NUMPY_KERNEL_TESTS = ["tests/test_allreduce.py", "tests/test_hierarchical.py"]
 
 

@@ -12,8 +12,8 @@ from mpi4py import MPI
 
 import adasum
 from adasum import AdasumMismatchError
-from adasum.context import context_for
-from adasum.reference import reference_allreduce
+from adasum.runtime.context import context_for
+from adasum.rule.reference import reference_allreduce
 from helpers import (EPS, KIND_DTYPES, KINDS, all_ranks_data, as_f64, assert_identical_across_ranks, kind_context,
                      make, rel_l2)
 

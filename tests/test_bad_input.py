@@ -8,7 +8,7 @@ import torch
 
 import adasum
 from adasum import AdasumMismatchError
-from adasum.reference import tree_combine
+from adasum.rule.reference import tree_combine
 
 pytestmark = pytest.mark.mpi(min_size=1)
 

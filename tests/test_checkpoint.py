@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import adasum
-from adasum.reference import reference_allreduce
+from adasum.rule.reference import reference_allreduce
 from adasum.torch import DistributedOptimizer, load_checkpoint, read_checkpoint, save_checkpoint
 from adasum.torch.checkpoint import HEADER_BYTES
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from adasum.combine import coefficients, combine
+from adasum.rule.combine import coefficients, combine
 
 # Multiples of 1/64 in [-1000, 1000]: squared norms of float64 values below about 1e-154 underflow, a
 # limit the README states; the properties are about the rule, not about that range.

@@ -12,8 +12,8 @@ import pytest
 from mpi4py import MPI
 
 import adasum
-from adasum.context import context_for
-from adasum.reference import reference_allreduce
+from adasum.runtime.context import context_for
+from adasum.rule.reference import reference_allreduce
 
 pytestmark = pytest.mark.mpi
 

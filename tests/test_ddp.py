@@ -62,7 +62,7 @@ def test_init_process_group_from_mpi(comm, pg):
     assert t.item() == sum(range(comm.Get_size()))
     if comm.Get_size() > 1:
         with pytest.raises(RuntimeError, match=r"already initialised as rank \d+ of \d+, but this is rank 0 of 1"):
-            at.init_process_group(comm=adasum.world.MPI.COMM_SELF)
+            at.init_process_group(comm=adasum.runtime.world.MPI.COMM_SELF)
 
 
 def run_ddp(comm, hook_state, hook, *, steps=4, k=1, opt_fn=None, **ddp_kwargs):
@@ -215,7 +215,7 @@ def test_delta_state_leaves_the_optimizer_as_it_was():
 
     p = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=0.5)
-    state = DeltaState(opt, comm=adasum.world.MPI.COMM_SELF)
+    state = DeltaState(opt, comm=adasum.runtime.world.MPI.COMM_SELF)
     p.grad = torch.ones(3)
     with pytest.raises(RuntimeError, match="do not call optimizer.step"):
         opt.step()

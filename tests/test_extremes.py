@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import adasum
-from adasum.combine import combine
+from adasum.rule.combine import combine
 
 from helpers import as_f64, assert_identical_across_ranks
 

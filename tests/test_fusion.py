@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from adasum.fusion import pieces
+from adasum.call.fusion import pieces
 
 
 def test_pieces_straddling_and_empty_layers():

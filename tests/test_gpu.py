@@ -17,7 +17,7 @@ import torch
 from mpi4py import MPI
 
 import adasum
-from adasum.reference import reference_allreduce
+from adasum.rule.reference import reference_allreduce
 from helpers import (CUDA, CUPY_IS_REAL, FLOATS, as_f64, assert_identical_across_ranks, cupy, gpu_transport, make,
                      raw_bytes, rel_l2)
 from test_allreduce import _tolerance
@@ -97,7 +97,7 @@ def test_triton_kernels_match_the_per_layer_kernels(comm, kind, schedule):
         adasum.configure(old)
     assert_identical_across_ranks(comm, fast)
     # a folded-out rank combines nothing: the ranks that combine load the kernels
-    assert comm.allreduce(int("adasum._triton" in sys.modules), op=MPI.MAX), "the Triton kernels never ran"
+    assert comm.allreduce(int("adasum.kernels._triton" in sys.modules), op=MPI.MAX), "the Triton kernels never ran"
     for f, i, p, w, d in zip(fast, inplace, per_layer, reference_allreduce(data), dtypes):
         assert f.dtype == p.dtype and f.shape == p.shape
         assert rel_l2(as_f64(f), w) <= _tolerance(d, size)

@@ -16,10 +16,11 @@ from mpi4py import MPI
 
 import adasum
 from adasum.adapters import NumpyAdapter
-from adasum.context import context_for
-from adasum.fusion import Group, Operand
-from adasum.hierarchical import _slice_bounds, _slice_group, hierarchical_reduce
-from adasum.reference import reference_allreduce, reference_hierarchical
+from adasum.runtime.context import context_for
+from adasum.runtime.topology import node_layout
+from adasum.call.fusion import Group, Operand
+from adasum.schedules.hierarchical import _slice_bounds, _slice_group, hierarchical_reduce
+from adasum.rule.reference import reference_allreduce, reference_hierarchical
 
 from helpers import (EPS, KIND_DTYPES, as_f64, assert_identical_across_ranks, cupy, gpu_transport, kind_context,
                      make, rel_l2)
@@ -96,13 +97,13 @@ def test_single_process_returns_input_unchanged():
 
 @pytest.mark.mpi
 def test_layout_is_the_shared_memory_split(comm):
-    layout = context_for(comm).node_layout()
+    layout = node_layout(context_for(comm))
     nodes = world_nodes(comm)
     assert layout.nodes == nodes
     assert comm.Get_rank() in layout.nodes[layout.node]
     assert layout.slices == min(len(n) for n in nodes)
     assert layout.counts == [len(n) for n in nodes]
-    assert context_for(comm).node_layout() is layout  # kept, not rebuilt
+    assert node_layout(context_for(comm)) is layout  # kept, not rebuilt
     assert (adasum.local_rank(comm), adasum.local_size(comm)) == (layout.local_rank, len(layout.nodes[layout.node]))
     want = expected_nodes()
     if want is not None:

@@ -12,7 +12,7 @@ from mpi4py import MPI
 import adasum
 import adasum.horovod as hvd
 import adasum.torch as at
-from adasum.reference import reference_allreduce
+from adasum.rule.reference import reference_allreduce
 
 from helpers import assert_identical_across_ranks, raw_bytes
 

@@ -1,4 +1,4 @@
-"""The compiled kernels (adasum._kernels) against float64 numpy, across instruction sets and the fallback."""
+"""The compiled kernels (adasum.kernels._kernels) against float64 numpy, across instruction sets and the fallback."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 
 import adasum
-from adasum import adapters, native
-from adasum.combine import combine
-from adasum.settings import from_environment
+from adasum import adapters
+from adasum.kernels import native
+from adasum.rule.combine import combine
+from adasum.runtime.settings import from_environment
 
-K = pytest.importorskip("adasum._kernels") if os.environ.get("ADASUM_ALLOW_NO_KERNELS") else None
+K = pytest.importorskip("adasum.kernels._kernels") if os.environ.get("ADASUM_ALLOW_NO_KERNELS") else None
 if K is None:
-    from adasum import _kernels as K  # the development and CI install must have built the extension
+    from adasum.kernels import _kernels as K  # the development and CI install must have built the extension
 
 
 def _spans(n: int, rng) -> np.ndarray:
@@ -251,9 +252,9 @@ def test_layout_tells_adjacent_disjoint_and_overlapping():
 @pytest.mark.parametrize("dtype,scale", [("float32", 0), ("float64", 0), ("float64", -1060), ("float64", 600)])
 @pytest.mark.parametrize("counts", [(1, 1), (2, 1), (1, 3), (5, 3)])
 def test_compiled_rule_is_the_python_rule(dtype, scale, counts):
-    """The compiled pair() is the fast implementation of adasum.combine's rule, not a second rule: on data
+    """The compiled pair() is the fast implementation of adasum.rule.combine's rule, not a second rule: on data
     whose dot products are exact in any order (small integers, times 2**scale), its coefficients and
-    combine give the bits of the Python path (dot products, adasum.combine.coefficients, scaled add), also
+    combine give the bits of the Python path (dot products, adasum.rule.combine.coefficients, scaled add), also
     where float64 partials must be rescaled (subnormal data, and squares beyond the range)."""
     rng = np.random.default_rng([9, *counts])
     bounds = [0, 7, 7, 40, 41, 300]  # an empty layer and a layer of one element among them

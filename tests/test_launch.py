@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import adasum
-from adasum.launch import VARIABLES, launch_problem
+from adasum.runtime.launch import VARIABLES, launch_problem
 
 TORCHRUN_1_OF_2 = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
 ONE_OF_TWO_SLURM_TASKS = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",

@@ -15,7 +15,7 @@ import torch
 from mpi4py import MPI
 
 import adasum
-from adasum.reference import reference_allreduce, reference_hierarchical
+from adasum.rule.reference import reference_allreduce, reference_hierarchical
 from adasum.torch import (BoundaryScheduler, DistributedOptimizer, broadcast_optimizer_state,
                           broadcast_parameters, load_checkpoint, save_checkpoint)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adasum.reference import reference_allreduce
+from adasum.rule.reference import reference_allreduce
 
 ROOT = Path(__file__).resolve().parent.parent
 READMES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md"]

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from adasum.combine import combine
-from adasum.reference import reference_allreduce, reference_hierarchical, tree_combine
+from adasum.rule.combine import combine
+from adasum.rule.reference import reference_allreduce, reference_hierarchical, tree_combine
 
 
 @pytest.mark.parametrize("p", range(1, 18))

@@ -1,4 +1,4 @@
-"""The segmented device kernels (adasum.segmented): tile tables, and the Triton dot products and combine
+"""The segmented device kernels (adasum.kernels.segmented): tile tables, and the Triton dot products and combine
 against float64 numpy references over many layouts and dtypes.
 
 They run on a CUDA device where one exists, else on CPU tensors under triton's interpreter
@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from adasum.segmented import TILE, SegmentedKernels, tile_table  # noqa: E402
+from adasum.kernels.segmented import TILE, SegmentedKernels, tile_table  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = ["float16", "bfloat16", "float32", "float64"]

@@ -15,7 +15,7 @@ import torch
 from mpi4py import MPI
 
 import adasum
-from adasum.context import Context
+from adasum.runtime.context import Context
 from adasum.torch import DistributedOptimizer
 
 from helpers import assert_identical_across_ranks, raw_bytes

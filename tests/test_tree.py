@@ -1,15 +1,15 @@
-"""The tree geometry (adasum.tree), serially, for every P from 1 to 64: both schedules simulated on P
-simulated ranks with the pairwise rule, against the serial reference (which does not use adasum.tree)."""
+"""The tree geometry (adasum.rule.tree), serially, for every P from 1 to 64: both schedules simulated on P
+simulated ranks with the pairwise rule, against the serial reference (which does not use adasum.rule.tree)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from adasum import tree
-from adasum.combine import coefficients, combine
-from adasum.fusion import pieces
-from adasum.reference import tree_combine
+from adasum.rule import tree
+from adasum.rule.combine import coefficients, combine
+from adasum.call.fusion import pieces
+from adasum.rule.reference import tree_combine
 
 SIZES = list(range(1, 65))
 

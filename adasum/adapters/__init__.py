@@ -3,7 +3,7 @@
 The schedules never look at an array's kind. They ask an adapter for a flat fused buffer, for per-layer
 partial dot products over a piece of it, for the in-place combine ``a ← ca·a + cb·b``, and for an object
 MPI can read. Compute stays on the array's device; only the (layers × 3) float64 partial sums cross to the
-host, where :mod:`adasum.combine` turns them into coefficients.
+host, where :mod:`adasum.rule.combine` turns them into coefficients.
 
 :class:`NumpyAdapter` (:mod:`.host`) serves numpy arrays, :class:`CupyAdapter` (:mod:`.cupy_arrays`) cupy
 arrays and :class:`TorchAdapter` (:mod:`.torch_tensors`) torch tensors on the CPU or a CUDA device. Each
@@ -16,8 +16,8 @@ import sys
 
 import numpy as np
 
-from .. import settings as _settings
-from ..native import compiled as _c_kernels  # None where the install could not build them
+from ..runtime import settings as _settings
+from ..kernels.native import compiled as _c_kernels  # None where the install could not build them
 from .base import Adapter, CopyStream, nonempty, use_c
 from .cupy_arrays import CupyAdapter
 from .host import NumpyAdapter
@@ -41,7 +41,7 @@ def set_kernels_backend(name: str) -> None:
     """Select ``"c"`` (the compiled kernels; ImportError if they were not built) or ``"numpy"``: the setting
     ``kernels`` of :func:`adasum.configure`."""
     if name == "c" and _c_kernels is None:
-        raise ImportError("adasum._kernels was not built (no C compiler at install time?)")
+        raise ImportError("adasum.kernels._kernels was not built (no C compiler at install time?)")
     _settings.configure(kernels=name)
 
 

@@ -9,9 +9,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import settings as _settings
-from ..combine import coefficients
-from ..native import compiled as _c_kernels  # None where the install could not build them
+from ..runtime import settings as _settings
+from ..rule.combine import coefficients
+from ..kernels.native import compiled as _c_kernels  # None where the install could not build them
 
 
 def use_c(s: _settings.Settings) -> bool:
@@ -53,7 +53,7 @@ class Adapter:
 
     def pack(self, tensors: Sequence[Any], buf, bounds: np.ndarray, spans=None) -> None:
         """Copy each tensor (any strides) into its slice ``buf[bounds[i]:bounds[i+1]]``. ``spans``, if
-        given, is :func:`adasum.fusion.layer_spans` of the group (what the compiled copy takes)."""
+        given, is :func:`adasum.call.fusion.layer_spans` of the group (what the compiled copy takes)."""
         raise NotImplementedError
 
     def views(self, buf, bounds: np.ndarray, shapes: Sequence[tuple[int, ...]]) -> list:
@@ -179,7 +179,7 @@ class Adapter:
 
 class CopyStream:
     """Copies between device buffers and host bytes for staged transfers, queued on a side stream of the
-    device so that they overlap the messages (:meth:`adasum.transport.Transport` sends a chunk while the
+    device so that they overlap the messages (:meth:`adasum.runtime.transport.Transport` sends a chunk while the
     next is copied). This base class copies at once, for host buffers; device adapters queue the copies and
     mark them with events, which it keeps and reuses.
 

@@ -6,8 +6,8 @@ import sys
 
 import numpy as np
 
-from .. import segmented as _segmented
-from ..combine import extend_range
+from ..kernels import segmented as _segmented
+from ..rule.combine import extend_range
 from .base import DEVICE_BLOCK, DeviceCopyStream, _blocks, per_layer_dots
 from .host import _NumpyLike
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..combine import extend_range, dtype_of
-from ..native import compiled as _c_kernels  # None where the install could not build them
+from ..rule.combine import extend_range, dtype_of
+from ..kernels.native import compiled as _c_kernels  # None where the install could not build them
 from .base import BLOCK, Adapter, _dtype_name, nonempty, use_c
 
 

@@ -6,8 +6,8 @@ import weakref
 
 import numpy as np
 
-from .. import segmented as _segmented
-from ..combine import extend_range
+from ..kernels import segmented as _segmented
+from ..rule.combine import extend_range
 from .base import BLOCK, DEVICE_BLOCK, _KEPT_VIEWS, Adapter, CopyStream, DeviceCopyStream, _blocks, _host, per_layer_dots
 from .host import NumpyAdapter
 

@@ -15,7 +15,7 @@ import logging
 import torch
 from mpi4py import MPI
 
-from .. import exchange
+from ..runtime import exchange
 from .accumulate import AccumulationWindow
 from .amp import LossScale
 from .overlap import OverlapEngine

@@ -26,8 +26,8 @@ import weakref
 import torch
 from mpi4py import MPI
 
-from ..allreduce import Op
-from ..context import check_comm, library_comm
+from ..call.allreduce import Op
+from ..runtime.context import check_comm, library_comm
 from .amp import LossScale
 from .boundary import failures
 from .compress import Wire

@@ -9,11 +9,11 @@ import socket
 import torch
 from mpi4py import MPI
 
-from .. import exchange
-from ..context import check_comm
-from ..launch import check_launch
-from ..settings import export_environment, launch_environment
-from ..world import local_rank, local_size
+from ..runtime import exchange
+from ..runtime.context import check_comm
+from ..runtime.launch import check_launch
+from ..runtime.settings import export_environment, launch_environment
+from ..runtime.world import local_rank, local_size
 
 __all__ = ["init_process_group"]
 

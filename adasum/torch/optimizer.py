@@ -6,7 +6,7 @@ boundary hands buckets of parameters to a reduce strategy (:mod:`.strategy`: Ada
 sum/mean of gradients), in ``step()`` or, with ``overlap=True``, on the overlap engine's thread during
 backward (:mod:`.overlap`). Before anything is applied the ranks vote on whether a bucket failed anywhere,
 so an error on one rank is an error on every rank. Every MPI call goes through the collective or
-:mod:`adasum.exchange`, so the stall inspector names a rank that does not arrive.
+:mod:`adasum.runtime.exchange`, so the stall inspector names a rank that does not arrive.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any, Callable
 import torch
 from mpi4py import MPI
 
-from .. import exchange
-from ..allreduce import Op
-from ..context import check_comm
-from ..launch import check_launch
+from ..runtime import exchange
+from ..call.allreduce import Op
+from ..runtime.context import check_comm
+from ..runtime.launch import check_launch
 from .accumulate import AccumulationWindow
 from .amp import LossScale
 from .boundary import Boundary, log_skip

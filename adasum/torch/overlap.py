@@ -6,7 +6,7 @@ accumulations; a bucket whose parameters all have theirs is handed over at once 
 the strategy's :meth:`local` part (averaging, the local step, the deltas; ``side=True``: the parameters keep
 their values until ``step()``), the other its :meth:`combine` (the collective), once the local part is done.
 So bucket k+1's local step runs while bucket k's bytes are on the wire; the wire thread's waits nap
-(:mod:`adasum.waiting`), leaving the core to backward and to the local thread.
+(:mod:`adasum.runtime.waiting`), leaving the core to backward and to the local thread.
 
 A bucket is a run of parameters in the order backward finished them in the first observed boundary, as
 rank 0 saw it (shared with every rank), cut where it holds at least ``bucket_bytes`` bytes. Every rank
@@ -31,7 +31,8 @@ from typing import Callable
 import torch
 from mpi4py import MPI
 
-from ..context import context_for, library_comm
+from ..runtime import exchange
+from ..runtime.context import context_for, library_comm
 from .strategy import Bucket, trained_params
 
 __all__ = ["BucketPlan", "CommThread", "Job", "OverlapEngine"]
@@ -156,7 +157,7 @@ class OverlapEngine:
     def __init__(self, optimizer, strategy, window, loss_scale, comm: MPI.Intracomm, bucket_bytes: int):
         self.comm = comm.Dup()
         library_comm(self.comm)  # the library's own duplicate, made here on the main thread
-        context_for(self.comm).beside_compute = True  # its waits leave the core to backward (adasum.waiting)
+        context_for(self.comm).beside_compute = True  # its waits leave the core to backward (adasum.runtime.waiting)
         self._thread = CommThread(f"adasum-overlap-{self.comm.Get_rank()}")  # the wire
         self._local = CommThread(f"adasum-local-{self.comm.Get_rank()}")
         self._optimizer = optimizer
@@ -275,8 +276,6 @@ class OverlapEngine:
         """Collective, at the end of every boundary: where no plan exists yet, make it from the backward
         just observed once every rank observed one (rank 0's order: parameters it saw no gradient for follow
         in reverse parameter order)."""
-        from .. import exchange
-
         bw, self._bw = self._bw, None
         params = trained_params(self._optimizer)
         if [id(p) for p in params] != self._hooked:

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from .adapters import Adapter
+from ..adapters import Adapter
 
 __all__ = ["Group", "Operand", "Placement", "TensorLayout", "group_pieces", "layer_spans", "make_groups", "pieces"]
 
@@ -50,7 +50,7 @@ class TensorLayout(enum.IntEnum):
 
 class Placement(enum.Enum):
     """Where one call's data of a group lies while it is reduced, and where the result goes: chosen once,
-    before the agreement, by :func:`adasum.plan.place`.
+    before the agreement, by :func:`adasum.call.plan.place`.
 
     ============  ==========================================  =============================================
     placement     this rank's values are read from            the result is left in

@@ -75,7 +75,7 @@ k_scaled_add(PyObject *self, PyObject *args)
 }
 
 /* Below this a float64 squared norm may have lost bits to underflow, or be zero only because every square
- * underflowed (adasum.combine.TINY). */
+ * underflowed (adasum.rule.combine.TINY). */
 #define TINY 0x1p-900
 
 /*
@@ -100,7 +100,7 @@ rescaled_dots_f64(const double *x, const double *y, Py_ssize_t n, double *g)
         return;
     int k;
     frexp(m, &k);
-    /* subnormal data: 2^-k is beyond the range, so scale up in two steps (as adasum.combine._scale_down) */
+    /* subnormal data: 2^-k is beyond the range, so scale up in two steps (as adasum.rule.combine._scale_down) */
     int half = k >= -1020 ? -k : -k / 2;
     double s = ldexp(1.0, half), s2 = ldexp(1.0, -k - half), d = 0.0, a = 0.0, b = 0.0;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -137,7 +137,7 @@ pair_spans(const operand *left, const operand *right, const operand *dst, const 
 /*
  * pair(left, right, dst, spans, count_left, count_right): dst = Adasum(left, right) span by span, where
  * left and right stand for count_left and count_right ranks. The coefficients are those of
- * adasum.combine.coefficients, computed with the same operations in the same order (so the same bits).
+ * adasum.rule.combine.coefficients, computed with the same operations in the same order (so the same bits).
  */
 PyObject *
 k_pair(PyObject *self, PyObject *args)

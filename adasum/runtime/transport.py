@@ -17,8 +17,8 @@ import numpy as np
 from mpi4py import MPI
 
 from . import settings as _settings
-from .adapters import Adapter
-from .native import mapped_mpi_libraries
+from ..adapters import Adapter
+from ..kernels.native import mapped_mpi_libraries
 from .waiting import wait_all
 
 __all__ = ["TAG", "Transport", "cuda_aware_mpi", "get_gpu_transport", "set_gpu_transport", "transport_for",
@@ -48,7 +48,7 @@ class Transport:
         self.device = device
         self.staged = staged
         self._record = ctx.record
-        self.waiting = ctx.waiting()  # "nap" or "spin", from the call's setting (adasum.waiting)
+        self.waiting = ctx.waiting()  # "nap" or "spin", from the call's setting (adasum.runtime.waiting)
 
     def _wait(self, reqs: list) -> None:
         wait_all(reqs, self.waiting)

@@ -5,11 +5,11 @@ few torch or cupy kernels per layer piece and block. Here a level's pieces are c
 (:func:`tile_table`): rows ``(start, end, piece)`` of at most :data:`TILE` elements, never crossing a piece's
 bounds, made once per plan and level and kept with the adapter (its context). Then:
 
-- the partial dot products are one kernel (:func:`adasum._triton.tile_dots`) that reduces every tile to
+- the partial dot products are one kernel (:func:`adasum.kernels._triton.tile_dots`) that reduces every tile to
   ``[a·b, a·a, b·b]`` in float64, reading the data in its own dtype (no float64 copy), one copy of the
   (tiles × 3) partials to the host, which adds each piece's tiles in order (``np.add.reduceat``): the
   stream is synchronised once, by that copy;
-- the combine ``dst ← ca[piece]·a + cb[piece]·b`` is one kernel (:func:`adasum._triton.tile_combine`) that
+- the combine ``dst ← ca[piece]·a + cb[piece]·b`` is one kernel (:func:`adasum.kernels._triton.tile_combine`) that
   reads each tile's coefficients through its piece index, after one small copy of the coefficients to the
   device.
 
@@ -77,7 +77,7 @@ class SegmentedKernels:
     pieces lists they were given (on the device), and per device the partials and coefficient buffers.
 
     The pieces lists of a plan are kept with it and come back as the same objects every call
-    (:func:`adasum.fusion.group_pieces`), so tables are found by the list's identity; an entry holds its
+    (:func:`adasum.call.fusion.group_pieces`), so tables are found by the list's identity; an entry holds its
     list, so an identity cannot be reused while its table is kept.
     """
 

@@ -1,10 +1,10 @@
-"""The two Triton kernels of the segmented device path (:mod:`adasum.segmented`).
+"""The two Triton kernels of the segmented device path (:mod:`adasum.kernels.segmented`).
 
 Both walk a tile table: int64 rows ``(start, end, piece)`` of at most one tile's elements each, never
 crossing a layer piece's bounds. One program handles one tile, ``BLOCK`` elements at a time in ``STEPS``
 steps (``STEPS · BLOCK`` is the tile size; the loop has a fixed trip count and skips the steps past the
 tile's end, so that the same kernels also run under triton's interpreter). This module
-imports triton, so :mod:`adasum.segmented` imports it only where it is used (with ``TRITON_INTERPRET=1``
+imports triton, so :mod:`adasum.kernels.segmented` imports it only where it is used (with ``TRITON_INTERPRET=1``
 triton runs the same kernels on CPU tensors).
 """
 

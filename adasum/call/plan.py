@@ -4,7 +4,7 @@ A :class:`Plan` is what the shapes, dtypes, devices, the op and the agreed setti
 the descriptions the ranks agree on, the groups and their layer tables, and the :class:`Schedule`, chosen
 once. Plans are kept in the communicator's context for calls of the same shapes (a training loop's every
 step) and hold no buffers. :func:`place` then decides, for one call, where each group's data lies while it
-is reduced (its :class:`~adasum.fusion.Placement`).
+is reduced (its :class:`~adasum.call.fusion.Placement`).
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from __future__ import annotations
 import enum
 from typing import Any, Sequence
 
-from . import stall
+from ..runtime import stall
 from .agreement import describe, signature
-from .doubling import SmallCall
-from .dtypes import itemsize
+from ..schedules.doubling import SmallCall
+from ..rule.dtypes import itemsize
 from .fusion import Group, Operand, Placement, TensorLayout, layer_spans, make_groups
-from .native import compiled
-from .settings import Settings
-from .transport import Transport, transport_for
+from ..kernels.native import compiled
+from ..runtime.settings import Settings
+from ..runtime.transport import Transport, transport_for
 
 __all__ = ["Plan", "Schedule", "agreed_extras", "place", "plan_for", "plan_key"]
 
@@ -28,8 +28,8 @@ class Schedule(enum.Enum):
     """How a call's data travels and is combined: one per plan, chosen by :func:`choose`."""
 
     NONE = "none"                  # one rank: nothing to exchange
-    DOUBLING = "doubling"          # whole vectors, log2 P rounds (adasum.doubling; the compiled small call)
-    HALVING = "halving"            # recursive halving, about 2·N bytes per rank (adasum.halving)
+    DOUBLING = "doubling"          # whole vectors, log2 P rounds (adasum.schedules.doubling; the compiled small call)
+    HALVING = "halving"            # recursive halving, about 2·N bytes per rank (adasum.schedules.halving)
     HIERARCHICAL = "hierarchical"  # the mean inside each node, then halving over the nodes
     SUM = "sum"                    # MPI's own allreduce
     MEAN = "mean"                  # MPI's own allreduce, divided by P

@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from . import exchange
 from .context import check_comm, context_for
+from .topology import node_layout
 
 __all__ = ["rank", "size", "local_rank", "local_size", "node_rank", "node_count"]
 
@@ -28,11 +29,11 @@ def size(comm: MPI.Intracomm | None = None) -> int:
 
 def _layout(comm: MPI.Intracomm | None):
     ctx = context_for(comm)
-    if ctx.has_node_layout():
-        return ctx.node_layout()
+    if ctx.nodes is not None:
+        return ctx.nodes
     ctx = exchange.enter(comm, "finding the node layout")  # collective: a numbered call, stall-watched
     try:
-        return ctx.node_layout()
+        return node_layout(ctx)
     finally:
         ctx.leave()
 

@@ -1,6 +1,6 @@
 /*
- * adasum._kernels: the compiled part of adasum, for float32 and float64 host buffers (the Python side is
- * adasum/native.py; where this module was not built, the numpy kernels of adasum/adapters do the same work):
+ * adasum.kernels._kernels: the compiled part of adasum, for float32 and float64 host buffers (the Python side is
+ * adasum/kernels/native.py; where this module was not built, the numpy kernels of adasum/adapters do the same work):
  *
  *   dots, scaled_add, pair, copy   the passes over every span of every layer (_kernels_pair.c, with the
  *                                  loops of _kernels_loops.c)
@@ -162,7 +162,7 @@ static PyMethodDef methods[] = {
     {"agree", k_agree, METH_VARARGS,
      "agree(scratch, comm, int64, max, patience, spin, nap, nap_max) -> 0, 1 or an MPI error code: "
      "MPI_Iallreduce(MAX) of scratch[0:4] into scratch[4:8], waited for without the GIL by the rule of "
-     "adasum.waiting (nap_max 0: without sleeping); 1 if it is still waiting after patience seconds (> 0; 0 "
+     "adasum.runtime.waiting (nap_max 0: without sleeping); 1 if it is still waiting after patience seconds (> 0; 0 "
      "waits for ever), its request handle in scratch[8]."},
     {"small_doubling", k_small_doubling, METH_VARARGS,
      "small_doubling(buf, scr, src, dst, spans, program, digest, scratch, patience, spin, nap, nap_max) -> 0, "
@@ -187,7 +187,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "adasum._kernels",
+    PyModuleDef_HEAD_INIT, "adasum.kernels._kernels",
     "Single-pass float64-accurate dot products and combine for float32/float64 buffers.", -1, methods,
 };
 

@@ -1,7 +1,7 @@
 """The stall inspector: a rank that never arrives becomes a message that names it.
 
 Every call starts with the agreement, one small allreduce on the library's communicator (see
-:mod:`adasum.agreement`). It is posted nonblocking and waited for like a blocking allreduce (without the GIL,
+:mod:`adasum.call.agreement`). It is posted nonblocking and waited for like a blocking allreduce (without the GIL,
 by the compiled kernels where they are bound) for a short patience. A rank still waiting after that tells
 every other rank of the communicator, with one small message, that it is in call #N (its op, number of
 tensors and bytes), and goes on waiting while it collects the others' messages. So the ranks that have
@@ -28,7 +28,7 @@ import numpy as np
 from mpi4py import MPI
 
 
-from .dtypes import itemsize, op_code, op_name
+from ..rule.dtypes import itemsize, op_code, op_name
 from .settings import current
 from .transport import TAG
 from .waiting import wait_all
@@ -104,7 +104,7 @@ def wait(ctx, req: MPI.Request, op: str | None, descs, waited: float = 0.0,
          via: MPI.Intracomm | None = None, label: str | None = None) -> None:
     """Wait for ``req``, the first collective of the call in flight on ``ctx`` (``op`` and ``descs``: what
     this rank passed; ``op`` None: the duplicate of a first call; ``op`` "exchange": one of
-    :mod:`adasum.exchange`'s calls, ``descs`` its bytes and ``label`` what it is for), ``waited`` seconds
+    :mod:`adasum.runtime.exchange`'s calls, ``descs`` its bytes and ``label`` what it is for), ``waited`` seconds
     after it was posted,
     watching for ranks that do not arrive. The inspector's messages go over the library's communicator, or
     over ``via`` (the user's communicator, while the library's is being made)."""
@@ -117,7 +117,7 @@ def wait(ctx, req: MPI.Request, op: str | None, descs, waited: float = 0.0,
     comm = ctx.lcomm if via is None else via
     first = patience(s)
     start = time.monotonic() - waited
-    if wait_all([req], ctx.waiting(), until=start + first):  # as any wait of the library (adasum.waiting)
+    if wait_all([req], ctx.waiting(), until=start + first):  # as any wait of the library (adasum.runtime.waiting)
         if via is not None:  # drop what an earlier stall left on the user's communicator
             _collect(via, -1, {})
         return

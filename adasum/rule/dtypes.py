@@ -14,7 +14,7 @@ FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 INT_DTYPES = frozenset(_ITEMSIZE) - FLOAT_DTYPES
 _DTYPE_CODES = {name: i for i, name in enumerate(sorted(_ITEMSIZE))}
 
-# The ops, in the order of their codes (the stall inspector's messages also carry adasum.exchange's calls).
+# The ops, in the order of their codes (the stall inspector's messages also carry adasum.runtime.exchange's calls).
 OPS = ("adasum", "sum", "mean", "exchange")
 
 

@@ -70,7 +70,7 @@ class Settings:
             buffers too, where it only adds a copy).
         cuda_aware: ``None``: ask MPI (``MPIX_Query_cuda_support``); ``True``/``False`` overrides the answer.
         device_kernels: the dot products and combine of device buffers: ``"auto"``: the segmented Triton
-            kernels (:mod:`adasum.segmented`, a few kernels per level for all layers) on CUDA devices where
+            kernels (:mod:`adasum.kernels.segmented`, a few kernels per level for all layers) on CUDA devices where
             triton imports, else the per-layer torch/cupy kernels; ``"triton"``: the Triton kernels for
             every torch and cupy buffer, CPU tensors included (there they need triton's interpreter,
             ``TRITON_INTERPRET=1``); ``"per-layer"``: always the per-layer kernels. The ranks check that they
@@ -84,7 +84,7 @@ class Settings:
         stall_warning: seconds a rank waits for the others at the start of a call before the library logs
             which ranks have not arrived (``None``: never).
         stall_timeout: seconds after which every waiting rank raises ``AdasumStallError`` (``None``: never).
-        waiting: how the library waits for its messages (:mod:`adasum.waiting`): ``"nap"`` polls for a
+        waiting: how the library waits for its messages (:mod:`adasum.runtime.waiting`): ``"nap"`` polls for a
             few microseconds, then between short sleeps, so that a rank's compute keeps its core;
             ``"spin"`` polls without pause, as MPI's blocking calls do (the fastest where nothing else needs
             the core: shared-memory transfers of megabytes took 1.6× as long napping); ``"auto"``: nap on
@@ -185,7 +185,7 @@ class _Holder:
     def __init__(self, env: Mapping[str, str]):
         self.value = from_environment(env)
         self.launch = {k: v for k, v in env.items() if k.startswith(_LAUNCH_PREFIXES)}
-        self.launch_verified = False  # the launch check passed (adasum.launch.check_launch)
+        self.launch_verified = False  # the launch check passed (adasum.runtime.launch.check_launch)
         self.lock = threading.Lock()
 
 
@@ -219,7 +219,7 @@ def configure(settings: Settings | None = None, **changes) -> Settings:
 
 
 def launch_verified() -> bool:
-    """Whether this process's launch was checked and found right (:func:`adasum.launch.check_launch`)."""
+    """Whether this process's launch was checked and found right (:func:`adasum.runtime.launch.check_launch`)."""
     return _holder.launch_verified
 
 

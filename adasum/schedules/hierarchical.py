@@ -1,11 +1,11 @@
 """Hierarchical Adasum: the mean over the ranks of each node, then the Adasum tree over the nodes.
 
-What it computes, per layer: every node's mean of its ranks' vectors, then the tree of :mod:`adasum.tree` over the
+What it computes, per layer: every node's mean of its ranks' vectors, then the tree of :mod:`adasum.rule.tree` over the
 nodes in node order, each node standing for as many ranks as it has (so unequal nodes are weighted by their
 size, and parallel inputs still give the mean over all ranks). Nodes are the groups of
 ``comm.Split_type(MPI.COMM_TYPE_SHARED)``; node order is the order of each node's lowest rank, and a node's
 ranks need not be contiguous. One node gives the plain mean; one rank per node gives plain Adasum.
-The serial definition is :func:`adasum.reference.reference_hierarchical`.
+The serial definition is :func:`adasum.rule.reference.reference_hierarchical`.
 
 How: with ``m`` the smallest number of ranks on any node, every fused buffer is cut into ``m`` slices.
 
@@ -13,7 +13,7 @@ How: with ``m`` the smallest number of ranks on any node, every fused buffer is 
    (``j < m``; local ranks ``m`` and above contribute their data but hold no slice), scaled to the mean.
    16-bit floats are summed in float32, as MPI has no 16-bit sum, and rounded once to their dtype.
 2. Across nodes, the ranks with local rank ``j`` (one per node, ordered by node) run the recursive-halving
-   schedule of :mod:`adasum.halving` on slice ``j``. A layer may now be spread over the local ranks as well as
+   schedule of :mod:`adasum.schedules.halving` on slice ``j``. A layer may now be spread over the local ranks as well as
    over the nodes, so each layer's partial dot products are first summed over the node's ``m`` slice
    holders (gathered, then added in local-rank order, so all of them get bitwise the same sums) and then,
    by the schedule itself, over the nodes of the subtree.
@@ -33,79 +33,15 @@ from typing import Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .combine import merge_partials
-from .exchange import allgather_in, failures_in, raise_found
-from .fusion import Group, Operand
-from .transport import Transport, transport_for
+from ..rule.combine import merge_partials
+from ..call.fusion import Group, Operand
+from ..runtime.topology import node_layout
+from ..runtime.transport import Transport, transport_for
 from .halving import adasum_reduce
 
-__all__ = ["NodeLayout", "build_node_layout", "hierarchical_reduce"]
+__all__ = ["hierarchical_reduce"]
 
 _SMALL_FLOATS = ("float16", "bfloat16")
-
-
-@dataclass
-class NodeLayout:
-    """How the ranks of one communicator sit on nodes, and the communicators the hierarchical mode uses.
-
-    ``nodes[i]`` lists the ranks of node ``i`` in rank order; nodes are ordered by their lowest rank.
-    ``node_comm`` holds this rank's node (local rank = position in ``nodes[node]``). ``cross_comm`` joins
-    the ranks with this rank's local rank, one per node in node order; it is ``MPI.COMM_NULL`` on local
-    ranks ``slices`` and above, which hold no slice. ``slice_comm`` joins the slice holders of this node.
-    """
-
-    nodes: list[list[int]]
-    node: int
-    local_rank: int
-    slices: int
-    node_comm: MPI.Intracomm
-    cross_comm: MPI.Intracomm
-    slice_comm: MPI.Intracomm
-
-    @property
-    def counts(self) -> list[int]:
-        """Ranks per node, in node order: the size weights of the tree over nodes."""
-        return [len(ranks) for ranks in self.nodes]
-
-    def free(self) -> None:
-        """Free the communicators of the layout (when its context is freed)."""
-        if MPI.Is_finalized():
-            return
-        for c in {id(c): c for c in (self.slice_comm, self.cross_comm, self.node_comm)}.values():
-            if c != MPI.COMM_NULL:
-                c.Free()
-
-
-def build_node_layout(ctx) -> NodeLayout:
-    """The node layout of ``ctx``'s communicator (collective, inside a call in flight on ``ctx``: every rank
-    must call it). The context builds it once, on the first call that needs it, and keeps it."""
-    comm = ctx.lcomm
-    rank = comm.Get_rank()
-    node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    local_rank = node_comm.Get_rank()
-    # Local rank 0 is the node's lowest rank (key = rank), which names the node.
-    lowest = node_comm.bcast(rank, root=0)
-    firsts = allgather_in(ctx, lowest, "finding the node layout")
-    leaders = sorted(set(firsts))
-    nodes = [[r for r, f in enumerate(firsts) if f == leader] for leader in leaders]
-    node = leaders.index(lowest)
-    problem = None
-    if nodes[node][local_rank] != rank or len(nodes[node]) != node_comm.Get_size():
-        problem = (f"rank {rank}: the shared-memory split put it at local rank {local_rank} of a node of "
-                   f"{node_comm.Get_size()} ranks, but the ranks naming that node are {nodes[node]}")
-    # Checked together, so that a rank that fails cannot leave the others waiting in the next split.
-    text = failures_in(ctx, problem, "checking the node layout")
-    if text is not None:
-        node_comm.Free()
-        raise_found(rank, text, RuntimeError)
-    slices = min(len(ranks) for ranks in nodes)
-    holder = local_rank < slices
-    cross_comm = comm.Split(local_rank if holder else MPI.UNDEFINED, key=node)
-    if slices == node_comm.Get_size():
-        slice_comm = node_comm
-    else:
-        slice_comm = node_comm.Split(0 if holder else MPI.UNDEFINED, key=local_rank)
-    return NodeLayout(nodes, node, local_rank, slices, node_comm, cross_comm, slice_comm)
 
 
 def _slice_bounds(n: int, slices: int) -> list[int]:
@@ -185,7 +121,7 @@ def hierarchical_reduce(ctx, groups: Sequence[Operand]) -> None:
     groups = [g for g in groups if g.size > 0]
     if ctx.size == 1 or not groups:
         return
-    layout = ctx.node_layout()
+    layout = node_layout(ctx)
     local = [_NodeCollectives(ctx, layout, g) for g in groups] if layout.node_comm.Get_size() > 1 else []
     for c in local:
         c.reduce_scatter_mean()

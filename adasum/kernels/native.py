@@ -1,4 +1,4 @@
-"""The compiled kernels (the extension ``adasum._kernels``, built from ``adasum/_kernels*.c``: float32/float64
+"""The compiled kernels (the extension ``adasum.kernels._kernels``, built from ``adasum/kernels/_kernels*.c``: float32/float64
 dot products and combine, copies between tensors and buffers, the compiled small call and the agreement's
 wait), where the install could build them.
 

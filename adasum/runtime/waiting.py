@@ -1,5 +1,5 @@
 """How the library waits for its MPI requests (the setting ``waiting``; ``"auto"`` is resolved per
-communicator by :meth:`adasum.context.Context.waiting`).
+communicator by :meth:`adasum.runtime.context.Context.waiting`).
 
 MPI's blocking calls poll for as long as they wait. Where a rank has one core for its compute and its
 communication (the overlap thread while backward runs, one rank per core), that polling takes the core

@@ -3,8 +3,8 @@
  * types are in _kernels.h), and the agreement's wait.
  *
  * The agreement is the first collective of every call: an MPI_Iallreduce(MAX) of four int64 (their meaning
- * is adasum/agreement.py's), waited for here without the GIL, as a blocking allreduce would wait, for a
- * patience the stall inspector (adasum/stall.py) sets; a wait that runs out of patience hands its request
+ * is adasum/call/agreement.py's), waited for here without the GIL, as a blocking allreduce would wait, for a
+ * patience the stall inspector (adasum/runtime/stall.py) sets; a wait that runs out of patience hands its request
  * to the inspector, which goes on waiting and names the ranks that have not arrived. The Python side waits
  * the same way through mpi4py where MPI cannot be bound (tests/test_stall.py pins the two alike).
  */
@@ -44,7 +44,7 @@ seconds_since(const struct timespec *t0)
 
 /*
  * The agreement of a call: MPI_Iallreduce(MAX) of scratch[0:4] into scratch[4:8] on comm, then MPI_Test
- * until it completes, without holding the GIL, by the rule of adasum.waiting: `wait` is (spin, first nap,
+ * until it completes, without holding the GIL, by the rule of adasum.runtime.waiting: `wait` is (spin, first nap,
  * longest nap) in seconds. It tests without pause for `spin` seconds, then between sleeps that double
  * from the first nap to the longest, so that a thread computing beside this one keeps the core; a longest
  * nap of 0 tests without sleeping. After `patience` seconds (> 0) it stops waiting: 1 is returned and the

@@ -12,10 +12,10 @@ from typing import Any, NamedTuple, Sequence
 
 from mpi4py import MPI
 
-from . import stall, waiting
-from .adapters import Adapter, Adapters
-from .dtypes import FLOAT_DTYPES, INT_DTYPES, dtype_code, op_code
-from .native import compiled, mpi_bound, request
+from ..runtime import stall, waiting
+from ..adapters import Adapter, Adapters
+from ..rule.dtypes import FLOAT_DTYPES, INT_DTYPES, dtype_code, op_code
+from ..kernels.native import compiled, mpi_bound, request
 
 __all__ = ["AdasumMismatchError", "TensorDesc", "agree", "agreed", "describe", "load", "resume", "signature"]
 
@@ -122,7 +122,7 @@ def agree(ctx, op: str, descs: Sequence[TensorDesc] | None, error: Exception | N
     raise explain(ctx.lcomm, op, descs, error, extra)
 
 
-# The agreement's one encoding, which the compiled small call (adasum/_kernels_mpi.c) writes and reads the
+# The agreement's one encoding, which the compiled small call (adasum/kernels/_kernels_mpi.c) writes and reads the
 # same way. scratch[0:4] is what this rank sends, [digest, -digest, failed, vote]; the allreduce's MAX of
 # every rank's into scratch[4:8] shows one digest (max d == -max(-d) exactly when all ranks sent the same
 # d), no failure, and the largest vote. scratch[8]: the request of an agreement still waiting.

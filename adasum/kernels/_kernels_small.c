@@ -1,9 +1,9 @@
 /*
- * The compiled small call: a whole small Adasum call by recursive doubling, as adasum.doubling.SmallCall
- * makes it, with no Python between its steps. It executes a program SmallCall derives from adasum/tree.py
+ * The compiled small call: a whole small Adasum call by recursive doubling, as adasum.schedules.doubling.SmallCall
+ * makes it, with no Python between its steps. It executes a program SmallCall derives from adasum/rule/tree.py
  * (the fold partner, and per level the partner, the two sides' rank counts and which side this rank
  * holds), so it sends the messages and makes the kernel calls of the general doubling schedule
- * (adasum/doubling.py) and ranks may mix the two.
+ * (adasum/schedules/doubling.py) and ranks may mix the two.
  */
 #include "_kernels.h"
 
@@ -23,7 +23,7 @@ run_small(const int64_t *prog, long long digest, int64_t *scratch, double patien
     long long status[16] = {0};
     int rc;
     if (patience >= 0) { /* a negative patience: the agreement is done (it went on in Python) */
-        /* what adasum.agreement.load(scratch, digest, False, 0) writes */
+        /* what adasum.call.agreement.load(scratch, digest, False, 0) writes */
         scratch[0] = digest, scratch[1] = -digest, scratch[2] = 0, scratch[3] = 0;
         rc = agree_spin(scratch, (intptr_t)prog[P_INT64], (intptr_t)prog[P_MAX], comm, patience, wait);
         if (rc == 1)
@@ -31,7 +31,7 @@ run_small(const int64_t *prog, long long digest, int64_t *scratch, double patien
         if (rc)
             return rc;
     }
-    if (!(scratch[6] == 0 && scratch[4] == -scratch[5])) /* adasum.agreement.agreed(scratch) */
+    if (!(scratch[6] == 0 && scratch[4] == -scratch[5])) /* adasum.call.agreement.agreed(scratch) */
         return -1;
     copy_spans(buf, src, sp, n);
     void *b = buf->whole.buf, *r = scr->whole.buf;
@@ -67,7 +67,7 @@ run_small(const int64_t *prog, long long digest, int64_t *scratch, double patien
 
 /*
  * small_doubling(buf, scr, src, dst, spans, program, digest, scratch, patience, spin, nap, nap_max): a small
- * Adasum call, whole, by recursive doubling, as adasum.doubling.SmallCall makes it (the same collective, messages
+ * Adasum call, whole, by recursive doubling, as adasum.schedules.doubling.SmallCall makes it (the same collective, messages
  * and kernel calls as the general schedule, so ranks may mix the two), with no Python in between: the
  * agreement allreduce of [digest, -digest, 0, 0] (agree_spin(), in scratch), packing src into buf, the
  * fold, one exchange and pair() per level, the result into dst. Returns 0, -1 if the ranks disagree

@@ -1,5 +1,5 @@
 /*
- * adasum._kernels, one extension module built from several C files (setup.py lists them):
+ * adasum.kernels._kernels, one extension module built from several C files (setup.py lists them):
  *
  *   _kernels.c           the module: its method table and the small helpers of the Python side (layout,
  *                        address, key, use_isa)

@@ -2,8 +2,8 @@
 
 A call, hop by hop (docs/internals.md): enter the communicator's context (which takes the settings
 snapshot); take the compiled small call where the plan allows it; otherwise check the input locally, look up
-(or make) the :class:`~adasum.plan.Plan` of these shapes, place each group's data
-(:func:`~adasum.plan.place`) and pack it; agree with the other ranks in one small collective; run the plan's
+(or make) the :class:`~adasum.call.plan.Plan` of these shapes, place each group's data
+(:func:`~adasum.call.plan.place`) and pack it; agree with the other ranks in one small collective; run the plan's
 schedule; finish (write back, or return views of the result).
 """
 
@@ -15,25 +15,26 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import stall
+from ..runtime import stall
 from .agreement import agree, explain
-from .adapters import array_kind
-from .context import Context, context_for
-from .doubling import adasum_reduce_doubling
+from ..adapters import array_kind
+from ..runtime.context import Context, context_for
+from ..schedules.doubling import adasum_reduce_doubling
 from .fusion import Operand, Placement, TensorLayout
-from .halving import adasum_reduce
-from .launch import check_launch
-from .native import compiled as _kernels  # None where the install could not build them
-from .native import mpi_bound, use_isa
+from ..schedules.halving import adasum_reduce
+from ..schedules.hierarchical import hierarchical_reduce
+from ..runtime.launch import check_launch
+from ..kernels.native import compiled as _kernels  # None where the install could not build them
+from ..kernels.native import mpi_bound, use_isa
 from .plan import Plan, Schedule, agreed_extras, place, plan_for, plan_key
-from .settings import Settings
-from .transport import transport_for
+from ..runtime.settings import Settings
+from ..runtime.transport import transport_for
 
 __all__ = ["Op", "adasum_allreduce", "adasum_allreduce_inplace"]
 
 
 class Op(str, enum.Enum):
-    """The reductions: ``ADASUM`` (the tree of :mod:`adasum.tree`), ``SUM`` and ``MEAN`` (MPI's own allreduce)."""
+    """The reductions: ``ADASUM`` (the tree of :mod:`adasum.rule.tree`), ``SUM`` and ``MEAN`` (MPI's own allreduce)."""
 
     ADASUM = "adasum"
     SUM = "sum"
@@ -123,7 +124,7 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
 
 class _Call:
     """One call's own state on the general path: its tensors, its plan and, per group, the operand (the
-    placement and buffers of :func:`adasum.plan.place`) and the caller's tensors of that group."""
+    placement and buffers of :func:`adasum.call.plan.place`) and the caller's tensors of that group."""
 
     __slots__ = ("single", "items", "op", "plan", "operands", "members")
 
@@ -220,7 +221,7 @@ def _layout(where: int | None) -> TensorLayout | None:
 
 def _small_adasum(ctx: Context, s: Settings, items: list, inplace: bool, extras: dict):
     """Adasum of a doubling call on contiguous float32/float64 host arrays (numpy, or torch CPU tensors
-    through numpy views of their memory) as one compiled call (:class:`~adasum.doubling.SmallCall`): the
+    through numpy views of their memory) as one compiled call (:class:`~adasum.schedules.doubling.SmallCall`): the
     same collective, messages and kernels as the general path, so ranks may take either. Returns
     ``(result, plan)``: the result None when the call is not one of those (or some check fails: the general
     path then reports it), with the call's kept plan if it found one."""
@@ -268,8 +269,6 @@ def _doubling(ctx: Context, plan: Plan, operands: Sequence[Operand], split: int)
 
 
 def _hierarchical(ctx: Context, plan: Plan, operands: Sequence[Operand], split: int) -> None:
-    from .hierarchical import hierarchical_reduce
-
     hierarchical_reduce(ctx, operands)
 
 

@@ -1,8 +1,8 @@
 """Small exchanges between the ranks that are not reductions of tensors: a vote, Python objects gathered
 or broadcast, a byte buffer broadcast. The training layer (``adasum.torch``) makes every MPI call of its own
 through these, so that each one is a numbered call on the library's duplicate of the communicator and waits
-through the stall inspector (:mod:`adasum.stall`): a rank that never arrives makes the waiting ranks log,
-or raise :class:`~adasum.stall.AdasumStallError`, naming it, as the collective does.
+through the stall inspector (:mod:`adasum.runtime.stall`): a rank that never arrives makes the waiting ranks log,
+or raise :class:`~adasum.runtime.stall.AdasumStallError`, naming it, as the collective does.
 
 Each function is collective over ``comm`` and posts nonblocking MPI collectives, whose requests the stall
 inspector waits for. Objects travel pickled, as two collectives (the sizes, then the bytes). What they send

@@ -2,7 +2,7 @@
 
 Reduce-scatter: at level l (l = 1 … k) rank v pairs with v XOR 2^(l-1), keeps one half of its current
 segment, sends the other half and receives the partner's copy of the half it keeps. The two halves it then
-holds are pieces of the two vectors being combined at this node of the tree (:mod:`adasum.tree`): the left subtree's
+holds are pieces of the two vectors being combined at this node of the tree (:mod:`adasum.rule.tree`): the left subtree's
 (lower ranks) and the right subtree's. Every layer's coefficients need dot products over the whole layer,
 which is spread over the 2^l ranks of the subtree, so the partial [left·right, ‖left‖², ‖right‖²] of every
 layer is summed over exactly those ranks, in one small exchange per level for all layers together. Each
@@ -20,11 +20,11 @@ from typing import Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import tree
-from .combine import NO_SCALE, coefficients, merge_partials, partial_width
-from .dtypes import itemsize
-from .fusion import Operand, Placement, group_pieces
-from .transport import Transport
+from ..rule import tree
+from ..rule.combine import NO_SCALE, coefficients, merge_partials, partial_width
+from ..rule.dtypes import itemsize
+from ..call.fusion import Operand, Placement, group_pieces
+from ..runtime.transport import Transport
 
 __all__ = ["adasum_reduce", "fold_out"]
 
@@ -121,7 +121,7 @@ def exchange_chunks(g: Operand, slo: int, shi: int, rlo: int, rhi: int, split: i
 
 
 def widths(groups) -> list[tuple[int, int]]:
-    """(layers, columns) of every group's block of partials (see :func:`adasum.combine.merge_partials`)."""
+    """(layers, columns) of every group's block of partials (see :func:`adasum.rule.combine.merge_partials`)."""
     return [(len(g.bounds) - 1, partial_width(g.dtype)) for g in groups]
 
 

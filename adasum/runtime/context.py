@@ -24,7 +24,10 @@ from typing import Iterator
 import numpy as np
 from mpi4py import MPI
 
-from .adapters import Adapters
+from ..adapters import Adapters
+from ..kernels.native import handle
+from . import stall
+from .stall import AdasumStallError
 from .settings import Settings, current
 
 __all__ = ["Context", "Traffic", "check_comm", "check_root", "context_for", "count_traffic", "library_comm", "release_buffers"]
@@ -41,7 +44,7 @@ class Traffic:
     agreement check; ``allreduce_bytes`` the buffers given to ``MPI_Allreduce`` (sum, mean);
     ``node_bytes`` the buffers given to the collectives inside a node (hierarchical mode: the
     reduce-scatter's input and the slice this rank broadcasts); ``compiled_calls`` the calls that went
-    into the compiled small call (:class:`adasum.doubling.SmallCall`), however they ended.
+    into the compiled small call (:class:`adasum.schedules.doubling.SmallCall`), however they ended.
     """
 
     sent_bytes: int = 0
@@ -126,7 +129,7 @@ class Context:
         self.calls = 0  # calls started on this communicator, this rank
         self.settings: Settings | None = None  # the snapshot of the call in flight (None between calls)
         self.extras = None  # (settings, what the ranks agree on besides the tensors), made from those settings
-        self._nodes = None
+        self.nodes = None  # the node layout (adasum.runtime.topology), made on first use
         self._busy = threading.Lock()
         self._current: tuple | None = None  # (call number, what) of the call in flight
         self._freed = False
@@ -141,8 +144,6 @@ class Context:
         if lcomm is None:
             with self._dup_lock:
                 if self._lcomm is None:
-                    from . import stall
-
                     # Nonblocking, so that the stall inspector can name a rank that does not come.
                     lcomm, req = self._comm.Idup()
                     stall.wait(self, req, None, None, via=self._comm)
@@ -158,8 +159,6 @@ class Context:
         """The handles of the library's communicator, MPI.INT64_T and MPI.MAX, as the compiled kernels
         take them."""
         if self._agree_handles is None:
-            from .native import handle
-
             self._agree_handles = (handle(self.lcomm), handle(MPI.INT64_T), handle(MPI.MAX))
         return self._agree_handles
 
@@ -171,8 +170,6 @@ class Context:
         call's snapshot: :attr:`settings` and the adapters hold it until :meth:`leave`, and nothing the
         call runs reads the live settings again."""
         if self.broken is not None:
-            from .stall import AdasumStallError
-
             raise AdasumStallError(f"{what} on {self.name}: the library can no longer use this communicator, "
                                    f"an earlier call timed out there ({self.broken})")
         if not self._busy.acquire(blocking=False):
@@ -188,7 +185,7 @@ class Context:
         return self.calls
 
     def waiting(self) -> str:
-        """How the call in flight waits (``"nap"`` or ``"spin"``; see :mod:`adasum.waiting`)."""
+        """How the call in flight waits (``"nap"`` or ``"spin"``; see :mod:`adasum.runtime.waiting`)."""
         how = self.settings.waiting if self.settings is not None else current().waiting
         return ("nap" if self.beside_compute else "spin") if how == "auto" else how
 
@@ -208,18 +205,6 @@ class Context:
             self.plans[key] = plan
         return plan
 
-    def node_layout(self):
-        """The node layout of the hierarchical mode on this communicator, built (collectively, inside a call
-        in flight here) once."""
-        if self._nodes is None:
-            from .hierarchical import build_node_layout
-
-            self._nodes = build_node_layout(self)
-        return self._nodes
-
-    def has_node_layout(self) -> bool:
-        return self._nodes is not None
-
     def record(self, field: str, nbytes: int, messages: int = 0) -> None:
         for t in self.counters:
             setattr(t, field, getattr(t, field) + nbytes)
@@ -237,9 +222,9 @@ class Context:
             return
         self._freed = True
         self.release()
-        if self._nodes is not None:
-            self._nodes.free()
-            self._nodes = None
+        if self.nodes is not None:
+            self.nodes.free()
+            self.nodes = None
         if self._lcomm is not None and self._lcomm != MPI.COMM_SELF and not MPI.Is_finalized():
             self._lcomm.Free()
         self._lcomm = None

@@ -1,7 +1,7 @@
 """Adasum by recursive doubling of whole vectors: the schedule for small messages.
 
 At level l (l = 1 … k) rank v swaps its whole current vector with v XOR 2^(l-1) and both combine the pair
-locally, the lower subtree's vector on the left: the same pairs as recursive halving (:mod:`adasum.tree`).
+locally, the lower subtree's vector on the left: the same pairs as recursive halving (:mod:`adasum.rule.tree`).
 Each rank sends log2(P)·N bytes instead of about 2·N, but makes k message rounds instead of 2k plus the
 per-level dot-product sums, which is what counts when N is small: there the cost of a call is its rounds.
 
@@ -20,16 +20,17 @@ from typing import Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import tree, waiting
-from .adapters import nonempty
-from .dtypes import itemsize
-from .fusion import Operand, layer_spans
-from .transport import TAG, Transport
-from .agreement import AGREE_BYTES, resume
+from ..rule import tree
+from ..runtime import waiting
+from ..adapters import nonempty
+from ..rule.dtypes import itemsize
+from ..call.fusion import Operand, layer_spans
+from ..runtime.transport import TAG, Transport
+from ..call.agreement import AGREE_BYTES, resume
 from .halving import fold_out
 
-from .native import compiled as _kernels  # None without a C compiler: SmallCall is then never made
-from .native import handle
+from ..kernels.native import compiled as _kernels  # None without a C compiler: SmallCall is then never made
+from ..kernels.native import handle
 
 __all__ = ["SmallCall", "adasum_reduce_doubling"]
 
@@ -118,7 +119,7 @@ class SmallCall:
         """The whole call, agreement on ``digest`` included, in one ``_kernels.small_doubling``: 0, -1 if
         the ranks disagree (nothing was sent; every rank must then explain), or MPI's error code. An
         agreement still waiting after ``patience`` seconds (the stall inspector's) goes on in
-        :func:`adasum.agreement.resume`, as the general path's does (``descs`` describe the call there), and
+        :func:`adasum.call.agreement.resume`, as the general path's does (``descs`` describe the call there), and
         the call then resumes where it stopped. Counted in ``compiled_calls`` however it ends."""
         ctx = self.ctx
         buf, scr = self._buffers()

@@ -1,0 +1,205 @@
+"""PyTorch Lightning with Adasum: :class:`AdasumStrategy`, launched with ``mpiexec``::
+
+    import lightning as L
+    from adasum.lightning import AdasumStrategy
+
+    trainer = L.Trainer(strategy=AdasumStrategy(), accelerator="cpu", max_epochs=10)   # or "gpu"
+    trainer.fit(model, datamodule)
+
+    mpiexec -n 8 python -m mpi4py train.py
+
+The world (ranks, local ranks, nodes) comes from MPI: no ``devices`` or ``num_nodes`` to match. Each rank
+trains on its own shard (Lightning's distributed sampler, with this strategy's ranks). The model is not
+wrapped: every optimizer that ``configure_optimizers`` returns is wrapped in
+:class:`adasum.torch.DistributedOptimizer` (Adasum of weight deltas; the options go through), and
+parameters and buffers start from rank 0's. Lightning's ``accumulate_grad_batches`` maps onto the
+optimizer's windows: the micro-batches before the last of a window run inside the optimizer's
+``no_sync()``, and ``step()`` closes each window. ``precision="16-mixed"`` gives the optimizer Lightning's
+``GradScaler``, whose scale the ranks then keep alike; ``"bf16-mixed"`` needs nothing. Metrics logged with
+``sync_dist=True`` are reduced over MPI, and rank 0 writes the checkpoints (its optimizer state: with
+Adasum each rank's differs, as the README explains).
+
+Every MPI call waits through the stall inspector, so a rank that does not arrive is named, and the
+settings check of each optimizer raises on every rank where the ranks disagree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from mpi4py import MPI
+
+from ..runtime import exchange, world
+from ..call.allreduce import adasum_allreduce
+from ..runtime.context import check_comm
+from ..torch import DistributedOptimizer, broadcast_parameters
+
+__all__ = ["AdasumStrategy", "MPIEnvironment"]
+
+
+class MPIEnvironment(ClusterEnvironment):
+    """The cluster as MPI sees it: the processes were started by ``mpiexec``."""
+
+    def __init__(self, comm: MPI.Intracomm | None = None):
+        super().__init__()
+        self.comm = check_comm(comm)
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return "127.0.0.1"
+
+    @property
+    def main_port(self) -> int:
+        return 0
+
+    @staticmethod
+    def detect() -> bool:
+        return True
+
+    def world_size(self) -> int:
+        return self.comm.Get_size()
+
+    def set_world_size(self, size: int) -> None:
+        """The size is MPI's."""
+
+    def global_rank(self) -> int:
+        return self.comm.Get_rank()
+
+    def set_global_rank(self, rank: int) -> None:
+        """The rank is MPI's."""
+
+    def local_rank(self) -> int:
+        return world.local_rank(self.comm)
+
+    def node_rank(self) -> int:
+        return world.node_rank(self.comm)
+
+
+class AdasumStrategy(ParallelStrategy):
+    """Data-parallel training over MPI with :class:`adasum.torch.DistributedOptimizer`.
+
+    ``op``, ``overlap``, ``compression``, ``hierarchical``, ``bucket_bytes``, ``start_copy`` and
+    ``skip_nonfinite`` go to every wrapped optimizer; ``comm`` (default ``MPI.COMM_WORLD``) is the world.
+    """
+
+    strategy_name = "adasum"
+
+    def __init__(self, *, op: str = "adasum", overlap: bool = False, compression: str | None = None,
+                 hierarchical: bool = False, bucket_bytes: int = 25 << 20, start_copy: str = "device",
+                 skip_nonfinite: bool = True, comm: MPI.Intracomm | None = None, accelerator=None,
+                 checkpoint_io=None, precision_plugin=None):
+        env = MPIEnvironment(comm)
+        super().__init__(accelerator=accelerator, parallel_devices=None, cluster_environment=env,
+                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        self.comm = env.comm
+        self.options = {"op": op, "overlap": overlap, "compression": compression, "hierarchical": hierarchical,
+                        "bucket_bytes": bucket_bytes, "start_copy": start_copy, "skip_nonfinite": skip_nonfinite}
+
+    # --- the world ----------------------------------------------------------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        if self.parallel_devices and self.parallel_devices[0].type == "cuda":
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning to give each rank its own shard (a distributed sampler)."""
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def setup_environment(self) -> None:
+        rank_zero_only.rank = self.global_rank
+        if self.root_device.type == "cuda":
+            torch.cuda.set_device(self.root_device)
+        super().setup_environment()
+
+    # --- model and optimizers -------------------------------------------------------------------------------
+
+    def setup(self, trainer) -> None:
+        self.model_to_device()
+        super().setup(trainer)
+        broadcast_parameters(self.lightning_module, root=0, comm=self.comm)
+        if trainer.state.fn == "fit":
+            scaler = self._scaler()
+            self.optimizers = [o if isinstance(o, DistributedOptimizer) else
+                               DistributedOptimizer(o, comm=self.comm, grad_scaler=scaler, **self.options)
+                               for o in self.optimizers]
+
+    def model_to_device(self) -> None:
+        self.model.to(self.root_device)
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        model = model or self.lightning_module
+        if self._scaler() is None:
+            return self.precision_plugin.optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        # 16-mixed: the optimizer unscales and keeps the scale alike on every rank (not scaler.step)
+        if model.trainer.gradient_clip_val:
+            raise ValueError("AdasumStrategy with precision='16-mixed' does not clip gradients through the "
+                             "Trainer; call optimizer.clip_grad_norm_ in on_before_optimizer_step instead")
+        return optimizer.step(lambda: self.precision_plugin._wrap_closure(model, optimizer, closure))
+
+    @contextlib.contextmanager
+    def block_backward_sync(self):
+        """Lightning's micro-batches before the last of an accumulation window: no reduction in them."""
+        with contextlib.ExitStack() as stack:
+            for opt in self.optimizers:
+                if isinstance(opt, DistributedOptimizer):
+                    stack.enter_context(opt.no_sync())
+            yield
+
+    def _scaler(self):
+        plugin = self.precision_plugin
+        return plugin.scaler if isinstance(plugin, MixedPrecision) else None
+
+    # --- collectives ----------------------------------------------------------------------------------------
+
+    def reduce(self, tensor, group=None, reduce_op="mean"):
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        op = str(getattr(reduce_op, "value", reduce_op) or "mean").lower()
+        op = {"avg": "mean", "mean": "mean", "sum": "sum"}.get(op)
+        if op is None:
+            raise ValueError(f"AdasumStrategy reduces with 'mean' or 'sum', got {reduce_op!r}")
+        out = adasum_allreduce(tensor.detach().to(torch.float64) if not tensor.is_floating_point() else tensor,
+                               op=op, comm=self.comm)
+        return out.to(tensor.dtype)
+
+    def barrier(self, name: str | None = None) -> None:
+        exchange.any_true(self.comm, False, what=f"barrier {name or ''}".strip())
+
+    def broadcast(self, obj, src: int = 0):
+        return exchange.bcast(self.comm, obj, root=src, what="Lightning's broadcast")
+
+    def all_gather(self, tensor, group=None, sync_grads: bool = False):
+        if sync_grads:
+            raise NotImplementedError("AdasumStrategy.all_gather does not carry gradients (sync_grads=True)")
+        parts = exchange.allgather(self.comm, tensor.detach().cpu(), what="Lightning's all_gather")
+        return torch.stack(parts).to(tensor.device)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        votes = exchange.allgather(self.comm, bool(decision), what="Lightning's decision")
+        return all_(votes) if all else any(votes)
+
+    def teardown(self) -> None:
+        for opt in self.optimizers:
+            if isinstance(opt, DistributedOptimizer):
+                opt.close()
+        super().teardown()
+
+
+all_ = all
