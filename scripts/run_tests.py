@@ -1,24 +1,27 @@
 """Runs the test suite: once serially, then under mpiexec at each world size in --sizes, the framework
-tests (Lightning, Accelerate, transformers) at --frameworks-sizes, the core tests again on the numpy kernels (--numpy-kernels-sizes), then the hierarchical-mode tests on emulated nodes
-(--hostfile-runs), and last the convergence study's --quick run with a check of its outputs.
+tests (Lightning, Accelerate, transformers) at --frameworks-sizes, the core tests again on the numpy kernels
+(--numpy-kernels-sizes), the hierarchical-mode tests on emulated nodes (--hostfile-runs), the convergence
+study's --quick run with a check of its outputs, and last the documentation build (mkdocs --strict).
 
-Rank 0 of each MPI run prints to the terminal; the other ranks write to logs that are printed, and kept,
-only when their run fails. After each run one line says how it went ("np=3: 512 passed, 0 failed,
-4 skipped, 95 s"); at the end these lines come again, then the total over all runs, in the form
-"N passed, N failed".
+Every mpiexec command is made by one function (``_mpiexec``). Rank 0 of each MPI run prints to the
+terminal; the other ranks write to logs that are printed, and kept, only when their run fails. The counts
+come from the junit report each rank writes (rank 0's counts, any rank's failures). A run fails when it
+exits non-zero, and also when it collects no test at all (unless the arguments select tests: ``-k``, ``-m``
+or paths). After each run one line says how it went ("np=3: 512 passed, 0 failed, 4 skipped, 95 s"); at
+the end these lines come again, then the total over all runs, in the form "N passed, N failed".
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,51 +40,63 @@ HOSTFILE_RUNS = [
     ("3+1+2", 6, "0,1,2;3;4,5"),
     ("interleaved", 5, "0,2,4;1,3"),  # two one-slot hosts, ranks wrap around: unequal and non-contiguous
 ]
-HOSTFILE_TESTS = ["tests/test_hierarchical.py", "tests/test_world.py"]
+HOSTFILE_TESTS = ["tests/core/test_hierarchical.py", "tests/core/test_world.py"]
 # The numpy kernels (the fallback where adasum.kernels._kernels could not be built) run the core tests too.
-NUMPY_KERNEL_TESTS = ["tests/test_allreduce.py", "tests/test_hierarchical.py"]
+NUMPY_KERNEL_TESTS = ["tests/core/test_allreduce.py", "tests/core/test_hierarchical.py"]
 
 
-def _counts(text: str) -> dict[str, int]:
-    """The counts on pytest's closing line ("3 failed, 40 passed, 2 skipped in 1.2s")."""
-    lines = [ln for ln in text.splitlines() if re.search(r"\b(passed|failed|error|errors|skipped|deselected)\b", ln)
-             and " in " in ln]
-    found: dict[str, int] = {}
-    if lines:
-        for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)", lines[-1]):
-            found["error" if word.startswith("error") else word] = int(n)
+def _counts(reports: list[Path]) -> dict[str, int]:
+    """pytest's counts for one run, from its junit reports (one per rank; rank 0's counts, and the failures
+    and errors of every rank). An absent report (the run died before pytest wrote it) counts nothing."""
+    found = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+    for i, path in enumerate(sorted(reports)):
+        try:
+            root = ET.parse(path).getroot()
+        except (OSError, ET.ParseError):
+            continue
+        suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+        tests = sum(int(x.get("tests", 0)) for x in suites)
+        failed = sum(int(x.get("failures", 0)) for x in suites)
+        errors = sum(int(x.get("errors", 0)) for x in suites)
+        skipped = sum(int(x.get("skipped", 0)) for x in suites)
+        if i == 0:
+            found["passed"] = tests - failed - errors - skipped
+            found["skipped"] = skipped
+        found["failed"] = max(found["failed"], failed)
+        found["error"] = max(found["error"], errors)
     return found
 
 
-def _quiet_ranks() -> list[str]:
-    """A prefix for the rank command: every rank but 0 writes its output to $ADASUM_TEST_LOGDIR/rankN.log
-    (PMI_RANK is set by the process manager)."""
+def _mpiexec(n: int, args: list[str], hostfile: Path | None = None) -> list[str]:
+    """``mpiexec -n N`` (on the emulated nodes of ``hostfile``) running ``python -m mpi4py ARGS`` on every
+    rank, each rank writing its junit report to $ADASUM_TEST_LOGDIR/junit-rankN.xml; every rank but 0 writes
+    its output to $ADASUM_TEST_LOGDIR/rankN.log (PMI_RANK is set by the process manager)."""
     script = ('if [ "${PMI_RANK:-0}" != 0 ]; then exec >"$ADASUM_TEST_LOGDIR/rank$PMI_RANK.log" 2>&1; fi; '
-              'exec "$@"')
-    return ["sh", "-c", script, "sh"]
+              'if [ "$1" = pytest ]; then shift; set -- -m pytest --junitxml="$ADASUM_TEST_LOGDIR/junit-rank${PMI_RANK:-0}.xml" "$@"; fi; '
+              f'exec {shlex.quote(str(VENV_BIN / "python"))} -m mpi4py "$@"')
+    where = ["-launcher", "fork", "-f", str(hostfile)] if hostfile else []
+    return [str(VENV_BIN / "mpiexec"), *where, "-n", str(n), "sh", "-c", script, "sh", *args]
 
 
-def _run(cmd: list[str], env: dict[str, str], timeout: int) -> tuple[int, str]:
+def _run(cmd: list[str], env: dict[str, str], timeout: int) -> int:
     print("$ " + " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    out = []
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
             sys.stdout.write(line)
-            out.append(line)
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         rc = 124
     sys.stdout.flush()
-    return rc, "".join(out)
+    return rc
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     # 3 and 5 are the sizes that are not powers of two (a fold of one pair over trees of 2 and 4); the tree
-    # geometry of every P up to 64 is checked serially (tests/test_tree.py)
+    # geometry of every P up to 64 is checked serially (tests/rule/test_tree.py)
     ap.add_argument("--sizes", default="1,2,3,4,5,8", help="MPI world sizes (comma-separated)")
     ap.add_argument("--frameworks-sizes", default="2,3",
                     help="world sizes at which the framework tests (Lightning, Accelerate, transformers) run")
@@ -91,6 +106,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=1200, help="seconds allowed for each mpiexec run")
     ap.add_argument("--no-convergence", action="store_true",
                     help="skip the convergence study's --quick run (benchmarks/convergence.py on 6 ranks)")
+    ap.add_argument("--no-docs", action="store_true", help="skip building the documentation (mkdocs --strict)")
     ap.add_argument("--hostfile-runs", default="all",
                     help="emulated-node runs of the hierarchical tests: 'all', 'none' or names from "
                          f"{', '.join(name for name, _, _ in HOSTFILE_RUNS)} (comma-separated)")
@@ -105,24 +121,19 @@ def main() -> int:
     failures = []
     started = time.time()
 
-    runs: list[tuple[str, list[str], str | None, dict[str, str]]] = []
+    runs: list[tuple[str, list[str], dict[str, str]]] = []
     if not args.no_serial:
-        runs.append(("serial", [py, "-m", "pytest", "-q", "-m", "not mpi", *extra], None, {}))
+        runs.append(("serial", ["pytest", "-q", "-m", "not mpi", *extra], {}))
     for n in [int(s) for s in args.sizes.split(",") if s]:
-        logdir = tempfile.mkdtemp(prefix=f"adasum-np{n}-")
-        cmd = [str(VENV_BIN / "mpiexec"), "-n", str(n), *_quiet_ranks(), py, "-m", "mpi4py", "-m", "pytest", "-q",
-               "--with-mpi", "-m", "mpi and not frameworks", *extra]
-        runs.append((f"np={n}", cmd, logdir, {}))
+        runs.append((f"np={n}", _mpiexec(n, ["pytest", "-q", "--with-mpi", "-m", "mpi and not frameworks", *extra]),
+                     {}))
     for n in [int(s) for s in args.frameworks_sizes.split(",") if s]:
-        logdir = tempfile.mkdtemp(prefix=f"adasum-np{n}-frameworks-")
-        cmd = [str(VENV_BIN / "mpiexec"), "-n", str(n), *_quiet_ranks(), py, "-m", "mpi4py", "-m", "pytest", "-q",
-               "--with-mpi", "-m", "mpi and frameworks", *extra]
-        runs.append((f"np={n}, frameworks", cmd, logdir, {}))
+        runs.append((f"np={n}, frameworks",
+                     _mpiexec(n, ["pytest", "-q", "--with-mpi", "-m", "mpi and frameworks", *extra]), {}))
     for n in [int(s) for s in args.numpy_kernels_sizes.split(",") if s]:
-        logdir = tempfile.mkdtemp(prefix=f"adasum-np{n}-numpy-")
-        cmd = [str(VENV_BIN / "mpiexec"), "-n", str(n), *_quiet_ranks(), py, "-m", "mpi4py", "-m", "pytest", "-q",
-               "--with-mpi", "-m", "mpi", *NUMPY_KERNEL_TESTS, *extra]
-        runs.append((f"np={n}, numpy kernels", cmd, logdir, {"ADASUM_KERNELS": "numpy"}))
+        runs.append((f"np={n}, numpy kernels",
+                     _mpiexec(n, ["pytest", "-q", "--with-mpi", "-m", "mpi", *NUMPY_KERNEL_TESTS, *extra]),
+                     {"ADASUM_KERNELS": "numpy"}))
     wanted = {s.strip() for s in args.hostfile_runs.split(",") if s.strip()}
     unknown = wanted - {"all", "none"} - {name for name, _, _ in HOSTFILE_RUNS}
     if unknown:
@@ -130,50 +141,61 @@ def main() -> int:
     for name, n, nodes in HOSTFILE_RUNS:
         if "none" in wanted or not ("all" in wanted or name in wanted):
             continue
-        logdir = tempfile.mkdtemp(prefix=f"adasum-{name}-")
         hostfile = ROOT / "hostfiles" / f"emulated-{name}.txt"
-        cmd = [str(VENV_BIN / "mpiexec"), "-launcher", "fork", "-f", str(hostfile), "-n", str(n), *_quiet_ranks(),
-               py, "-m", "mpi4py", "-m", "pytest", "-q", "--with-mpi", "-m", "mpi", *HOSTFILE_TESTS, *extra]
-        runs.append((f"nodes {name} (np={n})", cmd, logdir, {"ADASUM_TEST_NODES": nodes}))
+        runs.append((f"nodes {name} (np={n})",
+                     _mpiexec(n, ["pytest", "-q", "--with-mpi", "-m", "mpi", *HOSTFILE_TESTS, *extra], hostfile),
+                     {"ADASUM_TEST_NODES": nodes}))
     if not args.no_convergence:
         # The study at toy sizes, end to end on 6 ranks (world sizes 1, 2, 3, 6), then its outputs checked.
-        logdir = tempfile.mkdtemp(prefix="adasum-convergence-")
-        out = os.path.join(logdir, "quick")
-        study = [str(VENV_BIN / "mpiexec"), "-n", "6", *_quiet_ranks(), py, "-m", "mpi4py",
-                 "benchmarks/convergence.py", "--quick", "--out", out]
-        check = [py, "-m", "pytest", "-q", "tests/test_benchmark_convergence.py", "-k", "quick_outputs", *extra]
-        cmd = ["sh", "-c", f"{shlex.join(study)} && {shlex.join(check)}"]
-        runs.append(("convergence --quick (np=6)", cmd, logdir, {"ADASUM_CONVERGENCE_QUICK": out}))
+        study = shlex.join(_mpiexec(6, ["benchmarks/convergence.py", "--quick", "--out"]))
+        check = shlex.join([py, "-m", "pytest", "-q", "tests/benchmarks/test_benchmark_convergence.py", "-k",
+                            "quick_outputs", *extra])
+        line = (f'{study} "$ADASUM_CONVERGENCE_QUICK" && '
+                f'{check} --junitxml="$ADASUM_TEST_LOGDIR/junit-rank0.xml"')
+        runs.append(("convergence --quick (np=6)", ["sh", "-c", line], {"ADASUM_CONVERGENCE_QUICK": ""}))
+    docs = ROOT / "scripts" / "build-docs.sh"
+    if not args.no_docs and docs.exists():
+        runs.append(("docs (mkdocs build --strict)", ["bash", str(docs)], {}))
+    selected = any(a in ("-k", "-m") or a.startswith(("-k", "tests/")) for a in extra)
 
     summaries = []
-    for number, (name, cmd, logdir, run_vars) in enumerate(runs, 1):
-        run_env = dict(env, **run_vars)
-        if logdir:
-            run_env["ADASUM_TEST_LOGDIR"] = logdir
-            run_env["MPIEXEC_TIMEOUT"] = str(args.timeout)
+    for number, (name, cmd, run_vars) in enumerate(runs, 1):
+        logdir = Path(tempfile.mkdtemp(prefix="adasum-tests-"))
+        run_env = dict(env, **run_vars, ADASUM_TEST_LOGDIR=str(logdir), MPIEXEC_TIMEOUT=str(args.timeout))
+        if "ADASUM_CONVERGENCE_QUICK" in run_vars:
+            run_env["ADASUM_CONVERGENCE_QUICK"] = str(logdir / "quick")
+        if cmd[0] == "pytest":
+            cmd = [py, "-m", "pytest", f"--junitxml={logdir / 'junit-rank0.xml'}", *cmd[1:]]
         print(f"\n===== {name} (run {number} of {len(runs)}) =====", flush=True)
         run_started = time.time()
-        rc, text = _run(cmd, run_env, args.timeout + 60)
-        counts = _counts(text)
+        rc = _run(cmd, run_env, args.timeout + 60)
+        reports = list(logdir.glob("junit-rank*.xml"))
+        counts = _counts(reports)
         for key in totals:
             totals[key] += counts.get(key, 0)
-        failed = counts.get("failed", 0) + counts.get("error", 0)
+        failed = counts["failed"] + counts["error"]
+        is_pytest = "pytest" in cmd
+        empty = is_pytest and rc == 5 or (is_pytest and not reports)
+        ok = rc == 0 or (rc == 5 and selected)
+        if empty and not selected:
+            how = "collected no test"
+        elif rc == 124:
+            how = "timed out"
+        else:
+            how = "ok" if ok else f"exit {rc}"
         kept = ""
-        if rc not in (0, 5):
+        if not ok:
             failures.append(name)
             if not failed:
-                failed = 1  # a rank other than 0 failed, or the run died
+                failed = 1  # a rank other than 0 failed, the run died or collected nothing
                 totals["failed"] += 1
-            if logdir:
-                for log in sorted(Path(logdir).glob("rank*.log")):
-                    print(f"----- {name} {log.stem} -----")
-                    print(log.read_text()[-20000:])
-                kept = f"; rank logs kept in {logdir}"
-                logdir = None
-        if logdir:
+            for log in sorted(logdir.glob("rank*.log")):
+                print(f"----- {name} {log.stem} -----")
+                print(log.read_text()[-20000:])
+            kept = f"; logs kept in {logdir}"
+        else:
             shutil.rmtree(logdir, ignore_errors=True)
-        how = "timed out" if rc == 124 else f"exit {rc}" if rc not in (0, 5) else "ok"
-        summaries.append(f"{name}: {counts.get('passed', 0)} passed, {failed} failed, {counts.get('skipped', 0)} "
+        summaries.append(f"{name}: {counts['passed']} passed, {failed} failed, {counts['skipped']} "
                          f"skipped, {time.time() - run_started:.0f} s ({how}{kept})")
         print(f"===== {summaries[-1]}", flush=True)
 

@@ -9,6 +9,23 @@ import tempfile
 import pytest
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under ``--with-mpi``, a test marked ``world_size(n, ...)`` runs only at those world sizes (its subject
+    does not depend on the size, so one size is enough); elsewhere it is deselected, not skipped."""
+    if not config.getoption("--with-mpi", default=False):
+        return
+    from mpi4py import MPI
+
+    size = MPI.COMM_WORLD.Get_size()
+    keep, drop = [], []
+    for item in items:
+        mark = item.get_closest_marker("world_size")
+        (drop if mark is not None and size not in mark.args else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.fixture
 def comm():
     from mpi4py import MPI

@@ -16,7 +16,7 @@ from adasum.torch import read_checkpoint
 
 from helpers import raw_bytes
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 # 400 signals: 320 for training (10 micro-batches of 32 on one rank), 80 for testing. Generated once and
 # kept in the temporary directory for the later runs (generating means importing scipy and matplotlib).
 CACHE = os.path.join(tempfile.gettempdir(), "adasum-test-mnist1d-400.npz")

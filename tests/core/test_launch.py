@@ -138,6 +138,7 @@ SPAWNING = 3
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.world_size(2)
 def test_a_torchrun_job_raises_on_every_process_at_every_call(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
     if rank < SPAWNING:
@@ -153,6 +154,7 @@ def test_a_torchrun_job_raises_on_every_process_at_every_call(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.world_size(2)
 def test_another_mpis_launcher_raises_in_the_optimizer_constructor(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
     if rank >= SPAWNING:
@@ -163,6 +165,7 @@ def test_another_mpis_launcher_raises_in_the_optimizer_constructor(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.world_size(2)
 def test_a_slurm_step_without_mpi_raises_and_a_single_task_step_runs(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
     if rank >= SPAWNING:

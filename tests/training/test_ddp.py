@@ -201,7 +201,7 @@ def test_ddp_example_trains(comm, hook):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "examples" / "ddp.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "ddp.py"
     spec = importlib.util.spec_from_file_location("adasum_ddp_example", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)

@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
                      "training_step.py")
 _spec = importlib.util.spec_from_file_location("benchmark_training_step", _PATH)
 bench = importlib.util.module_from_spec(_spec)
@@ -18,6 +18,7 @@ _spec.loader.exec_module(bench)
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.world_size(2)
 @pytest.mark.timeout(300)
 def test_quick_run_and_report(comm, capsys):
     root = comm.bcast(tempfile.mkdtemp() if comm.Get_rank() == 0 else None, root=0)
@@ -40,6 +41,7 @@ def test_quick_run_and_report(comm, capsys):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.world_size(1)
 @pytest.mark.timeout(300)
 def test_scaling_report_tabulates_and_plots_runs(comm, capsys):
     """benchmarks/scaling.py --plot-only merges runs named {rate}-{hosts}h.json and 1h.json into a table of

@@ -15,7 +15,7 @@ import pytest
 
 from adasum.rule.reference import reference_allreduce
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 READMES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md"]
 
 

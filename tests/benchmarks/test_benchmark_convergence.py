@@ -16,7 +16,7 @@ from mpi4py import MPI
 _missing = [m for m in ("mnist1d", "matplotlib") if importlib.util.find_spec(m) is None]
 pytestmark = pytest.mark.skipif(bool(_missing), reason=f"needs {', '.join(_missing)} (the examples extra)")
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "convergence.py")
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks", "convergence.py")
 _spec = importlib.util.spec_from_file_location("benchmark_convergence", _PATH)
 convergence = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(convergence)

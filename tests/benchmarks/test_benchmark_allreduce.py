@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "allreduce.py")
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks", "allreduce.py")
 _spec = importlib.util.spec_from_file_location("benchmark_allreduce", _PATH)
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
