@@ -1,6 +1,6 @@
 """The public call: ``adasum_allreduce`` and its in-place variant.
 
-A call, hop by hop (docs/internals.md): enter the communicator's context (which takes the settings
+A call, hop by hop (docs/design.md, "The path of one call"): enter the communicator's context (which takes the settings
 snapshot); take the compiled small call where the plan allows it; otherwise check the input locally, look up
 (or make) the :class:`~adasum.call.plan.Plan` of these shapes, place each group's data
 (:func:`~adasum.call.plan.place`) and pack it; agree with the other ranks in one small collective; run the plan's

@@ -17,7 +17,7 @@ optimizer's windows: the micro-batches before the last of a window run inside th
 ``no_sync()``, and ``step()`` closes each window. ``precision="16-mixed"`` gives the optimizer Lightning's
 ``GradScaler``, whose scale the ranks then keep alike; ``"bf16-mixed"`` needs nothing. Metrics logged with
 ``sync_dist=True`` are reduced over MPI, and rank 0 writes the checkpoints (its optimizer state: with
-Adasum each rank's differs, as the README explains).
+Adasum each rank's differs, as docs/frameworks.md explains).
 
 Every MPI call waits through the stall inspector, so a rank that does not arrive is named, and the
 settings check of each optimizer raises on every rank where the ranks disagree.

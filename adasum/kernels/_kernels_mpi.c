@@ -6,7 +6,7 @@
  * is adasum/call/agreement.py's), waited for here without the GIL, as a blocking allreduce would wait, for a
  * patience the stall inspector (adasum/runtime/stall.py) sets; a wait that runs out of patience hands its request
  * to the inspector, which goes on waiting and names the ranks that have not arrived. The Python side waits
- * the same way through mpi4py where MPI cannot be bound (tests/test_stall.py pins the two alike).
+ * the same way through mpi4py where MPI cannot be bound (tests/core/test_stall.py pins the two alike).
  */
 #include "_kernels.h"
 

@@ -58,7 +58,8 @@ class Traffic:
 class Buffers:
     """The buffers a context keeps between calls, one per (slot, array kind, device, dtype), each grown to
     the largest request and shared by all plans: the receive buffer of the schedules (half the largest fused
-    buffer, or all of it for small calls), the fused buffer of in-place calls that need one, the float32
+    buffer for halving at a power-of-two number of ranks; all of it for doubling, and on the rank that takes
+    a folded-out partner's vector), the fused buffer of in-place calls that need one, the float32
     buffers of the hierarchical mode's 16-bit sums, and the page-locked host buffers of staged transfers."""
 
     def __init__(self) -> None:

@@ -14,7 +14,7 @@ Every name maps onto the library's own API. The world is ``MPI.COMM_WORLD``. Whe
 from Horovod's:
 
 - ``Adasum`` runs at any number of ranks (Horovod's needs a power of two), combining with the size-weighted
-  tree described in the README; at a power of two it is the same tree.
+  tree described in docs/semantics.md; at a power of two it is the same tree.
 - ``DistributedOptimizer`` is :class:`adasum.torch.DistributedOptimizer` with Horovod's ``synchronize()``
   and ``skip_synchronize()``. As in Horovod, the script calls ``step()`` once after
   ``backward_passes_per_step`` backward passes, whose gradients add up in ``.grad`` (they are not divided

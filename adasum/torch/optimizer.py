@@ -79,7 +79,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             competes with backward for it). On the backward that closes a window, buckets of parameters go
             to a background thread as backward finishes them, which reduces them (for adasum, after their
             local step; the parameters still change only inside ``step()``); ``step()`` waits and applies.
-            Bitwise the results of ``overlap=False`` for adasum. The rules are in the README.
+            Bitwise the results of ``overlap=False`` for adasum. The rules are in docs/training.md.
         bucket_bytes: with ``overlap``, the smallest bucket in bytes of parameters (the last may be smaller).
         compression: ``None``, ``"fp16"`` or ``"bf16"``: the deltas (adasum) or gradients (sum/mean) travel
             as 16-bit floats, half the bytes, and are combined in float32 or wider (see

@@ -1,5 +1,6 @@
 """Overlap with backward: :class:`OverlapEngine` owns the hooks, the bucket plan that every rank shares,
-the background thread and its communicator, and the state of the backward in progress.
+the two threads (a bucket's local part, its collective) and the wire's communicator, and the state of the
+backward in progress.
 
 On the backward that closes a window, a post-accumulate-grad hook on every parameter counts the gradient
 accumulations; a bucket whose parameters all have theirs is handed over at once to two threads: one runs

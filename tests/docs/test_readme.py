@@ -1,5 +1,6 @@
-"""What the READMEs tell a new user to run: the quick start is the file it names and prints what each rank
-got, and every script, example and hostfile a command names exists where the command says."""
+"""What the READMEs and the documentation site tell a new user to run: the quick start is the file it names
+and prints what each rank got, the commands it gives are there, and every script, example and hostfile a
+command names exists where the command says."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from adasum.rule.reference import reference_allreduce
 
 ROOT = Path(__file__).resolve().parents[2]
-READMES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md"]
+READMES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def _blocks(text: str, lang: str) -> list[str]:
@@ -35,7 +36,16 @@ def test_readme_quick_start_is_the_example_file():
     assert code, "README's Quick start shows no python block"
     assert code[0] == (ROOT / "examples" / "quickstart.py").read_text(), \
         "README's Quick start differs from examples/quickstart.py"
-    assert "mpiexec -n 4 python -m mpi4py examples/quickstart.py" in "".join(_blocks(quick, "bash"))
+    commands = "".join(_blocks(quick, "bash"))
+    assert ". .venv/bin/activate" in commands, "README's Quick start does not activate .venv first"
+    assert "mpiexec -n 4 python -m mpi4py examples/quickstart.py" in commands
+
+
+def test_readme_keeps_the_two_commands():
+    """The project's contract: these two commands, as written, in a bash block of README.md."""
+    commands = "".join(_blocks((ROOT / "README.md").read_text(), "bash"))
+    for command in ("bash scripts/run-example.sh", "bash scripts/run-tests.sh"):
+        assert command in commands, f"README.md no longer shows {command!r}"
 
 
 def _quickstart_inputs(size: int) -> list[list[np.ndarray]]:

@@ -1,4 +1,4 @@
-"""Accelerate and the Hugging Face Trainer under mpiexec with the Adasum DDP hook: the README's recipes,
+"""Accelerate and the Hugging Face Trainer under mpiexec with the Adasum DDP hook: the recipes of docs/frameworks.md,
 run as written, against DistributedOptimizer (plain SGD: Adasum of gradients is Adasum of deltas)."""
 
 from __future__ import annotations

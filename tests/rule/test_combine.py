@@ -11,7 +11,7 @@ from hypothesis.extra.numpy import arrays
 from adasum.rule.combine import coefficients, combine
 
 # Multiples of 1/64 in [-1000, 1000]: squared norms of float64 values below about 1e-154 underflow, a
-# limit the README states; the properties are about the rule, not about that range.
+# limit docs/semantics.md states; the properties are about the rule, not about that range.
 finite = st.integers(-64_000, 64_000).map(lambda i: i / 64)
 vectors = st.integers(1, 40).flatmap(lambda n: st.tuples(arrays(np.float64, n, elements=finite),
                                                           arrays(np.float64, n, elements=finite)))

@@ -197,7 +197,7 @@ def test_state_pickles_without_its_communicator():
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("hook", ["gradients", "deltas"])
 def test_ddp_example_trains(comm, hook):
-    """examples/ddp.py, as the README runs it, on a small data set: every rank ends with the same model."""
+    """examples/ddp.py, as docs/frameworks.md runs it, on a small data set: every rank ends with the same model."""
     import importlib.util
     from pathlib import Path
 
