@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 
 import numpy as np
 import pytest
@@ -92,3 +93,19 @@ def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
 def all_ranks_data(comm: MPI.Intracomm, make_rank):
     """``[make_rank(r) for every rank r]``: each rank builds every rank's inputs from a shared seed."""
     return [make_rank(r) for r in range(comm.Get_size())]
+
+
+def world_nodes(comm: MPI.Intracomm) -> list[list[int]]:
+    """The ranks of each node of ``comm``, nodes ordered by their lowest rank, computed here independently
+    of the library from the shared-memory split."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    lowest = node.allreduce(comm.Get_rank(), op=MPI.MIN)
+    node.Free()
+    firsts = comm.allgather(lowest)
+    return [[r for r, f in enumerate(firsts) if f == leader] for leader in sorted(set(firsts))]
+
+
+def expected_nodes() -> list[list[int]] | None:
+    """The nodes this launch should make ("0,1;2,3" in ADASUM_TEST_NODES, set by the emulated-node runs)."""
+    text = os.environ.get("ADASUM_TEST_NODES", "").strip()
+    return [[int(r) for r in node.split(",")] for node in text.split(";")] if text else None

@@ -8,7 +8,6 @@ the layout that launch must produce, e.g. ``"0,1,4;2,3"`` for nodes {0, 1, 4} an
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -22,8 +21,8 @@ from adasum.call.fusion import Group, Operand
 from adasum.schedules.hierarchical import _slice_bounds, _slice_group, hierarchical_reduce
 from adasum.rule.reference import reference_allreduce, reference_hierarchical
 
-from helpers import (EPS, KIND_DTYPES, as_f64, assert_identical_across_ranks, cupy, gpu_transport, kind_context,
-                     make, rel_l2)
+from helpers import (EPS, KIND_DTYPES, as_f64, assert_identical_across_ranks, cupy, expected_nodes, gpu_transport,
+                     kind_context, make, rel_l2, world_nodes)
 
 # Layer sizes 0, 1, odd, and one larger than all the others together, so that slicing a fused buffer
 # between the ranks of a node cuts through layers.
@@ -44,21 +43,8 @@ def rank_values(rank: int, seed: int, shapes=SHAPES) -> list[np.ndarray]:
     return [rng.standard_normal(s) for s in shapes]
 
 
-def world_nodes(comm: MPI.Intracomm) -> list[list[int]]:
-    """The ranks of each node of ``comm``, nodes ordered by their lowest rank, computed here independently
-    of the library from the shared-memory split."""
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    lowest = node.allreduce(comm.Get_rank(), op=MPI.MIN)
-    node.Free()
-    firsts = comm.allgather(lowest)
-    return [[r for r, f in enumerate(firsts) if f == leader] for leader in sorted(set(firsts))]
 
 
-def expected_nodes() -> list[list[int]] | None:
-    text = os.environ.get("ADASUM_TEST_NODES", "").strip()
-    if not text:
-        return None
-    return [[int(r) for r in node.split(",")] for node in text.split(";")]
 
 
 def check(comm, got, want, dtypes) -> None:

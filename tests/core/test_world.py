@@ -8,26 +8,11 @@ launch must produce (e.g. ``"0,2,4;1,3"``), where local_rank differs from rank.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from mpi4py import MPI
 
 import adasum
-
-
-def nodes_of(comm: MPI.Intracomm) -> list[list[int]]:
-    """The ranks of ``comm`` on each node, nodes ordered by their lowest rank."""
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    lowest = node.allreduce(comm.Get_rank(), op=MPI.MIN)
-    node.Free()
-    firsts = comm.allgather(lowest)
-    return [[r for r, f in enumerate(firsts) if f == first] for first in sorted(set(firsts))]
-
-
-def expected_nodes() -> list[list[int]] | None:
-    text = os.environ.get("ADASUM_TEST_NODES", "").strip()
-    return [[int(r) for r in node.split(",")] for node in text.split(";")] if text else None
+from helpers import expected_nodes, world_nodes
 
 
 def check_helpers(comm: MPI.Intracomm, nodes: list[list[int]]) -> None:
@@ -52,7 +37,7 @@ def test_defaults_are_comm_world(comm):
 
 @pytest.mark.mpi
 def test_world_matches_the_shared_memory_split(comm):
-    nodes = nodes_of(comm)
+    nodes = world_nodes(comm)
     check_helpers(comm, nodes)
     check_helpers(comm, nodes)  # the kept layout gives the same answer
     want = expected_nodes()
@@ -73,7 +58,7 @@ def test_sub_communicator_counts_its_own_ranks(comm):
     """The helpers answer for the communicator passed: here the ranks split by parity, in reverse order."""
     sub = comm.Split(comm.Get_rank() % 2, key=-comm.Get_rank())
     try:
-        check_helpers(sub, nodes_of(sub))
+        check_helpers(sub, world_nodes(sub))
         assert adasum.size(sub) == len(range(comm.Get_rank() % 2, comm.Get_size(), 2))
     finally:
         sub.Free()
@@ -83,6 +68,6 @@ def test_sub_communicator_counts_its_own_ranks(comm):
 def test_local_ranks_on_a_node_are_0_to_local_size(comm):
     """The local ranks of one node are 0, 1, …, local_size - 1, one each, what torch.cuda.set_device needs."""
     pairs = comm.allgather((adasum.local_rank(comm), adasum.local_size(comm)))
-    for node in nodes_of(comm):
+    for node in world_nodes(comm):
         assert sorted(pairs[r][0] for r in node) == list(range(len(node)))
         assert {pairs[r][1] for r in node} == {len(node)}

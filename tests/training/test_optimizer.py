@@ -19,7 +19,7 @@ from adasum.rule.reference import reference_allreduce, reference_hierarchical
 from adasum.torch import (BoundaryScheduler, DistributedOptimizer, broadcast_optimizer_state,
                           broadcast_parameters, load_checkpoint, save_checkpoint)
 
-from helpers import assert_identical_across_ranks, raw_bytes, rel_l2
+from helpers import assert_identical_across_ranks, raw_bytes, rel_l2, world_nodes
 
 OPS = ["adasum", "sum", "mean"]
 
@@ -100,13 +100,6 @@ def test_adasum_is_local_step_then_reference_of_deltas(comm, inner):
     assert_identical_across_ranks(comm, list(model.parameters()))
 
 
-def _nodes(comm) -> list[list[int]]:
-    """The ranks of each node (as MPI_COMM_TYPE_SHARED groups them), nodes ordered by their lowest rank."""
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    first = local.allreduce(comm.Get_rank(), op=MPI.MIN)
-    local.Free()
-    keys = comm.allgather(first)
-    return [[r for r, k in enumerate(keys) if k == key] for key in sorted(set(keys))]
 
 
 @pytest.mark.mpi(min_size=1)
@@ -123,7 +116,7 @@ def test_hierarchical_adasum_is_local_step_then_reference(comm):
         m = tiny_model()
         loss_of(m, *batch(r, 0, 0)).backward()
         deltas.append([-0.1 * p.grad.numpy() for p in m.parameters()])
-    want = [s + d for s, d in zip(start, reference_hierarchical(deltas, _nodes(comm)))]
+    want = [s + d for s, d in zip(start, reference_hierarchical(deltas, world_nodes(comm)))]
     for i, (got, w) in enumerate(zip(params_f64(model), want)):
         assert rel_l2(got, w) < 1e-12, f"parameter {i}"
     with pytest.raises(ValueError, match="hierarchical=True needs op 'adasum', got op 'mean'"):
