@@ -1,5 +1,6 @@
 """A character-level language model on real text that every machine has: the source files of Python's
-standard library. The convergence study (``convergence.py``) trains it as its second task.
+standard library. The convergence study (``convergence.py``, its tasks in ``study/tasks.py``) trains it as
+its second task.
 
 The text is the top-level ``.py`` files of the running interpreter's standard library, in sorted order,
 read as UTF-8 with every character outside ASCII replaced by ``?`` (128 symbols). The first 90 % of the

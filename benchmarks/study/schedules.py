@@ -1,0 +1,62 @@
+"""The schedules (the op and the learning-rate rule of a run), the configurations the study trains, and
+the warmup's rule."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+
+class Schedule(NamedTuple):
+    name: str
+    op: str        # the DistributedOptimizer's op
+    scale: str     # "1", "2", "sqrt" (√P) or "linear" (P): the learning rate's multiple of the base
+    warmup: bool
+
+    def factor(self, p: int) -> float:
+        return {"1": 1.0, "2": 2.0, "sqrt": math.sqrt(p), "linear": float(p)}[self.scale]
+
+    @property
+    def label(self) -> str:
+        scale = {"1": "×1", "2": "×2", "sqrt": "×√P", "linear": "×P"}[self.scale]
+        return f"{self.op} {scale}" + (" + warmup" if self.warmup else "") if self.name != "single" else "1 rank"
+
+
+SINGLE = Schedule("single", "mean", "1", False)
+SCHEDULES = {s.name: s for s in [
+    Schedule("adasum-x1", "adasum", "1", False),
+    Schedule("adasum-x1-warmup", "adasum", "1", True),
+    Schedule("adasum-x2", "adasum", "2", False),
+    Schedule("mean-x1", "mean", "1", False),
+    Schedule("mean-sqrtP", "mean", "sqrt", False),
+    Schedule("mean-linear-warmup", "mean", "linear", True),
+    Schedule("sum-x1", "sum", "1", False),
+    Schedule("adasum-grad-x1", "adasum-grad", "1", False),
+    SINGLE,
+]}
+OPS = ("adasum", "adasum-grad", "mean", "sum")
+# The four the closing comparison is about, in the order the tables show them.
+HEADLINE = ("adasum-x1", "mean-x1", "mean-sqrtP", "mean-linear-warmup")
+
+ALL = list(s for s in SCHEDULES if s not in ("single", "adasum-grad-x1"))
+NO_SUM = [s for s in ALL if s != "sum-x1"]
+
+
+class Config(NamedTuple):
+    task: str
+    world_size: int
+    schedule: str
+    accumulation: int
+    seed: int
+    base_lr: float
+
+    @property
+    def name(self) -> str:
+        return (f"{self.task}-P{self.world_size}-{self.schedule}-k{self.accumulation}-lr{self.base_lr:g}"
+                f"-s{self.seed}")
+
+
+def learning_rate(peak: float, update: int, warmup: int) -> float:
+    """The rate of update ``update`` (from 0): ``peak``, reached linearly over the first ``warmup`` updates
+    (``peak / warmup`` at the first) when ``warmup`` is above 0."""
+    return peak * min(1.0, (update + 1) / warmup) if warmup else peak
