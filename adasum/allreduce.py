@@ -125,11 +125,12 @@ class _Call:
     """One call's own state on the general path: its tensors, its plan and, per group, the operand (the
     placement and buffers of :func:`adasum.plan.place`) and the caller's tensors of that group."""
 
-    __slots__ = ("single", "items", "op", "plan", "operands", "members")
+    __slots__ = ("single", "items", "op", "plan", "key", "operands", "members")
 
     def __init__(self, op: str):
         self.single, self.items, self.op = False, [], op
         self.plan: Plan | None = None
+        self.key = None  # a new plan's key: kept once the call succeeded
         self.operands: list[Operand] = []
         self.members: list[list] = []
 
@@ -156,7 +157,10 @@ def _general(ctx: Context, s: Settings, extras: dict, tensors, op, hierarchical:
     active = [g for g in call.operands if g.size > 0]
     if active:
         _SCHEDULES[plan.schedule](ctx, plan, active, s.chunk_bytes if split else 0)
-    return _finish(ctx, call, tensors, inplace)
+    out = _finish(ctx, call, tensors, inplace)
+    if call.key is not None:
+        ctx.keep(call.key, plan)
+    return out
 
 
 def _prepare(ctx: Context, s: Settings, extras: dict, call: _Call, tensors, op, hierarchical: bool, inplace: bool,
@@ -169,7 +173,11 @@ def _prepare(ctx: Context, s: Settings, extras: dict, call: _Call, tensors, op, 
     if hierarchical and call.op != "adasum":
         raise ValueError(f"hierarchical=True needs op 'adasum', got '{call.op}'")
     extra = extras["hierarchical" if hierarchical else call.op]
-    plan = call.plan = known if known is not None else plan_for(ctx, call.items, call.op, extra, s)
+    if known is not None:
+        plan = call.plan = known
+    else:
+        plan, call.key = plan_for(ctx, call.items, call.op, extra, s)
+        call.plan = plan
     items = call.items
     members = [items] if plan.one_group else [[items[i] for i in g.indices] for g in plan.groups]
     # where the tensors lie decides how the result gets into them; read-only ones fail here
@@ -246,7 +254,7 @@ def _small_adasum(ctx: Context, s: Settings, items: list, inplace: bool, extras:
     dst = host if inplace else out if type(out) is np.ndarray else out.numpy()
     rc = call(host, dst, plan.signature, plan.descs, extras["patience"])
     if rc == -1:
-        raise explain(ctx.lcomm, "adasum", plan.descs, None, extras["adasum"])
+        raise explain(ctx, "adasum", plan.descs, None, extras["adasum"])
     if rc:
         raise MPI.Exception(rc)
     if inplace:

@@ -3,7 +3,7 @@
 A :class:`Plan` is what the shapes, dtypes, devices, the op and the agreed settings of a call determine:
 the descriptions the ranks agree on, the groups and their layer tables, and the :class:`Schedule`, chosen
 once. Plans are kept in the communicator's context for calls of the same shapes (a training loop's every
-step) and hold no buffers. :func:`place` then decides, for one call, where each group's data lies while it
+step), once such a call succeeded on every rank, and hold no buffers. :func:`place` then decides, for one call, where each group's data lies while it
 is reduced (its :class:`~adasum.fusion.Placement`).
 """
 
@@ -100,18 +100,53 @@ class Plan:
 
 
 def plan_key(items, op: str, extra: tuple) -> tuple:
+    """Everything a call's plan depends on: the op, the agreed settings and, per tensor, its type, shape,
+    dtype, device and (torch) layout: a sparse tensor of a dense one's shape has a key of its own."""
     if compiled is not None:
-        return op, extra, compiled.key(items)
-    return op, extra, tuple([(type(t), t.shape, t.dtype, getattr(t, "device", None)) for t in items])
+        return op, extra, compiled.key(items), _layouts(items)
+    return op, extra, tuple([(type(t), t.shape, t.dtype, getattr(t, "device", None)) for t in items]), \
+        _layouts(items)
 
 
-def plan_for(ctx, items, op: str, extra: tuple, s: Settings) -> Plan:
-    """The kept plan of this call, or a new one (kept)."""
+_HAS_LAYOUT: dict[type, object] = {}  # per array type: its dense layout (torch.strided), or None (no layouts)
+
+
+def _layouts(items) -> tuple:
+    """``(index, layout)`` of each tensor whose layout is not dense (torch's sparse layouts), in order."""
+    odd = ()
+    for i, t in enumerate(items):
+        dense = _HAS_LAYOUT.get(type(t), _UNSEEN)
+        if dense is _UNSEEN:
+            dense = _HAS_LAYOUT[type(t)] = _dense_layout(type(t))
+        if dense is not None and t.layout is not dense:
+            odd += ((i, t.layout),)
+    return odd
+
+
+_UNSEEN = object()
+
+
+def _dense_layout(kind: type):
+    """torch's dense layout for torch tensor types, None for array types without layouts."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and issubclass(kind, torch.Tensor):
+        return torch.strided
+    return None
+
+
+def plan_for(ctx, items, op: str, extra: tuple, s: Settings) -> tuple[Plan, tuple | None]:
+    """The kept plan of this call and None, or a new plan and the key to keep it under once the call
+    succeeded (:meth:`Context.keep`; None where the call has no key)."""
     try:
         key = plan_key(items, op, extra)
     except (AttributeError, TypeError, RuntimeError):  # not an array, unhashable, or without a shape
-        return Plan(ctx, items, op, extra, s)  # (a nested tensor): describe() says what is wrong
-    return ctx.plan(key, lambda: Plan(ctx, items, op, extra, s))
+        return Plan(ctx, items, op, extra, s), None  # (a nested tensor): describe() says what is wrong
+    plan = ctx.plans.get(key)
+    if plan is not None:
+        return plan, None
+    return Plan(ctx, items, op, extra, s), key
 
 
 def place(plan: Plan, members: Sequence[list], layouts: Sequence[TensorLayout | None] | None, inplace: bool,
