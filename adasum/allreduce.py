@@ -25,7 +25,7 @@ from .halving import adasum_reduce
 from .launch import check_launch
 from .native import compiled as _kernels  # None where the install could not build them
 from .native import mpi_bound, use_isa
-from .plan import Plan, Schedule, agreed_extras, place, plan_for, plan_key
+from .plan import Plan, Schedule, agreed_extras, kept, place, plan_for, plan_key
 from .settings import Settings
 from .transport import transport_for
 
@@ -235,7 +235,7 @@ def _small_adasum(ctx: Context, s: Settings, items: list, inplace: bool, extras:
     if s.gpu_transport == "staged" or _kernels is None or s.kernels != "c" or not (s.native_mpi and mpi_bound()):
         return None, None
     try:
-        plan = ctx.plans.get(plan_key(items, "adasum", extras["adasum"]))
+        plan = kept(ctx, plan_key(items, "adasum", extras["adasum"]), items)
     except (AttributeError, TypeError, RuntimeError):  # the general path describes what is wrong
         return None, None
     if plan is None or plan.small is None or plan.small.program is None:

@@ -21,7 +21,7 @@ from .native import compiled
 from .settings import Settings
 from .transport import Transport, transport_for
 
-__all__ = ["Plan", "Schedule", "agreed_extras", "place", "plan_for", "plan_key"]
+__all__ = ["Plan", "Schedule", "agreed_extras", "kept", "place", "plan_for", "plan_key"]
 
 
 class Schedule(enum.Enum):
@@ -65,12 +65,14 @@ class Plan:
     groups with their layer tables, the schedule, and the compiled small call where it may run. Kept in the
     communicator's context; holds no buffers (what one call holds lives in its operands)."""
 
-    __slots__ = ("descs", "signature", "nbytes", "one_group", "groups", "schedule", "small", "_transports")
+    __slots__ = ("descs", "signature", "nbytes", "one_group", "groups", "schedule", "small", "torch",
+                 "_transports")
 
     def __init__(self, ctx, items, op: str, extra: tuple, s: Settings):
         adapters, self.descs = describe(items, op, ctx.rank, ctx.adapters)
         self.signature = signature(op, self.descs, extra)
         self.groups: list[Group] = make_groups(items, adapters, self.descs)
+        self.torch = any(g.adapter.kind == "torch" for g in self.groups)  # whose tensors have layouts
         for g in self.groups:
             layer_spans(g)
         self.nbytes = sum(g.size * itemsize(g.dtype) for g in self.groups)
@@ -100,40 +102,32 @@ class Plan:
 
 
 def plan_key(items, op: str, extra: tuple) -> tuple:
-    """Everything a call's plan depends on: the op, the agreed settings and, per tensor, its type, shape,
-    dtype, device and (torch) layout: a sparse tensor of a dense one's shape has a key of its own."""
+    """What a call's plan depends on besides the tensors' layouts: the op, the agreed settings and, per
+    tensor, its type, shape, dtype and device. Plans are kept only for calls that succeeded, so only for
+    dense tensors: :func:`kept` looks one up for tensors that are all dense (a sparse torch tensor of a dense
+    one's shape has the same key and no plan)."""
     if compiled is not None:
-        return op, extra, compiled.key(items), _layouts(items)
-    return op, extra, tuple([(type(t), t.shape, t.dtype, getattr(t, "device", None)) for t in items]), \
-        _layouts(items)
+        return op, extra, compiled.key(items)
+    return op, extra, tuple([(type(t), t.shape, t.dtype, getattr(t, "device", None)) for t in items])
 
 
-_HAS_LAYOUT: dict[type, object] = {}  # per array type: its dense layout (torch.strided), or None (no layouts)
+def kept(ctx, key, items) -> "Plan | None":
+    """The plan kept under ``key`` for ``items``, or None (also where a torch tensor among them is not
+    dense: the plan was made for dense ones)."""
+    plan = ctx.plans.get(key)
+    if plan is not None and plan.torch and not _dense(items):
+        return None
+    return plan
 
 
-def _layouts(items) -> tuple:
-    """``(index, layout)`` of each tensor whose layout is not dense (torch's sparse layouts), in order."""
-    odd = ()
-    for i, t in enumerate(items):
-        dense = _HAS_LAYOUT.get(type(t), _UNSEEN)
-        if dense is _UNSEEN:
-            dense = _HAS_LAYOUT[type(t)] = _dense_layout(type(t))
-        if dense is not None and t.layout is not dense:
-            odd += ((i, t.layout),)
-    return odd
+def _dense(items) -> bool:
+    import torch  # loaded: the plan holds torch tensors
 
-
-_UNSEEN = object()
-
-
-def _dense_layout(kind: type):
-    """torch's dense layout for torch tensor types, None for array types without layouts."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    if torch is not None and issubclass(kind, torch.Tensor):
-        return torch.strided
-    return None
+    tensor, strided = torch.Tensor, torch.strided
+    for t in items:
+        if isinstance(t, tensor) and t.layout is not strided:
+            return False
+    return True
 
 
 def plan_for(ctx, items, op: str, extra: tuple, s: Settings) -> tuple[Plan, tuple | None]:
@@ -143,7 +137,7 @@ def plan_for(ctx, items, op: str, extra: tuple, s: Settings) -> tuple[Plan, tupl
         key = plan_key(items, op, extra)
     except (AttributeError, TypeError, RuntimeError):  # not an array, unhashable, or without a shape
         return Plan(ctx, items, op, extra, s), None  # (a nested tensor): describe() says what is wrong
-    plan = ctx.plans.get(key)
+    plan = kept(ctx, key, items)
     if plan is not None:
         return plan, None
     return Plan(ctx, items, op, extra, s), key
