@@ -8,8 +8,11 @@ waiting in the allreduce.
 
 from __future__ import annotations
 
+import pickle
+import zlib
 from typing import Any, NamedTuple, Sequence
 
+import numpy as np
 from mpi4py import MPI
 
 from ..runtime import stall, waiting
@@ -17,7 +20,8 @@ from ..adapters import Adapter, Adapters
 from ..rule.dtypes import FLOAT_DTYPES, INT_DTYPES, dtype_code, op_code
 from ..kernels.native import compiled, mpi_bound, request
 
-__all__ = ["AdasumMismatchError", "TensorDesc", "agree", "agreed", "describe", "load", "resume", "signature"]
+__all__ = ["AdasumMismatchError", "TensorDesc", "agree", "agree_exchange", "agreed", "describe", "exchange_digest",
+           "explain", "load", "resume", "signature"]
 
 
 class AdasumMismatchError(ValueError):
@@ -87,7 +91,7 @@ AGREE_BYTES = 4 * 8  # what one rank hands to the agreement allreduce: four int6
 
 
 def agree(ctx, op: str, descs: Sequence[TensorDesc] | None, error: Exception | None,
-          extra: tuple = (), digest: int | None = None, vote: int = 0) -> int:
+          extra: tuple = (), digest: int | None = None, vote: int = 0, kind: str = "adasum_allreduce") -> int:
     """Meet the other ranks of ``ctx``'s communicator once; raise the same exception on every rank if any
     rank failed or differs.
 
@@ -95,6 +99,8 @@ def agree(ctx, op: str, descs: Sequence[TensorDesc] | None, error: Exception | N
     settings that must agree (for example the hierarchical flag). ``digest``, if given, is
     ``signature(op, descs, extra)`` computed earlier. ``vote`` (a non-negative int) rides along: the call
     returns the largest vote of all ranks, so that the ranks can settle a choice in the same collective.
+    ``kind`` names the call for the explanation of a difference (the digest of an allreduce differs from
+    that of every other kind of call: :func:`exchange_digest`).
     """
     if ctx.size == 1:
         if error is not None:
@@ -119,7 +125,39 @@ def agree(ctx, op: str, descs: Sequence[TensorDesc] | None, error: Exception | N
         stall.wait(ctx, ctx.lcomm.Iallreduce(scratch[0:4], scratch[4:8], op=MPI.MAX), op, descs)
     if agreed(scratch):
         return int(scratch[7])
-    raise explain(ctx.lcomm, op, descs, error, extra)
+    raise explain(ctx, op, descs, error, extra, kind)
+
+
+# The kinds of call that are not reductions of tensors (adasum.runtime.exchange's calls) digest as tuples that start
+# with this number; an allreduce's signature starts with its op's code, a non-negative number.
+_EXCHANGE = -7
+_EXPLAIN = -8
+_MASK = (1 << 62) - 1
+
+
+def exchange_digest(what: str, extra: tuple = ()) -> int:
+    """The digest of an exchange ``what`` (its label: the kind of call, the same on every rank that makes
+    it) with ``extra`` settings (``(name, int)`` pairs) that must agree."""
+    return hash((_EXCHANGE, zlib.crc32(what.encode()), tuple(int(v) for _, v in extra))) & _MASK
+
+
+def agree_exchange(ctx, what: str, error: Exception | None, vote: int = 0, extra: tuple = ()) -> int:
+    """The first collective of an exchange ``what`` of :mod:`adasum.runtime.exchange` inside a call in flight on
+    ``ctx``: the agreement's four integers (so that it meets an allreduce's agreement, or another kind of
+    exchange, as a difference that every rank explains), watched by the stall inspector. Returns the largest
+    ``vote``; raises on every rank where a rank has an ``error`` or is in another kind of call."""
+    if ctx.size == 1:
+        if error is not None:
+            raise error
+        return vote
+    scratch = np.zeros(8, dtype=np.int64)
+    load(scratch, 0 if error is not None else exchange_digest(what, extra), error is not None, vote)
+    ctx.record("scalar_bytes", AGREE_BYTES)
+    stall.wait(ctx, ctx.lcomm.Iallreduce(scratch[0:4], scratch[4:8], op=MPI.MAX), "exchange", AGREE_BYTES,
+               label=what)
+    if agreed(scratch):
+        return int(scratch[7])
+    raise explain(ctx, "exchange", None, error, extra, kind=what)
 
 
 # The agreement's one encoding, which the compiled small call (adasum/kernels/_kernels_mpi.c) writes and reads the
@@ -142,17 +180,72 @@ def resume(ctx, op: str, descs, waited: float) -> None:
     stall.wait(ctx, request(int(ctx.agree_scratch[8])), op, descs, waited=waited)
 
 
-def explain(comm: MPI.Intracomm, op: str, descs: Sequence[TensorDesc] | None, error: Exception | None,
-            extra: tuple = ()) -> Exception:
+def explain(ctx, op: str, descs: Sequence[TensorDesc] | None, error: Exception | None, extra: tuple = (),
+            kind: str = "adasum_allreduce") -> Exception:
     """The exception every rank raises once the agreement found a failure or a difference (collective:
-    every rank calls it after the same agreement): gathers everyone's view to say exactly what."""
-    report = (op, extra, descs, None if error is None else (type(error), str(error)))
-    everyone = comm.allgather(report)
-    return _explain(everyone, comm.Get_rank())
+    every rank calls it after the same agreement): gathers everyone's view to say exactly what. Its two
+    collectives are another agreement (of the reports' size) and a gather, both watched by the stall
+    inspector, so a rank that does not come makes the others raise a stall error naming it."""
+    report = (kind, op, extra, descs, None if error is None else (type(error), str(error)))
+    everyone = _gather_reports(ctx, report)
+    if everyone is None:
+        return AdasumMismatchError(
+            f"(raised on rank {ctx.rank}) the ranks are not in the same call: rank {ctx.rank} is in {kind}"
+            f"{_call_text(report)}, and some rank is neither in it nor explaining the difference")
+    return _explain(everyone, ctx.rank)
+
+
+def _gather_reports(ctx, report) -> list | None:
+    """Every rank's ``report`` on every rank, or None where some rank is not explaining the same
+    agreement (it is in another call)."""
+    try:
+        data = pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # an exception type that does not pickle: its name and text, as a RuntimeError
+        kind, op, extra, descs, (etype, msg) = report
+        data = pickle.dumps((kind, op, extra, descs, (RuntimeError, f"{etype.__name__}: {msg}")))
+    scratch = np.zeros(8, dtype=np.int64)
+    load(scratch, hash((_EXPLAIN,)) & _MASK, False, len(data))
+    what = "explaining a difference between the ranks"
+    stall.wait(ctx, ctx.lcomm.Iallreduce(scratch[0:4], scratch[4:8], op=MPI.MAX), "exchange", AGREE_BYTES,
+               label=what)
+    if not agreed(scratch):
+        return None
+    width = 8 + int(scratch[7])
+    send = np.zeros(width, dtype=np.uint8)
+    send[:8] = np.frombuffer(np.int64(len(data)).tobytes(), dtype=np.uint8)
+    send[8:8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    out = np.empty(width * ctx.size, dtype=np.uint8)
+    ctx.record("scalar_bytes", width)
+    stall.wait(ctx, ctx.lcomm.Iallgather([send, MPI.BYTE], [out, MPI.BYTE]), "exchange", width, label=what)
+    reports = []
+    for r in range(ctx.size):
+        row = out[r * width:(r + 1) * width]
+        n = int(row[:8].view(np.int64)[0])
+        reports.append(pickle.loads(row[8:8 + n].tobytes()))
+    return reports
+
+
+def _call_text(report) -> str:
+    """What a report's call passed: `` (op 'adasum', 2 tensors: shape (4,) float32, ...)``, or nothing."""
+    _, op, extra, descs, _ = report
+    if op == "exchange":
+        return f" ({dict(extra)})" if extra else ""
+    if descs is None:
+        return f" (op '{op}')"
+    shown = ", ".join(map(str, descs[:3])) + (", ..." if len(descs) > 3 else "")
+    return f" (op '{op}', {len(descs)} tensor{'s' * (len(descs) != 1)}: {shown})"
 
 
 def _explain(everyone, rank: int) -> Exception:
-    for r, (_, _, _, err) in enumerate(everyone):
+    kind0, op0, extra0, descs0, _ = everyone[0]
+    here = f"(raised on rank {rank}) "
+    kinds = {r: e[0] for r, e in enumerate(everyone)}
+    if len(set(kinds.values())) > 1:  # two kinds of call met: the first thing to fix, whatever else failed
+        odd = [r for r, k in kinds.items() if k != kind0]
+        return AdasumMismatchError(here + "the ranks are in different calls: " + ", ".join(
+            f"rank {r} is in {kinds[r]}{_call_text(everyone[r])}" for r in odd)
+            + f", rank 0 is in {kind0}{_call_text(everyone[0])}")
+    for r, (_, _, _, _, err) in enumerate(everyone):
         if err is not None:
             kind, msg = err
             if r != rank and not msg.startswith(f"rank {r}:"):
@@ -161,8 +254,7 @@ def _explain(everyone, rank: int) -> Exception:
                 return kind(msg)
             except Exception:  # an exception type that takes other arguments: its text, as a RuntimeError
                 return RuntimeError(f"{kind.__name__}: {msg}")
-    op0, extra0, descs0, _ = everyone[0]
-    here = f"(raised on rank {rank}) "
+    everyone = [e[1:] for e in everyone]
     ops = {r: e[0] for r, e in enumerate(everyone)}
     if len(set(ops.values())) > 1:
         odd = [r for r, o in ops.items() if o != op0]
@@ -173,6 +265,8 @@ def _explain(everyone, rank: int) -> Exception:
         odd = [r for r, x in extras.items() if x != extra0]
         return AdasumMismatchError(here + "ranks disagree on the settings: " + ", ".join(
             f"rank {r} has {dict(extras[r])}" for r in odd) + f", rank 0 has {dict(extra0)}")
+    if any(e[2] is None for e in everyone):
+        return AdasumMismatchError(here + f"the ranks' calls of {kind0} differ")
     counts = [len(e[2]) for e in everyone]
     for i in range(min(counts)):
         odd = [r for r, e in enumerate(everyone) if (e[2][i].shape, e[2][i].dtype) !=

@@ -26,7 +26,7 @@ from ..schedules.hierarchical import hierarchical_reduce
 from ..runtime.launch import check_launch
 from ..kernels.native import compiled as _kernels  # None where the install could not build them
 from ..kernels.native import mpi_bound, use_isa
-from .plan import Plan, Schedule, agreed_extras, place, plan_for, plan_key
+from .plan import Plan, Schedule, agreed_extras, kept, place, plan_for, plan_key
 from ..runtime.settings import Settings
 from ..runtime.transport import transport_for
 
@@ -126,11 +126,12 @@ class _Call:
     """One call's own state on the general path: its tensors, its plan and, per group, the operand (the
     placement and buffers of :func:`adasum.call.plan.place`) and the caller's tensors of that group."""
 
-    __slots__ = ("single", "items", "op", "plan", "operands", "members")
+    __slots__ = ("single", "items", "op", "plan", "key", "operands", "members")
 
     def __init__(self, op: str):
         self.single, self.items, self.op = False, [], op
         self.plan: Plan | None = None
+        self.key = None  # a new plan's key: kept once the call succeeded
         self.operands: list[Operand] = []
         self.members: list[list] = []
 
@@ -157,7 +158,10 @@ def _general(ctx: Context, s: Settings, extras: dict, tensors, op, hierarchical:
     active = [g for g in call.operands if g.size > 0]
     if active:
         _SCHEDULES[plan.schedule](ctx, plan, active, s.chunk_bytes if split else 0)
-    return _finish(ctx, call, tensors, inplace)
+    out = _finish(ctx, call, tensors, inplace)
+    if call.key is not None:
+        ctx.keep(call.key, plan)
+    return out
 
 
 def _prepare(ctx: Context, s: Settings, extras: dict, call: _Call, tensors, op, hierarchical: bool, inplace: bool,
@@ -170,7 +174,11 @@ def _prepare(ctx: Context, s: Settings, extras: dict, call: _Call, tensors, op, 
     if hierarchical and call.op != "adasum":
         raise ValueError(f"hierarchical=True needs op 'adasum', got '{call.op}'")
     extra = extras["hierarchical" if hierarchical else call.op]
-    plan = call.plan = known if known is not None else plan_for(ctx, call.items, call.op, extra, s)
+    if known is not None:
+        plan = call.plan = known
+    else:
+        plan, call.key = plan_for(ctx, call.items, call.op, extra, s)
+        call.plan = plan
     items = call.items
     members = [items] if plan.one_group else [[items[i] for i in g.indices] for g in plan.groups]
     # where the tensors lie decides how the result gets into them; read-only ones fail here
@@ -228,7 +236,7 @@ def _small_adasum(ctx: Context, s: Settings, items: list, inplace: bool, extras:
     if s.gpu_transport == "staged" or _kernels is None or s.kernels != "c" or not (s.native_mpi and mpi_bound()):
         return None, None
     try:
-        plan = ctx.plans.get(plan_key(items, "adasum", extras["adasum"]))
+        plan = kept(ctx, plan_key(items, "adasum", extras["adasum"]), items)
     except (AttributeError, TypeError, RuntimeError):  # the general path describes what is wrong
         return None, None
     if plan is None or plan.small is None or plan.small.program is None:
@@ -247,7 +255,7 @@ def _small_adasum(ctx: Context, s: Settings, items: list, inplace: bool, extras:
     dst = host if inplace else out if type(out) is np.ndarray else out.numpy()
     rc = call(host, dst, plan.signature, plan.descs, extras["patience"])
     if rc == -1:
-        raise explain(ctx.lcomm, "adasum", plan.descs, None, extras["adasum"])
+        raise explain(ctx, "adasum", plan.descs, None, extras["adasum"])
     if rc:
         raise MPI.Exception(rc)
     if inplace:

@@ -3,7 +3,7 @@
 A :class:`Plan` is what the shapes, dtypes, devices, the op and the agreed settings of a call determine:
 the descriptions the ranks agree on, the groups and their layer tables, and the :class:`Schedule`, chosen
 once. Plans are kept in the communicator's context for calls of the same shapes (a training loop's every
-step) and hold no buffers. :func:`place` then decides, for one call, where each group's data lies while it
+step), once such a call succeeded on every rank, and hold no buffers. :func:`place` then decides, for one call, where each group's data lies while it
 is reduced (its :class:`~adasum.call.fusion.Placement`).
 """
 
@@ -21,7 +21,7 @@ from ..kernels.native import compiled
 from ..runtime.settings import Settings
 from ..runtime.transport import Transport, transport_for
 
-__all__ = ["Plan", "Schedule", "agreed_extras", "place", "plan_for", "plan_key"]
+__all__ = ["Plan", "Schedule", "agreed_extras", "kept", "place", "plan_for", "plan_key"]
 
 
 class Schedule(enum.Enum):
@@ -65,12 +65,14 @@ class Plan:
     groups with their layer tables, the schedule, and the compiled small call where it may run. Kept in the
     communicator's context; holds no buffers (what one call holds lives in its operands)."""
 
-    __slots__ = ("descs", "signature", "nbytes", "one_group", "groups", "schedule", "small", "_transports")
+    __slots__ = ("descs", "signature", "nbytes", "one_group", "groups", "schedule", "small", "torch",
+                 "_transports")
 
     def __init__(self, ctx, items, op: str, extra: tuple, s: Settings):
         adapters, self.descs = describe(items, op, ctx.rank, ctx.adapters)
         self.signature = signature(op, self.descs, extra)
         self.groups: list[Group] = make_groups(items, adapters, self.descs)
+        self.torch = any(g.adapter.kind == "torch" for g in self.groups)  # whose tensors have layouts
         for g in self.groups:
             layer_spans(g)
         self.nbytes = sum(g.size * itemsize(g.dtype) for g in self.groups)
@@ -100,18 +102,45 @@ class Plan:
 
 
 def plan_key(items, op: str, extra: tuple) -> tuple:
+    """What a call's plan depends on besides the tensors' layouts: the op, the agreed settings and, per
+    tensor, its type, shape, dtype and device. Plans are kept only for calls that succeeded, so only for
+    dense tensors: :func:`kept` looks one up for tensors that are all dense (a sparse torch tensor of a dense
+    one's shape has the same key and no plan)."""
     if compiled is not None:
         return op, extra, compiled.key(items)
     return op, extra, tuple([(type(t), t.shape, t.dtype, getattr(t, "device", None)) for t in items])
 
 
-def plan_for(ctx, items, op: str, extra: tuple, s: Settings) -> Plan:
-    """The kept plan of this call, or a new one (kept)."""
+def kept(ctx, key, items) -> "Plan | None":
+    """The plan kept under ``key`` for ``items``, or None (also where a torch tensor among them is not
+    dense: the plan was made for dense ones)."""
+    plan = ctx.plans.get(key)
+    if plan is not None and plan.torch and not _dense(items):
+        return None
+    return plan
+
+
+def _dense(items) -> bool:
+    import torch  # loaded: the plan holds torch tensors
+
+    tensor, strided = torch.Tensor, torch.strided
+    for t in items:
+        if isinstance(t, tensor) and t.layout is not strided:
+            return False
+    return True
+
+
+def plan_for(ctx, items, op: str, extra: tuple, s: Settings) -> tuple[Plan, tuple | None]:
+    """The kept plan of this call and None, or a new plan and the key to keep it under once the call
+    succeeded (:meth:`Context.keep`; None where the call has no key)."""
     try:
         key = plan_key(items, op, extra)
     except (AttributeError, TypeError, RuntimeError):  # not an array, unhashable, or without a shape
-        return Plan(ctx, items, op, extra, s)  # (a nested tensor): describe() says what is wrong
-    return ctx.plan(key, lambda: Plan(ctx, items, op, extra, s))
+        return Plan(ctx, items, op, extra, s), None  # (a nested tensor): describe() says what is wrong
+    plan = kept(ctx, key, items)
+    if plan is not None:
+        return plan, None
+    return Plan(ctx, items, op, extra, s), key
 
 
 def place(plan: Plan, members: Sequence[list], layouts: Sequence[TensorLayout | None] | None, inplace: bool,

@@ -196,15 +196,12 @@ class Context:
         self._busy.release()
 
     # --- kept state ------------------------------------------------------------------------------------------
-    def plan(self, key, make):
-        """The kept plan under ``key``, or ``make()`` kept (the oldest dropped beyond MAX_PLANS)."""
-        plan = self.plans.get(key)
-        if plan is None:
-            plan = make()
-            if len(self.plans) >= MAX_PLANS:
-                self.plans.popitem(last=False)
-            self.plans[key] = plan
-        return plan
+    def keep(self, key, plan) -> None:
+        """Keep ``plan`` under ``key`` (the oldest dropped beyond MAX_PLANS): the plan of a call that
+        succeeded on every rank."""
+        if len(self.plans) >= MAX_PLANS:
+            self.plans.popitem(last=False)
+        self.plans[key] = plan
 
     def record(self, field: str, nbytes: int, messages: int = 0) -> None:
         for t in self.counters:

@@ -5,7 +5,12 @@ through the stall inspector (:mod:`adasum.runtime.stall`): a rank that never arr
 or raise :class:`~adasum.runtime.stall.AdasumStallError`, naming it, as the collective does.
 
 Each function is collective over ``comm`` and posts nonblocking MPI collectives, whose requests the stall
-inspector waits for. Objects travel pickled, as two collectives (the sizes, then the bytes). What they send
+inspector waits for. The first of them is always the agreement's four integers (:mod:`adasum.call.agreement`),
+carrying the exchange's kind (its ``what``), whether the rank failed before sending (an object that does
+not pickle) and a vote (the largest message's size): two different kinds of call never match each other,
+and a failure on one rank becomes the same error on every rank, the library's communicator staying usable.
+Objects travel pickled, as two collectives (that agreement, then the bytes, each rank's padded to the
+largest). What they send
 counts as ``scalar_bytes`` in :func:`adasum.count_traffic`.
 """
 
@@ -18,6 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import stall
+from ..call.agreement import agree_exchange
 from .context import Context, check_comm, check_root, context_for
 
 __all__ = ["any_true", "max_of", "allgather", "bcast", "gather", "scatter", "bcast_buffer", "failures",
@@ -34,11 +40,9 @@ def any_true(comm: MPI.Intracomm | None, flag: bool, what: str = "vote") -> bool
 
 
 def any_true_in(ctx: Context, flag: bool, what: str) -> bool:
-    """:func:`any_true` inside a call already in flight on ``ctx`` (as :func:`failures_in`)."""
-    mine = np.array([1 if flag else 0], dtype=np.int64)
-    out = np.zeros(1, dtype=np.int64)
-    wait(ctx, ctx.lcomm.Iallreduce(mine, out, op=MPI.MAX), what, 8)
-    return bool(out[0])
+    """:func:`any_true` inside a call already in flight on ``ctx`` (as :func:`failures_in`): the flag is
+    the agreement's vote."""
+    return bool(agree_exchange(ctx, what, None, 1 if flag else 0))
 
 
 def max_of(comm: MPI.Intracomm | None, values: np.ndarray, what: str = "maximum") -> np.ndarray:
@@ -47,6 +51,7 @@ def max_of(comm: MPI.Intracomm | None, values: np.ndarray, what: str = "maximum"
     ctx = enter(comm, what)
     try:
         mine = np.ascontiguousarray(values, dtype=np.float64)
+        agree_exchange(ctx, what, None, extra=(("values", mine.size),))
         # NaN does not order under MPI.MAX: it travels as +Inf in a second slot per value.
         nan = np.isnan(mine)
         send = np.concatenate([np.where(nan, -np.inf, mine), nan.astype(np.float64)])
@@ -69,13 +74,11 @@ def allgather(comm: MPI.Intracomm | None, obj: Any, what: str = "allgather") -> 
 
 def allgather_in(ctx: Context, obj: Any, what: str) -> list:
     """:func:`allgather` inside a call already in flight on ``ctx`` (as :func:`failures_in`)."""
-    data = _dumps(obj)
-    sizes = np.empty(ctx.size, dtype=np.int64)
-    wait(ctx, ctx.lcomm.Iallgather(np.array([data.size], dtype=np.int64), sizes), what, 8)
-    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    out = np.empty(int(sizes.sum()), dtype=np.uint8)
-    wait(ctx, ctx.lcomm.Iallgatherv(data, [out, (sizes, offsets), MPI.BYTE]), what, data.size)
-    return [pickle.loads(out[o:o + s].tobytes()) for o, s in zip(offsets, sizes)]
+    data, error = _pickled(obj, ctx.rank, what)
+    width = agree_exchange(ctx, what, error, _SIZE + data.size)
+    out = np.empty(width * ctx.size, dtype=np.uint8)
+    wait(ctx, ctx.lcomm.Iallgather([_padded(data, width), MPI.BYTE], [out, MPI.BYTE]), what, width)
+    return [_unpadded(out[r * width:(r + 1) * width]) for r in range(ctx.size)]
 
 
 def bcast(comm: MPI.Intracomm | None, obj: Any, root: int = 0, what: str = "broadcast") -> Any:
@@ -83,11 +86,10 @@ def bcast(comm: MPI.Intracomm | None, obj: Any, root: int = 0, what: str = "broa
     check_root(check_comm(comm), root)
     ctx = enter(comm, what)
     try:
-        data = _dumps(obj) if ctx.rank == root else None
-        size = np.array([0 if data is None else data.size], dtype=np.int64)
-        wait(ctx, ctx.lcomm.Ibcast(size, root=root), what, 8)
+        data, error = _pickled(obj, ctx.rank, what) if ctx.rank == root else (None, None)
+        size = agree_exchange(ctx, what, error, 0 if data is None else data.size, extra=(("root", root),))
         if data is None:
-            data = np.empty(int(size[0]), dtype=np.uint8)
+            data = np.empty(size, dtype=np.uint8)
         wait(ctx, ctx.lcomm.Ibcast([data, MPI.BYTE], root=root), what, data.size if ctx.rank == root else 0)
         return obj if ctx.rank == root else pickle.loads(data.tobytes())
     finally:
@@ -99,16 +101,15 @@ def gather(comm: MPI.Intracomm | None, obj: Any, root: int = 0, what: str = "gat
     check_root(check_comm(comm), root)
     ctx = enter(comm, what)
     try:
-        data = _dumps(obj)
-        sizes = np.zeros(ctx.size, dtype=np.int64)
-        wait(ctx, ctx.lcomm.Igather(np.array([data.size], dtype=np.int64), sizes, root=root), what, 8)
+        data, error = _pickled(obj, ctx.rank, what)
+        width = agree_exchange(ctx, what, error, _SIZE + data.size, extra=(("root", root),))
+        send = _padded(data, width)
         if ctx.rank != root:
-            wait(ctx, ctx.lcomm.Igatherv(data, None, root=root), what, data.size)
+            wait(ctx, ctx.lcomm.Igather([send, MPI.BYTE], None, root=root), what, width)
             return None
-        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        out = np.empty(int(sizes.sum()), dtype=np.uint8)
-        wait(ctx, ctx.lcomm.Igatherv(data, [out, (sizes, offsets), MPI.BYTE], root=root), what, data.size)
-        return [pickle.loads(out[o:o + s].tobytes()) for o, s in zip(offsets, sizes)]
+        out = np.empty(width * ctx.size, dtype=np.uint8)
+        wait(ctx, ctx.lcomm.Igather([send, MPI.BYTE], [out, MPI.BYTE], root=root), what, width)
+        return [_unpadded(out[r * width:(r + 1) * width]) for r in range(ctx.size)]
     finally:
         ctx.leave()
 
@@ -118,25 +119,26 @@ def scatter(comm: MPI.Intracomm | None, objs: list | None, root: int = 0, what: 
     check_root(check_comm(comm), root)
     ctx = enter(comm, what)
     try:
+        parts, error = [], None
         if ctx.rank == root:
             if objs is None or len(objs) != ctx.size:
-                raise ValueError(f"rank {root}: scatter needs one object per rank ({ctx.size}), got "
-                                 f"{None if objs is None else len(objs)}")
-            parts = [_dumps(o) for o in objs]
-            sizes = np.array([p.size for p in parts], dtype=np.int64)
-        else:
-            parts, sizes = [], np.zeros(ctx.size, dtype=np.int64)
-        mine = np.zeros(1, dtype=np.int64)
-        wait(ctx, ctx.lcomm.Iscatter(sizes, mine, root=root), what, sizes.nbytes if ctx.rank == root else 0)
-        out = np.empty(int(mine[0]), dtype=np.uint8)
+                error = ValueError(f"rank {root}: scatter needs one object per rank ({ctx.size}), got "
+                                   f"{None if objs is None else len(objs)}")
+            else:
+                for o in objs:
+                    data, error = _pickled(o, ctx.rank, what)
+                    if error is not None:
+                        break
+                    parts.append(data)
+        width = agree_exchange(ctx, what, error, _SIZE + max((p.size for p in parts), default=0),
+                               extra=(("root", root),))
+        out = np.empty(width, dtype=np.uint8)
         if ctx.rank == root:
-            data = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint8)
-            offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-            req = ctx.lcomm.Iscatterv([data, (sizes, offsets), MPI.BYTE], out, root=root)
-            wait(ctx, req, what, data.size)
+            data = np.concatenate([_padded(p, width) for p in parts])
+            wait(ctx, ctx.lcomm.Iscatter([data, MPI.BYTE], [out, MPI.BYTE], root=root), what, data.size)
         else:
-            wait(ctx, ctx.lcomm.Iscatterv(None, out, root=root), what, 0)
-        return pickle.loads(out.tobytes())
+            wait(ctx, ctx.lcomm.Iscatter(None, [out, MPI.BYTE], root=root), what, 0)
+        return _unpadded(out)
     finally:
         ctx.leave()
 
@@ -147,6 +149,7 @@ def bcast_buffer(comm: MPI.Intracomm | None, buf: np.ndarray, root: int = 0, wha
     check_root(check_comm(comm), root)
     ctx = enter(comm, what)
     try:
+        agree_exchange(ctx, what, None, extra=(("root", root), ("bytes", buf.nbytes)))
         if buf.size:
             wait(ctx, ctx.lcomm.Ibcast([buf, MPI.BYTE], root=root), what, buf.nbytes if ctx.rank == root else 0)
     finally:
@@ -211,5 +214,31 @@ def wait(ctx: Context, req: MPI.Request, what: str, nbytes: int, field: str = "s
     stall.wait(ctx, req, "exchange", nbytes, label=what)
 
 
-def _dumps(obj: Any) -> np.ndarray:
-    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+_SIZE = 8  # each padded message starts with its length, as an int64
+
+
+def _pickled(obj: Any, rank: int, what: str) -> tuple[np.ndarray, Exception | None]:
+    """``obj``'s pickle as bytes, or (no bytes, the error naming ``rank`` and the exchange) where it does
+    not pickle: the exchange's agreement then raises it on every rank."""
+    try:
+        return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8), None
+    except Exception as exc:
+        text = f"rank {rank}: {what}: the object does not pickle ({type(exc).__name__}: {exc})"
+        try:
+            error = type(exc)(text)
+        except Exception:  # an exception type that takes other arguments
+            error = TypeError(text)
+        return np.empty(0, dtype=np.uint8), error
+
+
+def _padded(data: np.ndarray, width: int) -> np.ndarray:
+    """``data`` after its length, in ``width`` bytes (every rank's message of an exchange has one size)."""
+    out = np.zeros(width, dtype=np.uint8)
+    out[:_SIZE] = np.frombuffer(np.int64(data.size).tobytes(), dtype=np.uint8)
+    out[_SIZE:_SIZE + data.size] = data
+    return out
+
+
+def _unpadded(row: np.ndarray) -> Any:
+    n = int(row[:_SIZE].view(np.int64)[0])
+    return pickle.loads(row[_SIZE:_SIZE + n].tobytes())

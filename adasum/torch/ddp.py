@@ -38,24 +38,32 @@ __all__ = ["AdasumState", "adasum_hook", "DeltaState", "adasum_delta_hook"]
 
 
 class _CommState:
-    """A duplicate of ``comm`` for the hook's reductions, freed with the state. Pickles without it (as
-    torch's hook states drop their process group): a state unpickled in another process reduces over that
-    process's ``MPI.COMM_WORLD``."""
+    """A duplicate of ``comm`` for the hook's reductions, freed with the state. Pickles (and copies) without
+    it, making no collective call (as torch's hook states drop their process group): a state unpickled or
+    copied reduces over the library's duplicate of its process's ``MPI.COMM_WORLD``, looked up at the first
+    reduction, which every rank makes in its first hook call (the library makes that duplicate, where it
+    does not exist yet, collectively and watched by the stall inspector)."""
 
     def __init__(self, comm: MPI.Intracomm | None):
         comm = check_comm(comm)
-        self.comm = comm.Dup()
-        library_comm(self.comm)
-        weakref.finalize(self, _free, self.comm)
+        self._comm = comm.Dup()
+        library_comm(self._comm)
+        weakref.finalize(self, _free, self._comm)
+
+    @property
+    def comm(self) -> MPI.Intracomm:
+        if self._comm is None:
+            self._comm = library_comm(MPI.COMM_WORLD)
+        return self._comm
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state.pop("comm", None)
+        state.pop("_comm", None)
         return state
 
     def __setstate__(self, state) -> None:
         self.__dict__.update(state)
-        _CommState.__init__(self, None)
+        self._comm = None
 
 
 class AdasumState(_CommState):

@@ -300,8 +300,10 @@ def allreduce_(tensor: torch.Tensor, average=None, name=None, op=None, prescale_
                postscale_factor: float = 1.0, process_set=None) -> torch.Tensor:
     """In place: :func:`allreduce` without compression, written into ``tensor``, which it returns."""
     with torch.no_grad():
-        tensor.copy_(allreduce(tensor.detach(), average, name, Compression.none, op, prescale_factor,
-                               postscale_factor, process_set))
+        # a non-tensor goes on to allreduce, which refuses it on every rank
+        out = allreduce(_detached(tensor), average, name, Compression.none, op, prescale_factor,
+                        postscale_factor, process_set)
+        tensor.copy_(out)
     return tensor
 
 
@@ -310,10 +312,16 @@ def allgather(tensor: torch.Tensor, name=None, process_set=None) -> torch.Tensor
     size of dimension 0, not in the other dimensions or the dtype. Differentiable: rank ``r``'s gradient is
     the sum over the ranks of the incoming gradient's rows of rank ``r``."""
     _unsupported_process_set(process_set)
-    grad = torch.is_grad_enabled() and tensor.requires_grad
-    mine = tensor.detach().to("cpu").contiguous()
-    parts = exchange.allgather(MPI.COMM_WORLD, (mine if mine.dim() else None, grad), what="allgather")
+    problem = _not_a_tensor(tensor)
+    grad = problem is None and torch.is_grad_enabled() and tensor.requires_grad
+    mine = tensor.detach().to("cpu").contiguous() if problem is None else None
+    parts = exchange.allgather(MPI.COMM_WORLD, (problem, mine if mine is not None and mine.dim() else None, grad),
+                               what="allgather")
     me = rank()
+    problems = [f"rank {r}: {p}" for r, (p, _, _) in enumerate(parts) if p is not None]
+    if problems:
+        exchange.raise_found(me, "allgather: " + "; ".join(problems))
+    parts = [(p, g) for _, p, g in parts]
     if any(p is None for p, _ in parts):
         exchange.raise_found(me, "allgather needs tensors of at least one dimension; 0-d on "
                                  f"rank(s) {[r for r, (p, _) in enumerate(parts) if p is None]}")
@@ -333,15 +341,17 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name=None, process_set=None)
     dtype). Differentiable: the root's gradient is the sum over the ranks of the incoming gradient, the
     other ranks' is zero."""
     _unsupported_process_set(process_set)
-    grad = torch.is_grad_enabled() and tensor.requires_grad
-    _agree("broadcast", _describe(tensor, root_rank=root_rank, grad=grad), _root_problem(root_rank))
+    problem = _not_a_tensor(tensor)
+    grad = problem is None and torch.is_grad_enabled() and tensor.requires_grad
+    _agree("broadcast", _describe(tensor, root_rank=root_rank, grad=grad), problem or _root_problem(root_rank))
     return _Broadcast.apply(tensor, root_rank)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name=None, process_set=None) -> torch.Tensor:
     """In place: ``root_rank``'s ``tensor`` written into every rank's ``tensor``, which it returns."""
     with torch.no_grad():
-        tensor.copy_(broadcast(tensor.detach(), root_rank, process_set=process_set))
+        out = broadcast(_detached(tensor), root_rank, process_set=process_set)  # refuses a non-tensor everywhere
+        tensor.copy_(out)
     return tensor
 
 
@@ -461,6 +471,17 @@ def _agree(what: str, mine: dict, error: str | None = None) -> None:
     differ = [f"rank {r} has {d}" for r, (_, d) in enumerate(everyone) if d != first]
     if differ:
         exchange.raise_found(me, f"{what}: the ranks disagree: rank 0 has {first}; " + "; ".join(differ))
+
+
+def _not_a_tensor(tensor) -> str | None:
+    """Why ``tensor`` cannot be a collective's argument (it is not a torch tensor), or None."""
+    if isinstance(tensor, torch.Tensor):
+        return None
+    return f"the tensor argument is a {type(tensor).__module__}.{type(tensor).__qualname__}, not a torch.Tensor"
+
+
+def _detached(tensor):
+    return tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
 
 
 def _root_problem(root_rank) -> str | None:
