@@ -38,6 +38,7 @@ from Horovod's:
 from __future__ import annotations
 
 import contextlib
+import pickle
 import time
 
 import numpy as np
@@ -246,7 +247,9 @@ def broadcast_object(obj, root_rank: int = 0, name=None):
 
 def allgather_object(obj, name=None) -> list:
     """Every rank's ``obj`` (pickled), in rank order. ``name`` is accepted and unused."""
-    return exchange.allgather(MPI.COMM_WORLD, obj, what="allgather_object")
+    everyone = exchange.allgather(MPI.COMM_WORLD, obj, what="allgather_object")
+    _refuse_join(everyone, "allgather_object")
+    return everyone
 
 
 def barrier() -> None:
@@ -262,12 +265,46 @@ def join(device=-1) -> int:
     ranks' allreduces with zeros until they join too. There is no background thread here, so a rank that
     joins takes part in no later collective: every rank must have made the same collective calls before
     calling ``join()``. Uneven data has to be evened out first (the same number of steps on every rank).
+    Where a rank calls ``join()`` while another calls ``allreduce``, ``allgather``, ``broadcast`` or
+    ``allgather_object``, both raise ``RuntimeError`` saying so; against the other calls (a training
+    step, ``barrier``) the stall inspector names the ranks (set ``stall_timeout``).
     """
     start = time.monotonic()
-    exchange.any_true(MPI.COMM_WORLD, False, what="join")
+    try:
+        everyone = exchange.allgather(MPI.COMM_WORLD, _JOINING, what="join")
+    except (EOFError, pickle.UnpicklingError) as exc:  # matched against another kind of collective
+        who = f"rank {rank()} called join(), another rank a different collective (its data read as {exc!r})"
+        exchange.raise_found(rank(), _UNSUPPORTED.format(who=who), RuntimeError)
+    _refuse_join(everyone, "join")
     waited = time.monotonic() - start
     waits = exchange.allgather(MPI.COMM_WORLD, waited, what="join's waiting times")
     return int(np.argmin(waits))
+
+
+class _Joining:
+    """What :func:`join` sends: the calls that start with the same exchange recognise it."""
+
+    def __repr__(self) -> str:
+        return "join()"
+
+
+_JOINING = _Joining()
+_UNSUPPORTED = ("join() while other ranks still make collective calls (uneven data) is not supported: "
+                "{who}; there is no background thread to answer their calls. Give every rank the same number "
+                "of batches (for example DistributedSampler(..., drop_last=True), or each rank's data cut to "
+                "the smallest rank's) so that every rank makes the same calls before join()")
+
+
+def _refuse_join(everyone: list, what: str) -> None:
+    """Raise RuntimeError on this rank where some ranks of the exchange ``everyone`` called :func:`join`
+    and others ``what``."""
+    joined = [r for r, p in enumerate(everyone) if isinstance(p, _Joining)]
+    if joined and len(joined) < len(everyone):
+        others = [r for r in range(len(everyone)) if r not in joined]
+        here = "" if what == "join" else f" (here: {what})"
+        who = (f"rank(s) {', '.join(map(str, joined))} called join(), rank(s) {', '.join(map(str, others))} "
+               f"another collective{here}")
+        exchange.raise_found(rank(), _UNSUPPORTED.format(who=who), RuntimeError)
 
 
 # --- tensor collectives ---------------------------------------------------------------------------------------
@@ -313,6 +350,7 @@ def allgather(tensor: torch.Tensor, name=None, process_set=None) -> torch.Tensor
     grad = torch.is_grad_enabled() and tensor.requires_grad
     mine = tensor.detach().to("cpu").contiguous()
     parts = exchange.allgather(MPI.COMM_WORLD, (mine if mine.dim() else None, grad), what="allgather")
+    _refuse_join(parts, "allgather")
     me = rank()
     if any(p is None for p, _ in parts):
         exchange.raise_found(me, "allgather needs tensors of at least one dimension; 0-d on "
@@ -388,11 +426,15 @@ _WIRES = {name: Wire(name) for name in ("fp16", "bf16")}
 
 
 def _reduce(tensor: torch.Tensor, op: str, compression, prescale: float, postscale: float) -> torch.Tensor:
-    """``op`` of ``tensor`` over the world, as a new tensor (no check of the arguments: :func:`allreduce`)."""
+    """``op`` of ``tensor`` over the world, as a new tensor (no check of the arguments: :func:`allreduce`).
+    The result has ``tensor``'s dtype: as in Horovod, integer tensors are scaled in float64 and cast back
+    (toward zero), and their ``Average`` is their sum divided by the size, cast back the same way."""
     if prescale != 1.0:
-        tensor = tensor * prescale
+        tensor = _scaled(tensor, prescale)
     if op in _MPI_OPS:
         out = _mpi_reduce(tensor, op)
+    elif compression is None and op == Average and _integral(tensor):
+        return _scaled(adasum_allreduce(tensor, op=Sum), postscale, size())
     elif compression is None:
         out = adasum_allreduce(tensor, op=op)
     else:
@@ -402,7 +444,19 @@ def _reduce(tensor: torch.Tensor, op: str, compression, prescale: float, postsca
             wire.adasum_([out], MPI.COMM_WORLD, names=["allreduce"])
         else:
             wire.sum_([out], MPI.COMM_WORLD, mean=op == Average, names=["allreduce"])
-    return out * postscale if postscale != 1.0 else out
+    return _scaled(out, postscale) if postscale != 1.0 else out
+
+
+def _integral(tensor: torch.Tensor) -> bool:
+    return not (tensor.is_floating_point() or tensor.is_complex())
+
+
+def _scaled(tensor: torch.Tensor, factor: float, divisor: int = 1) -> torch.Tensor:
+    """``tensor`` divided by ``divisor`` and multiplied by ``factor``, in ``tensor``'s dtype: integers (and
+    booleans) through float64, cast back toward zero, as Horovod scales them."""
+    if _integral(tensor):
+        return (tensor.to(torch.float64) / divisor * factor).to(tensor.dtype)
+    return tensor / divisor * factor if divisor != 1 else tensor * factor
 
 
 def _mpi_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
@@ -453,6 +507,7 @@ def _agree(what: str, mine: dict, error: str | None = None) -> None:
     """Collective: raise ValueError on every rank where any rank reports ``error`` or the ranks' ``mine``
     differ (one small exchange, waited through the stall inspector)."""
     everyone = exchange.allgather(MPI.COMM_WORLD, (error, mine), what=what)
+    _refuse_join(everyone, what)
     me = rank()
     errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(everyone) if e]
     if errors:
