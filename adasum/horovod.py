@@ -267,7 +267,8 @@ def join(device=-1) -> int:
     calling ``join()``. Uneven data has to be evened out first (the same number of steps on every rank).
     Where a rank calls ``join()`` while another calls ``allreduce``, ``allgather``, ``broadcast`` or
     ``allgather_object``, both raise ``RuntimeError`` saying so; against the other calls (a training
-    step, ``barrier``) the stall inspector names the ranks (set ``stall_timeout``).
+    step, ``broadcast_object``) the stall inspector names the ranks (set ``stall_timeout``); against
+    ``barrier()`` only the joining rank raises, by the stall timeout.
     """
     start = time.monotonic()
     try:
