@@ -109,6 +109,18 @@ def test_buffers_of_an_iterable_and_the_default_without_module(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_buffers_the_module_replaces_are_followed(comm):
+    net = BNNet()
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), module=net)
+    train(comm, net, opt, 1, 1)
+    net.bn.running_mean = net.bn.running_mean.clone()  # a new tensor under the same name, as module.to() makes
+    net.table = net.table.to(torch.float64)
+    train(comm, net, opt, 2, 1)
+    assert net.table.dtype == torch.float64
+    assert_identical_across_ranks(comm, list(net.buffers()))
+
+
+@pytest.mark.mpi(min_size=2)
 def test_ranks_that_disagree_on_buffers_raise_on_every_rank(comm):
     last = comm.Get_size() - 1
     net = BNNet()

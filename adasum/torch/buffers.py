@@ -37,14 +37,16 @@ BUFFER_MODES = ("average", "broadcast")
 
 
 class BufferSync:
-    """The buffers of ``source`` (a ``torch.nn.Module``: its ``buffers()``; or an iterable of tensors, see
-    :func:`buffers_of`) kept alike over ``comm`` by ``mode`` (``"average"`` or ``"broadcast"``, see the module's text). Construction
-    is collective for ``"average"`` (rank 0's buffers are copied to every rank)."""
+    """``buffers`` (tensors, from :func:`buffers_of`) kept alike over ``comm`` by ``mode`` (``"average"`` or
+    ``"broadcast"``, see the module's text). Construction is collective for ``"average"`` (rank 0's buffers
+    are copied to every rank)."""
 
-    def __init__(self, mode: str, source, comm: MPI.Intracomm):
+    def __init__(self, mode: str, buffers: list[torch.Tensor], comm: MPI.Intracomm,
+                 module: torch.nn.Module | None = None):
         self.mode = mode
         self.comm = comm
-        self.buffers = buffers_of(source)
+        self.buffers = list(buffers)
+        self.module = module  # read again at each boundary: ``module.to(...)`` replaces buffer tensors
         self.kept: list[torch.Tensor] = []
         if mode == "average" and comm.Get_size() > 1:
             from .broadcast import broadcast_parameters  # it imports the optimizer, which imports this
@@ -54,7 +56,10 @@ class BufferSync:
 
     def sync(self) -> None:
         """Collective: make the buffers alike on every rank of ``comm``."""
-        if self.comm.Get_size() == 1 or not self.buffers:
+        if self.comm.Get_size() == 1:
+            return
+        self._follow_module()
+        if not self.buffers:
             return
         if self.mode == "broadcast":
             from .broadcast import broadcast_parameters
@@ -76,6 +81,22 @@ class BufferSync:
                     else:
                         buf.copy_(kept.to(torch.int64) + torch.div(total, size, rounding_mode="floor"))
                     kept.copy_(buf)
+
+
+    def _follow_module(self) -> None:
+        """Take the module's current buffer tensors where it replaced them (moved, cast or assigned), keeping
+        the values of the last boundary; a module whose buffers changed in number or shape raises."""
+        if self.module is None:
+            return
+        current = buffers_of(self.module)
+        if [id(b) for b in current] == [id(b) for b in self.buffers]:
+            return
+        if [b.shape for b in current] != [b.shape for b in self.buffers]:
+            raise ValueError(f"rank {self.comm.Get_rank()}: the module's buffers changed in number or shape since "
+                             f"the optimizer was made ({len(self.buffers)} then, {len(current)} now); make the "
+                             "optimizer again to keep them alike")
+        self.kept = [k.to(device=b.device, dtype=b.dtype) for k, b in zip(self.kept, current)]
+        self.buffers = current
 
 
 def buffers_of(source) -> list[torch.Tensor]:

@@ -156,7 +156,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                 "bucket_bytes": bucket_bytes, "compression": str(wire.dtype),
                                 "buffers": self.buffers, "buffer_count": len(kept)},
                          self._params(), [(tuple(b.shape), str(b.dtype)) for b in kept])
-        self._buffers = None if self.buffers is None else BufferSync(self.buffers, kept, comm)
+        source = module if isinstance(module, torch.nn.Module) else None
+        self._buffers = None if self.buffers is None else BufferSync(self.buffers, kept, comm, source)
         self._engine: OverlapEngine | None = None
         if overlap:
             self._engine = OverlapEngine(optimizer, self._strategy, self._window, self._loss, comm,
