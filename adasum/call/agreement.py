@@ -24,8 +24,21 @@ __all__ = ["AdasumMismatchError", "TensorDesc", "agree", "agree_exchange", "agre
            "explain", "load", "resume", "signature"]
 
 
-class AdasumMismatchError(ValueError):
-    """The ranks called a collective with inputs that do not match (op, tensor count, shape or dtype)."""
+class AdasumMismatchError(ValueError, RuntimeError):
+    """The ranks called a collective with inputs that do not match (op, tensor count, shape or dtype), or
+    different collectives. A ``ValueError`` (the inputs) and a ``RuntimeError`` (what Horovod raises for a
+    mismatch between ranks)."""
+
+
+# What to do where one of the calls that met is of this kind.
+_HINTS = {"join": ("join() while other ranks still make collective calls (uneven data) is not supported: "
+                   "there is no background thread to answer their calls. Give every rank the same number of "
+                   "batches (for example DistributedSampler(..., drop_last=True)) so that every rank makes "
+                   "the same calls before join()")}
+
+
+def _hint(kinds: set) -> str:
+    return "".join(f". {_HINTS[k]}" for k in sorted(kinds) if k in _HINTS)
 
 
 class TensorDesc(NamedTuple):
@@ -244,7 +257,7 @@ def _explain(everyone, rank: int) -> Exception:
         odd = [r for r, k in kinds.items() if k != kind0]
         return AdasumMismatchError(here + "the ranks are in different calls: " + ", ".join(
             f"rank {r} is in {kinds[r]}{_call_text(everyone[r])}" for r in odd)
-            + f", rank 0 is in {kind0}{_call_text(everyone[0])}")
+            + f", rank 0 is in {kind0}{_call_text(everyone[0])}" + _hint(set(kinds.values())))
     for r, (_, _, _, _, err) in enumerate(everyone):
         if err is not None:
             kind, msg = err

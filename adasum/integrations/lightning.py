@@ -12,7 +12,11 @@ The world (ranks, local ranks, nodes) comes from MPI: no ``devices`` or ``num_no
 trains on its own shard (Lightning's distributed sampler, with this strategy's ranks). The model is not
 wrapped: every optimizer that ``configure_optimizers`` returns is wrapped in
 :class:`adasum.torch.DistributedOptimizer` (Adasum of weight deltas; the options go through), and
-parameters and buffers start from rank 0's. Lightning's ``accumulate_grad_batches`` maps onto the
+parameters and buffers start from rank 0's. The module's buffers (BatchNorm's running statistics) are
+kept alike by the first optimizer at the end of every window: by default their changes over the window are
+averaged over the ranks (``buffers="average"``; ``"broadcast"`` takes rank 0's, None leaves them to each
+rank; :mod:`adasum.torch.buffers` says why averaging is the default), so validation, checkpoints and
+every later window see the same buffers on every rank. Lightning's ``accumulate_grad_batches`` maps onto the
 optimizer's windows: the micro-batches before the last of a window run inside the optimizer's
 ``no_sync()``, and ``step()`` closes each window. ``precision="16-mixed"`` gives the optimizer Lightning's
 ``GradScaler``, whose scale the ranks then keep alike; ``"bf16-mixed"`` needs nothing. Metrics logged with
@@ -90,13 +94,16 @@ class AdasumStrategy(ParallelStrategy):
 
     ``op``, ``overlap``, ``compression``, ``hierarchical``, ``bucket_bytes``, ``start_copy`` and
     ``skip_nonfinite`` go to every wrapped optimizer; ``comm`` (default ``MPI.COMM_WORLD``) is the world.
+    ``buffers`` (``"average"``, the default, ``"broadcast"`` or None) is how the first optimizer keeps the
+    module's buffers alike at each window's end (``DistributedOptimizer(..., module=, buffers=)``).
     """
 
     strategy_name = "adasum"
 
     def __init__(self, *, op: str = "adasum", overlap: bool = False, compression: str | None = None,
                  hierarchical: bool = False, bucket_bytes: int = 25 << 20, start_copy: str = "device",
-                 skip_nonfinite: bool = True, comm: MPI.Intracomm | None = None, accelerator=None,
+                 skip_nonfinite: bool = True, buffers: str | None = "average",
+                 comm: MPI.Intracomm | None = None, accelerator=None,
                  checkpoint_io=None, precision_plugin=None):
         env = MPIEnvironment(comm)
         super().__init__(accelerator=accelerator, parallel_devices=None, cluster_environment=env,
@@ -104,6 +111,7 @@ class AdasumStrategy(ParallelStrategy):
         self.comm = env.comm
         self.options = {"op": op, "overlap": overlap, "compression": compression, "hierarchical": hierarchical,
                         "bucket_bytes": bucket_bytes, "start_copy": start_copy, "skip_nonfinite": skip_nonfinite}
+        self.buffer_mode = buffers
 
     # --- the world ----------------------------------------------------------------------------------------
 
@@ -136,9 +144,12 @@ class AdasumStrategy(ParallelStrategy):
         broadcast_parameters(self.lightning_module, root=0, comm=self.comm)
         if trainer.state.fn == "fit":
             scaler = self._scaler()
+            # the first optimizer keeps the module's buffers alike (one sum per window, not one per optimizer)
             self.optimizers = [o if isinstance(o, DistributedOptimizer) else
-                               DistributedOptimizer(o, comm=self.comm, grad_scaler=scaler, **self.options)
-                               for o in self.optimizers]
+                               DistributedOptimizer(o, comm=self.comm, grad_scaler=scaler, **self.options,
+                                                    module=self.lightning_module if i == 0 else None,
+                                                    buffers=self.buffer_mode)
+                               for i, o in enumerate(self.optimizers)]
 
     def model_to_device(self) -> None:
         self.model.to(self.root_device)

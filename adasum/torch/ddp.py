@@ -97,6 +97,10 @@ class DeltaState(_CommState):
     the gradients are divided by it, as a mean over micro-batches. After each update, ``step_was_skipped``
     says whether it was skipped for non-finite values (on every rank alike) and ``skipped_updates`` counts
     them.
+
+    One state per optimizer: the state steps all of the optimizer's parameters inside backward, so a second
+    ``DeltaState`` of an optimizer that still has one raises ``ValueError`` (register the one state on the
+    model, or drop it before making another).
     """
 
     def __init__(self, optimizer, comm: MPI.Intracomm | None = None, *, compression: str | None = None,
@@ -104,6 +108,7 @@ class DeltaState(_CommState):
                  skip_nonfinite: bool = True):
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be a positive integer, got {accumulation_steps!r}")
+        _claim(optimizer, self)
         super().__init__(comm)
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
@@ -163,6 +168,27 @@ def _finish(state: DeltaState) -> None:
     state.step_was_skipped = not ok
     state.skipped_updates += not ok
     state.updates += 1
+
+
+# id(optimizer) -> the DeltaState that steps it (weakly): one state per optimizer
+_STATES: dict[int, weakref.ref] = {}
+
+
+def _claim(optimizer, state: DeltaState) -> None:
+    """Record ``state`` as ``optimizer``'s one DeltaState; raise if the optimizer already has one."""
+    other = _STATES.get(id(optimizer))
+    if other is not None and other() is not None:
+        raise ValueError(f"this {type(optimizer).__name__} already has a DeltaState, which steps all its "
+                         "parameters inside backward: one DeltaState per optimizer. Register that state on the "
+                         "model (model.register_comm_hook(state, adasum_delta_hook)), or drop it (del state) "
+                         "before making another")
+    _STATES[id(optimizer)] = weakref.ref(state, lambda _, key=id(optimizer): _forget(key))
+
+
+def _forget(key: int) -> None:
+    other = _STATES.get(key)
+    if other is not None and other() is None:
+        del _STATES[key]
 
 
 def _refuse_step(owner: weakref.ref):

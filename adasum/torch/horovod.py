@@ -246,7 +246,8 @@ def broadcast_object(obj, root_rank: int = 0, name=None):
 
 def allgather_object(obj, name=None) -> list:
     """Every rank's ``obj`` (pickled), in rank order. ``name`` is accepted and unused."""
-    return exchange.allgather(MPI.COMM_WORLD, obj, what="allgather_object")
+    everyone = exchange.allgather(MPI.COMM_WORLD, obj, what="allgather_object")
+    return everyone
 
 
 def barrier() -> None:
@@ -262,6 +263,9 @@ def join(device=-1) -> int:
     ranks' allreduces with zeros until they join too. There is no background thread here, so a rank that
     joins takes part in no later collective: every rank must have made the same collective calls before
     calling ``join()``. Uneven data has to be evened out first (the same number of steps on every rank).
+    Where a rank calls ``join()`` while another is in any other collective of the library, every rank
+    raises at once (the agreement carries the kind of call), naming both calls and saying that uneven data
+    is not supported.
     """
     start = time.monotonic()
     exchange.any_true(MPI.COMM_WORLD, False, what="join")
@@ -398,11 +402,15 @@ _WIRES = {name: Wire(name) for name in ("fp16", "bf16")}
 
 
 def _reduce(tensor: torch.Tensor, op: str, compression, prescale: float, postscale: float) -> torch.Tensor:
-    """``op`` of ``tensor`` over the world, as a new tensor (no check of the arguments: :func:`allreduce`)."""
+    """``op`` of ``tensor`` over the world, as a new tensor (no check of the arguments: :func:`allreduce`).
+    The result has ``tensor``'s dtype: as in Horovod, integer tensors are scaled in float64 and cast back
+    (toward zero), and their ``Average`` is their sum divided by the size, cast back the same way."""
     if prescale != 1.0:
-        tensor = tensor * prescale
+        tensor = _scaled(tensor, prescale)
     if op in _MPI_OPS:
         out = _mpi_reduce(tensor, op)
+    elif compression is None and op == Average and _integral(tensor):
+        return _scaled(adasum_allreduce(tensor, op=Sum), postscale, size())
     elif compression is None:
         out = adasum_allreduce(tensor, op=op)
     else:
@@ -412,7 +420,19 @@ def _reduce(tensor: torch.Tensor, op: str, compression, prescale: float, postsca
             wire.adasum_([out], MPI.COMM_WORLD, names=["allreduce"])
         else:
             wire.sum_([out], MPI.COMM_WORLD, mean=op == Average, names=["allreduce"])
-    return out * postscale if postscale != 1.0 else out
+    return _scaled(out, postscale) if postscale != 1.0 else out
+
+
+def _integral(tensor: torch.Tensor) -> bool:
+    return not (tensor.is_floating_point() or tensor.is_complex())
+
+
+def _scaled(tensor: torch.Tensor, factor: float, divisor: int = 1) -> torch.Tensor:
+    """``tensor`` divided by ``divisor`` and multiplied by ``factor``, in ``tensor``'s dtype: integers (and
+    booleans) through float64, cast back toward zero, as Horovod scales them."""
+    if _integral(tensor):
+        return (tensor.to(torch.float64) / divisor * factor).to(tensor.dtype)
+    return tensor / divisor * factor if divisor != 1 else tensor * factor
 
 
 def _mpi_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:

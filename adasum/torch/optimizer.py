@@ -26,6 +26,7 @@ from ..runtime.launch import check_launch
 from .accumulate import AccumulationWindow
 from .amp import LossScale
 from .boundary import Boundary, log_skip
+from .buffers import BUFFER_MODES, BufferSync, buffers_of
 from .compress import Wire
 from .overlap import OverlapEngine
 from .strategy import AdasumDeltas, GradientReduce, trained_params
@@ -84,6 +85,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         compression: ``None``, ``"fp16"`` or ``"bf16"``: the deltas (adasum) or gradients (sum/mean) travel
             as 16-bit floats, half the bytes, and are combined in float32 or wider (see
             :class:`~adasum.torch.compress.Wire`: fp16 travels scaled per layer by an agreed power of two).
+        module: the model (its ``buffers()``) or an iterable of buffer tensors to keep alike on every rank
+            at each boundary, as ``buffers`` says; None (the default): the buffers are left alone (each rank's
+            BatchNorm statistics then follow its own batches).
+        buffers: with ``module``, how its buffers are kept alike, at the end of every ``step()`` that closes
+            a window (collective there): ``"average"`` (the default: each buffer's change since the last
+            boundary is averaged over the ranks, integers rounded down; the constructor first copies rank
+            0's buffers to every rank), ``"broadcast"`` (rank 0's buffers are copied to every rank) or None
+            (left alone). See :mod:`adasum.torch.buffers` for why averaging is the default.
 
     Attributes:
         is_boundary: whether the last ``step()`` closed a window.
@@ -104,9 +113,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer, *, op: str | Op = "adasum", accumulation_steps: int = 1,
                  comm: MPI.Intracomm | None = None, start_copy: str = "device", grad_scaler=None,
                  skip_nonfinite: bool = True, hierarchical: bool = False, overlap: bool = False,
-                 bucket_bytes: int = 25 << 20, compression: str | None = None):
+                 bucket_bytes: int = 25 << 20, compression: str | None = None, module=None,
+                 buffers: str | None = "average"):
         # torch.optim.Optimizer.__init__ is not called: the wrapped optimizer owns groups, state, defaults.
         _check_arguments(optimizer, bucket_bytes)
+        _check_buffers(module, buffers)
         try:
             self.op = Op(op).value
         except ValueError:
@@ -137,10 +148,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.boundaries = 0
         # Overlap needs a second thread in MPI; without MPI_THREAD_MULTIPLE every boundary runs in step().
         overlap = bool(overlap) and comm.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self.buffers = buffers if module is not None else None
+        kept = [] if self.buffers is None else buffers_of(module)
         _check_agreement(comm, {"op": self.op, "accumulation_steps": accumulation_steps, "start_copy": start_copy,
                                 "skip_nonfinite": self.skip_nonfinite, "hierarchical": self.hierarchical,
                                 "grad_scaler": self._loss.enabled, "overlap": overlap,
-                                "bucket_bytes": bucket_bytes, "compression": str(wire.dtype)}, self._params())
+                                "bucket_bytes": bucket_bytes, "compression": str(wire.dtype),
+                                "buffers": self.buffers, "buffer_count": len(kept)},
+                         self._params(), [(tuple(b.shape), str(b.dtype)) for b in kept])
+        source = module if isinstance(module, torch.nn.Module) else None
+        self._buffers = None if self.buffers is None else BufferSync(self.buffers, kept, comm, source)
         self._engine: OverlapEngine | None = None
         if overlap:
             self._engine = OverlapEngine(optimizer, self._strategy, self._window, self._loss, comm,
@@ -338,6 +355,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._record_skip()
         self.boundaries += 1
         self.is_boundary = True
+        if self._buffers is not None:
+            self._buffers.sync()
 
     # --- non-finite updates -----------------------------------------------------------------------------------
 
@@ -386,12 +405,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return trained_params(self.optimizer)
 
 
-def _check_agreement(comm: MPI.Intracomm, mine: dict[str, Any], params: list[torch.Tensor]) -> None:
-    """Every rank must use the same settings and parameter shapes; raise on every rank if not."""
+def _check_agreement(comm: MPI.Intracomm, mine: dict[str, Any], params: list[torch.Tensor],
+                     buffers: list[tuple[tuple[int, ...], str]] = ()) -> None:
+    """Every rank must use the same settings, parameter shapes and buffer shapes; raise on every rank if
+    not."""
     if comm.Get_size() == 1:
         return
     mine = dict(mine, parameters=len(params))
-    shapes = hashlib.blake2b(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode(),
+    shapes = hashlib.blake2b(repr(([(tuple(p.shape), str(p.dtype)) for p in params], list(buffers))).encode(),
                              digest_size=8).hexdigest()
     everyone = exchange.allgather(comm, (mine, shapes), what="DistributedOptimizer's settings")
     rank = comm.Get_rank()
@@ -404,7 +425,7 @@ def _check_agreement(comm: MPI.Intracomm, mine: dict[str, Any], params: list[tor
                              + f", rank 0 has {first[key]!r}")
     odd = [r for r, (_, h) in enumerate(everyone) if h != first_shapes]
     if odd:
-        raise ValueError(f"(raised on rank {rank}) the parameter shapes or dtypes of rank(s) "
+        raise ValueError(f"(raised on rank {rank}) the parameter or buffer shapes or dtypes of rank(s) "
                          f"{', '.join(map(str, odd))} differ from rank 0's")
 
 
@@ -416,6 +437,13 @@ def _check_arguments(optimizer, bucket_bytes) -> None:
                         f"{type(optimizer).__name__}")
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+
+
+def _check_buffers(module, buffers) -> None:
+    if buffers is not None and buffers not in BUFFER_MODES:
+        raise ValueError(f"buffers must be 'average', 'broadcast' or None, got {buffers!r}")
+    if module is None and buffers == "broadcast":
+        raise ValueError("buffers='broadcast' needs the model: pass module=model (or an iterable of its buffers)")
 
 
 def _check_accumulated(grads, params: list[torch.Tensor]) -> None:

@@ -140,3 +140,36 @@ def test_ranks_that_disagree_raise_on_every_rank(comm):
     op = "mean" if comm.Get_rank() == comm.Get_size() - 1 else "adasum"
     with pytest.raises(ValueError, match=rf"ranks disagree on op of DistributedOptimizer: rank {comm.Get_size() - 1}"):
         fit(comm, epochs=1, op=op)
+
+
+class BNModule(Module):
+    """With BatchNorm: its running statistics follow each rank's own shard unless kept alike."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
+                                           torch.nn.Linear(16, 2))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_buffers_are_alike_on_every_rank(comm, accumulate, overlap):
+    module = BNModule()
+    trainer = L.Trainer(strategy=AdasumStrategy(overlap=overlap), accelerator="cpu", max_epochs=2,
+                        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, DataLoader(dataset(), batch_size=4, shuffle=False))
+    bn = module.net[1]
+    assert int(bn.num_batches_tracked) == 2 * N // (4 * comm.Get_size())
+    assert_identical_across_ranks(comm, list(module.net.parameters()) + list(module.net.buffers()))
+    # the same validation on every rank: the whole data set, the module in eval mode (running statistics)
+    module.eval()
+    _, x, y = dataset().tensors
+    with torch.no_grad():
+        val = torch.nn.functional.mse_loss(module.net(x), y)
+    assert_identical_across_ranks(comm, [val])

@@ -174,6 +174,28 @@ def test_delta_hook_skips_nonfinite_on_every_rank(comm, pg):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_second_delta_state_of_one_optimizer_is_refused(comm, pg):
+    model = net()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    state = DeltaState(opt)
+    with pytest.raises(ValueError, match="this Adam already has a DeltaState, which steps all its parameters "
+                                         "inside backward: one DeltaState per optimizer"):
+        DeltaState(opt)
+    ddp.register_comm_hook(state, adasum_delta_hook)
+    for x, y in batches(comm, 2):  # the first state trains on, untouched
+        loss_of(ddp, x, y).backward()
+        opt.zero_grad()
+    assert state.updates == 2
+    assert_identical_across_ranks(comm, list(model.parameters()))
+    del ddp, state
+    import gc
+
+    gc.collect()
+    assert DeltaState(opt).optimizer is opt  # once the first is gone, the optimizer takes a new one
+
+
+@pytest.mark.mpi(min_size=2)
 def test_hook_mismatch_raises_on_every_rank(comm, pg):
     """One rank's model has another shape: the collective's agreement raises on every rank, no hang."""
     width = 32 if comm.Get_rank() == 0 else 33
@@ -223,3 +245,4 @@ def test_delta_state_leaves_the_optimizer_as_it_was():
     gc.collect()
     opt.step()  # no hook left behind
     assert torch.equal(p.detach(), torch.full((3,), 0.5))
+

@@ -366,3 +366,66 @@ def test_skip_synchronize_without_synchronize_still_reduces(comm):
         mean = sum(g[i] for g in grads) / comm.Get_size()
         torch.testing.assert_close(p.detach(), b - 0.1 * mean)
     assert_identical_across_ranks(comm, list(model.parameters()))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_integer_tensors_keep_their_dtype_when_scaled_and_averaged(comm, dtype):
+    """As Horovod: integers scaled in float64 and cast back; Average = the sum / size, cast back."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    per_rank = [torch.randint(-100, 100, (4, 5), generator=torch.Generator().manual_seed(r), dtype=dtype)
+                for r in range(size)]
+    mine, total = per_rank[rank], sum(t.to(torch.float64) for t in per_rank)
+    pre = hvd.allreduce(mine, op=hvd.Sum, prescale_factor=0.37)
+    assert pre.dtype == dtype
+    assert torch.equal(pre, sum((t.to(torch.float64) * 0.37).to(dtype) for t in per_rank))
+    post = hvd.allreduce(mine, op=hvd.Sum, postscale_factor=0.37)
+    assert post.dtype == dtype and torch.equal(post, (total * 0.37).to(dtype))
+    averaged = hvd.allreduce(mine)  # the default op, Average
+    assert averaged.dtype == dtype and torch.equal(averaged, (total / size).to(dtype))
+    assert torch.equal(hvd.allreduce(mine, average=True), averaged)
+    both = hvd.allreduce(mine, op=hvd.Average, prescale_factor=3, postscale_factor=0.5)
+    assert both.dtype == dtype
+    assert torch.equal(both, (sum((t.to(torch.float64) * 3).to(dtype) for t in per_rank).to(torch.float64)
+                              / size * 0.5).to(dtype))
+    assert torch.equal(hvd.allreduce(per_rank[0], op=hvd.Average), per_rank[0])  # Horovod's own check
+    t = mine.clone()
+    assert hvd.allreduce_(t, prescale_factor=2) is t and torch.equal(
+        t, (sum((p.to(torch.float64) * 2).to(dtype) for p in per_rank).to(torch.float64) / size).to(dtype))
+    assert hvd.allreduce(mine, op=hvd.Max, prescale_factor=2).dtype == dtype
+    # the library's own mean and Adasum still refuse integers (SPEC §4), on every rank
+    with pytest.raises(TypeError, match="integer dtype"):
+        adasum.adasum_allreduce(mine, op="mean")
+    with pytest.raises(TypeError, match="integer dtype"):
+        hvd.allreduce(mine, op=hvd.Adasum)
+
+
+@pytest.fixture
+def stall_timeout():
+    old = adasum.configure(stall_timeout=20.0)
+    yield
+    adasum.configure(old)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("other", ["allreduce", "allgather", "broadcast", "allgather_object", "barrier",
+                                   "broadcast_object"])
+def test_join_while_another_rank_calls_a_collective_raises_on_every_rank(comm, stall_timeout, other):
+    """Uneven data: rank 0 has run out and joins, the others make one more call. Every rank raises, saying
+    that this is not supported and what to do; nothing hangs, and the world is usable afterwards."""
+    calls = {"allreduce": lambda: hvd.allreduce(torch.ones(3)), "allgather": lambda: hvd.allgather(torch.ones(2, 3)),
+             "broadcast": lambda: hvd.broadcast(torch.ones(3), root_rank=1),
+             "allgather_object": lambda: hvd.allgather_object({"x": 1}), "barrier": hvd.barrier,
+             "broadcast_object": lambda: hvd.broadcast_object({"x": 1}, root_rank=1)}
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"the ranks are in different calls: .*join.*join\(\) while other "
+                                           r"ranks still make collective calls \(uneven data\) is not supported"
+                                           r".*drop_last=True") as raised:
+        hvd.join() if comm.Get_rank() == 0 else calls[other]()
+    assert time.monotonic() - start < 10
+    assert f"(raised on rank {comm.Get_rank()})" in str(raised.value)
+    assert "rank 0 is in join" in str(raised.value)
+    assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(comm.Get_size())))
+    last = hvd.join()
+    assert comm.allgather(last) == [last] * comm.Get_size()
