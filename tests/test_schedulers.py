@@ -231,3 +231,33 @@ def test_lightning_scheduler_from_configure_optimizers_overlap_is_bitwise(comm):
     assert trainer.strategy.optimizers[0].overlapped_boundaries > 0
     assert [raw_bytes(p) for p in over.net.parameters()] == [raw_bytes(p) for p in plain.net.parameters()]
     assert_identical_across_ranks(comm, list(over.net.parameters()))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_step_pre_hook_that_raises_on_one_rank_raises_on_every_rank(comm, overlap):
+    model = deep()
+    opt_inner = inner("adamw", model.parameters())
+    windows = []
+
+    def pre_hook(opt, args, kwargs):
+        windows.append(1)
+        if len(windows) == 3 and comm.Get_rank() == comm.Get_size() - 1:
+            raise ValueError("the hook's own error")
+
+    opt_inner.register_step_pre_hook(pre_hook)
+    opt = DistributedOptimizer(opt_inner, overlap=overlap, bucket_bytes=300)
+    g = torch.Generator().manual_seed(100 + comm.Get_rank())
+    for w in range(3):
+        x, y = torch.randn(6, 16, generator=g), torch.randn(6, 4, generator=g)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if w < 2:
+            opt.step()
+            opt.zero_grad()
+            continue
+        before = [raw_bytes(p) for p in model.parameters()]
+        with pytest.raises(RuntimeError, match=rf"rank {comm.Get_size() - 1}: a step pre-hook .* the hook's own"):
+            opt.step()
+        assert [raw_bytes(p) for p in model.parameters()] == before
+    assert_identical_across_ranks(comm, list(model.parameters()))

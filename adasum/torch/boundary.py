@@ -82,11 +82,11 @@ class Boundary:
         return ok
 
     def _reduce_and_agree(self, count: int) -> tuple[list[Bucket], float]:
-        # The wrapped optimizer's step pre-hooks: here, before the local step, whether or not the local steps
-        # ran during backward (overlap), so that both paths run them at the same point. One that raises
-        # fails the boundary on every rank.
-        hook_error = self.strategy.before_step()
         done = self.engine.finish() if self.engine is not None and not self.engine.closed else None
+        # The wrapped optimizer's step pre-hooks, at the start of the boundary's work in step(): before the
+        # local step, or after the threads finished the local steps they took during backward (overlap).
+        # One that raises fails the boundary on every rank.
+        hook_error = self.strategy.before_step()
         if done is not None:
             (buckets, scale), comm = done, self.engine.comm
         else:

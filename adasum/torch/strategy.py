@@ -10,8 +10,9 @@ After every rank has agreed that no bucket failed, :meth:`settle` and :meth:`upd
 - :class:`AdasumDeltas` (``op="adasum"``): average the bucket's gradients, take the wrapped optimizer's
   step on the bucket's parameters only, take the deltas (new - start) and combine them with Adasum, one
   layer per parameter; ``update`` sets every parameter to start + combined delta. With ``side=True`` the
-  deltas go to kept buffers and the parameters are set back to their start at once, so that they change
-  only inside ``step()``.
+  step runs on shadows of the parameters (kept copies, which then hold the deltas), so that the parameters
+  are not written before ``update``. The optimizer's step hooks run once per update, around all buckets
+  (:meth:`AdasumDeltas.before_step`, :meth:`AdasumDeltas.after_step`), not around each local step.
 - :class:`GradientReduce` (``"sum"``/``"mean"``): average and reduce the bucket's gradients; ``update`` takes
   the wrapped optimizer's step.
 
