@@ -156,8 +156,8 @@ class AdasumDeltas:
         return ok
 
     def before_step(self) -> str | None:
-        """Once per update, before its first local step (or, with overlap, at the start of ``step()``): the
-        wrapped optimizer's step pre-hooks, as ``optimizer.step()`` runs them. Returns the error of a hook
+        """Once per update, before its first local step (with overlap: in ``step()``, once the threads took
+        the local steps): the wrapped optimizer's step pre-hooks, as ``optimizer.step()`` runs them. Returns the error of a hook
         that raised (described), for the boundary's vote."""
         try:
             step_hooks(self.optimizer, "pre")
