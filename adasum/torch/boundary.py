@@ -1,7 +1,9 @@
 """What happens where a window of micro-batches closes: :class:`Boundary` takes the window's buckets
 (reduced during backward by the overlap engine, or here as one bucket of every parameter), has every rank
 vote on whether a bucket failed anywhere, then lets the reduce strategy hand over and apply the result, and
-updates the loss scale from the decision every rank shares.
+updates the loss scale from the decision every rank shares. For adasum, the wrapped optimizer's step hooks
+run once per boundary around all that (pre-hooks first, post-hooks once the parameters hold the result),
+whichever path the boundary took: its local steps run without them.
 
 :meth:`Boundary.finalize` does the first part early, for a loop that clips or inspects the gradients before
 ``step()``: it averages them (``op="adasum"``: each rank's own, before its local step) or averages and
@@ -76,10 +78,15 @@ class Boundary:
             self.reset()
         if self.engine is not None and not self.engine.closed:
             self.engine.after_boundary()
+        self.strategy.after_step()
         return ok
 
     def _reduce_and_agree(self, count: int) -> tuple[list[Bucket], float]:
         done = self.engine.finish() if self.engine is not None and not self.engine.closed else None
+        # The wrapped optimizer's step pre-hooks, at the start of the boundary's work in step(): before the
+        # local step, or after the threads finished the local steps they took during backward (overlap).
+        # One that raises fails the boundary on every rank.
+        hook_error = self.strategy.before_step()
         if done is not None:
             (buckets, scale), comm = done, self.engine.comm
         else:
@@ -88,6 +95,8 @@ class Boundary:
             self.strategy.prepare(params)
             buckets = [Bucket(params, list(range(len(params))), count, scale, averaged=self.averaged)]
             self.strategy.reduce(buckets[0], comm, side=False, everything=True)
+        if hook_error and buckets and buckets[0].error is None:
+            buckets[0].error = f"a step pre-hook of the wrapped optimizer raised {hook_error}"
         self._agree(buckets, comm)
         self.strategy.settle(buckets)
         return buckets, scale

@@ -12,8 +12,9 @@ Weight deltas (Adasum of what each rank's optimizer *would do*, as :class:`Distr
     state = DeltaState(optimizer)
     model.register_comm_hook(state, adasum_delta_hook)
     ...
-    loss.backward()          # the optimizer's step runs inside, bucket by bucket; parameters change once,
-    optimizer.zero_grad()    # after the last bucket. Do not call optimizer.step().
+    loss.backward()          # the optimizer's step runs inside, bucket by bucket, on shadows of the
+    optimizer.zero_grad()    # parameters; they change once, after the last bucket. Do not call
+                             # optimizer.step(). Its step hooks run once per update.
 
 The hooks reduce over MPI (on a duplicate of ``comm``), one layer per parameter, not over DDP's process
 group: the collective's agreement makes a mismatch between ranks an error on every rank, and its stall
@@ -91,7 +92,7 @@ def adasum_hook(state: AdasumState, bucket) -> torch.futures.Future[torch.Tensor
 
 class DeltaState(_CommState):
     """The state of :func:`adasum_delta_hook`: the optimizer whose step runs inside backward, per bucket,
-    and what :class:`DistributedOptimizer` keeps for a boundary (the start copy, the wire, the loss scale).
+    and what :class:`DistributedOptimizer` keeps for a boundary (the shadows, the wire, the loss scale).
 
     ``accumulation_steps``: backward passes per update (the ones before run under ``model.no_sync()``);
     the gradients are divided by it, as a mean over micro-batches. After each update, ``step_was_skipped``
@@ -101,6 +102,11 @@ class DeltaState(_CommState):
     One state per optimizer: the state steps all of the optimizer's parameters inside backward, so a second
     ``DeltaState`` of an optimizer that still has one raises ``ValueError`` (register the one state on the
     model, or drop it before making another).
+
+    Each bucket's local step runs on shadows of its parameters (the parameters change only after the last
+    bucket), so ``start_copy`` changes nothing here. The optimizer's step hooks run once per update, as
+    around one ``optimizer.step()``: the pre-hooks before the first bucket's local step, the post-hooks once
+    the parameters hold the update (an LR scheduler on the optimizer sees one step per update).
     """
 
     def __init__(self, optimizer, comm: MPI.Intracomm | None = None, *, compression: str | None = None,
@@ -132,11 +138,17 @@ def adasum_delta_hook(state: DeltaState, bucket) -> torch.futures.Future[torch.T
     """DDP communication hook: the optimizer's step on the bucket's parameters, the deltas combined with
     Adasum over MPI; after the last bucket every parameter becomes start + combined delta (or keeps its
     start, on every rank, where a delta is not finite)."""
+    hook_error = None
     if bucket.index() == 0:
         state.buckets = []
         everything = trained_params(state.optimizer)
         state._index = {id(p): i for i, p in enumerate(everything)}
         state.strategy.prepare(everything)
+        state._in_hook = True  # the update's step pre-hooks, once, before its first local step
+        try:
+            hook_error = state.strategy.before_step()
+        finally:
+            state._in_hook = False
     params = []
     for p, g in zip(bucket.parameters(), bucket.gradients()):
         if id(p) in state._index:  # DDP's parameters that the optimizer does not train keep their gradient
@@ -144,11 +156,9 @@ def adasum_delta_hook(state: DeltaState, bucket) -> torch.futures.Future[torch.T
                 p.grad = g  # the bucket's view: what DDP gives the parameter
             params.append(p)
     b = Bucket(params, [state._index[id(p)] for p in params], state.accumulation_steps, state.loss.current())
-    state._in_hook = True
-    try:
-        state.strategy.reduce(b, state.comm, side=True)
-    finally:
-        state._in_hook = False
+    state.strategy.reduce(b, state.comm, side=True)
+    if hook_error and b.error is None:
+        b.error = f"a step pre-hook of the optimizer raised {hook_error}"
     state.buckets.append(b)
     if bucket.is_last():
         _finish(state)
@@ -168,6 +178,7 @@ def _finish(state: DeltaState) -> None:
     state.step_was_skipped = not ok
     state.skipped_updates += not ok
     state.updates += 1
+    state.strategy.after_step()  # the update's step post-hooks, once the parameters hold its result
 
 
 # id(optimizer) -> the DeltaState that steps it (weakly): one state per optimizer

@@ -10,8 +10,9 @@ After every rank has agreed that no bucket failed, :meth:`settle` and :meth:`upd
 - :class:`AdasumDeltas` (``op="adasum"``): average the bucket's gradients, take the wrapped optimizer's
   step on the bucket's parameters only, take the deltas (new - start) and combine them with Adasum, one
   layer per parameter; ``update`` sets every parameter to start + combined delta. With ``side=True`` the
-  deltas go to kept buffers and the parameters are set back to their start at once, so that they change
-  only inside ``step()``.
+  step runs on shadows of the parameters (kept copies, which then hold the deltas), so that the parameters
+  are not written before ``update``. The optimizer's step hooks run once per update, around all buckets
+  (:meth:`AdasumDeltas.before_step`, :meth:`AdasumDeltas.after_step`), not around each local step.
 - :class:`GradientReduce` (``"sum"``/``"mean"``): average and reduce the bucket's gradients; ``update`` takes
   the wrapped optimizer's step.
 
@@ -22,6 +23,10 @@ positions in the optimizer's parameter list, and a communicator.
 from __future__ import annotations
 
 import traceback
+from collections import OrderedDict
+from collections.abc import MutableMapping
+from itertools import chain
+from typing import Callable
 
 import torch
 from mpi4py import MPI
@@ -29,7 +34,8 @@ from mpi4py import MPI
 from .compress import Wire
 from .tensors import StartCopy, all_finite, average_, grads_of, mark_nonfinite
 
-__all__ = ["Bucket", "AdasumDeltas", "GradientReduce", "step_on", "trained_params"]
+__all__ = ["Bucket", "AdasumDeltas", "GradientReduce", "ShadowState", "step_hooks", "step_on",
+           "trained_params"]
 
 
 class Bucket:
@@ -78,30 +84,40 @@ class AdasumDeltas:
         self.combine(bucket, comm)
 
     def local(self, bucket: Bucket, side: bool, everything: bool = False) -> None:
-        """This rank's part: average the gradients, take the local step, form the deltas (in kept buffers,
-        the parameters back at their start, where ``side``); no communication."""
+        """This rank's part: average the gradients, take the local step, form the deltas; no communication.
+
+        ``side``: the step runs on the bucket's shadows (kept copies of its parameters, with the parameters'
+        averaged gradients and optimizer state), which then become the deltas (shadow - parameter); the
+        parameters are never written. Otherwise the step runs in the parameters, from a start copy, and the
+        deltas are formed in them (new - start), inside ``step()``."""
         params, index = bucket.params, bucket.index
         bucket.side = side
         local_ok = False
-        self.start.keep(index, params)
+        shadows = None
         try:
             with torch.no_grad():
+                if side:
+                    shadows = self.start.side(index, params)
+                    if shadows:
+                        torch._foreach_copy_(shadows, [p.detach() for p in params])
+                else:
+                    self.start.keep(index, params)
                 grads = grads_of(params)
                 if not bucket.averaged:
                     average_(grads, bucket.count, bucket.scale)
                 local_ok = not self.skip_nonfinite or all_finite(grads)
             # A rank whose gradients are not finite skips its own step, so its optimizer state stays finite.
             if local_ok and grads:
-                step_on(self.optimizer, params, everything)
+                step_on(self.optimizer, params, everything, shadows)
         except BaseException as e:  # noqa: BLE001 - kept, raised on every rank after the agreement
             bucket.error, local_ok = _describe(e), False
         with torch.no_grad():
             if side:
-                deltas = self.start.side(index, params)
+                if shadows is None:  # failed before the shadows existed: combine() takes part with NaNs
+                    return
+                deltas = shadows
                 if deltas:
-                    torch._foreach_copy_(deltas, [p.detach() for p in params])
-                self.start.apply(deltas, index, "sub")
-                self.start.apply([p.detach() for p in params], index, "copy")
+                    torch._foreach_sub_(deltas, [p.detach() for p in params])
             else:
                 deltas = [p.detach() for p in params]
                 self.start.apply(deltas, index, "sub")
@@ -138,6 +154,20 @@ class AdasumDeltas:
                 if not ok:
                     self.wire.explain(b.result, b.amax, b.names())
         return ok
+
+    def before_step(self) -> str | None:
+        """Once per update, before its first local step (with overlap: in ``step()``, once the threads took
+        the local steps): the wrapped optimizer's step pre-hooks, as ``optimizer.step()`` runs them. Returns the error of a hook
+        that raised (described), for the boundary's vote."""
+        try:
+            step_hooks(self.optimizer, "pre")
+        except BaseException as e:  # noqa: BLE001 - raised on every rank after the agreement
+            return _describe(e)
+        return None
+
+    def after_step(self) -> None:
+        """Once per update, after the parameters hold its result: the wrapped optimizer's step post-hooks."""
+        step_hooks(self.optimizer, "post")
 
     def abandon(self, buckets: list[Bucket]) -> None:
         """A boundary that failed on some rank: every parameter back to its start."""
@@ -214,6 +244,13 @@ class GradientReduce:
         self.optimizer.step()
         return True
 
+    def before_step(self) -> str | None:
+        """Nothing: ``update`` calls ``optimizer.step()``, which runs the step hooks itself."""
+        return None
+
+    def after_step(self) -> None:
+        """Nothing (see :meth:`before_step`)."""
+
     def abandon(self, buckets: list[Bucket]) -> None:
         """Nothing to undo: the parameters have not changed."""
 
@@ -231,30 +268,123 @@ def trained_params(optimizer) -> list[torch.Tensor]:
     return out
 
 
-def step_on(optimizer, params: list[torch.Tensor], everything: bool = False) -> None:
-    """The wrapped optimizer's step on ``params`` only (``everything``: on all its parameters).
+def step_on(optimizer, params: list[torch.Tensor], everything: bool = False,
+            shadows: list[torch.Tensor] | None = None) -> None:
+    """The wrapped optimizer's own step on ``params`` only (``everything``: on all its parameters).
 
-    The step runs on a shallow view of the optimizer whose param groups hold only ``params`` and share
-    everything else (the hyperparameters, ``state``, hooks): the user's ``param_groups`` are never changed.
-    Group entries the step writes are written back to the user's groups.
+    The step is the function of the optimizer's class, without the step hooks that ``optimizer.step()``
+    runs around it and without an instance-level replacement of ``step`` (an LR scheduler's, say): those
+    belong to the whole update (:func:`step_hooks`). On a bucket it runs on a shallow view of the optimizer
+    whose param groups hold only the bucket's tensors and share everything else (the hyperparameters,
+    ``state``): the user's ``param_groups`` are never changed, and group entries the step writes are written
+    back to them. With ``shadows`` (one per parameter, same dtype, device and shape) the view steps the
+    shadows instead, each with its parameter's gradient and its parameter's state (:class:`ShadowState`),
+    and the parameters keep their values.
     """
-    if everything:
-        optimizer.step()
+    step = _own_step(optimizer)
+    if everything and shadows is None:
+        step(optimizer)
         return
-    keep = {id(p) for p in params}
+    stepped = params if shadows is None else shadows
+    where = {id(p): i for i, p in enumerate(params)}
     view = object.__new__(type(optimizer))
     view.__dict__.update(optimizer.__dict__)
+    view.__dict__.pop("step", None)
+    for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+        if hooks in view.__dict__:
+            view.__dict__[hooks] = OrderedDict()
     pairs = []
     for g in optimizer.param_groups:
-        sub = [p for p in g["params"] if id(p) in keep]
+        sub = [stepped[where[id(p)]] for p in g["params"] if id(p) in where]
         if sub:
             pairs.append((g, dict(g, params=sub)))
     view.param_groups = [v for _, v in pairs]
-    view.step()
+    if shadows is not None:
+        view.state = ShadowState(optimizer.state, params, shadows)
+        for s, p in zip(shadows, params):
+            s.grad = p.grad
+    try:
+        step(view)
+    finally:
+        if shadows is not None:
+            for s in shadows:
+                s.grad = None
     for g, v in pairs:
         for key, value in v.items():
             if key != "params" and g.get(key) is not value:
                 g[key] = value
+
+
+class ShadowState(MutableMapping):
+    """The wrapped optimizer's ``state`` as a step on shadows sees it: a shadow's entry is its parameter's
+    own (made in the optimizer's ``state`` where new), so the step updates the user's optimizer state as a
+    step on the parameters would."""
+
+    def __init__(self, state, params: list[torch.Tensor], shadows: list[torch.Tensor]):
+        self._state = state
+        self._param = {id(s): p for s, p in zip(shadows, params)}
+
+    def _key(self, key):
+        return self._param.get(id(key), key)
+
+    def __getitem__(self, key):
+        return self._state[self._key(key)]
+
+    def __setitem__(self, key, value) -> None:
+        self._state[self._key(key)] = value
+
+    def __delitem__(self, key) -> None:
+        del self._state[self._key(key)]
+
+    def __contains__(self, key) -> bool:
+        return self._key(key) in self._state
+
+    def __iter__(self):
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+    def get(self, key, default=None):
+        return self._state.get(self._key(key), default)
+
+    def setdefault(self, key, default=None):
+        return self._state.setdefault(self._key(key), default)
+
+
+def _own_step(optimizer) -> Callable:
+    """The step function of ``optimizer``'s class, unwrapped from torch's hook runner where torch put one
+    (``Optimizer.profile_hook_step``, marked ``hooked``)."""
+    fn = getattr(type(optimizer), "step", None)
+    if fn is None:  # a step set on the instance only: nothing else to call
+        return lambda opt: optimizer.step()
+    if getattr(fn, "hooked", False):
+        fn = getattr(fn, "__wrapped__", fn)
+    return fn
+
+
+def step_hooks(optimizer, which: str) -> None:
+    """The step hooks of ``optimizer``, once: ``"pre"`` runs the global pre-hooks then the optimizer's own,
+    ``"post"`` the optimizer's own post-hooks then the global ones, each with ``(optimizer, (optimizer,),
+    {})`` as ``optimizer.step()`` calls them (what a pre-hook returns is not used: no arguments reach the
+    step). ``"pre"`` also records the step where an LR scheduler replaced ``optimizer.step`` to watch for it,
+    as that replacement does, so the scheduler knows the optimizer stepped."""
+    from torch.optim import optimizer as torch_optimizer
+
+    args = (optimizer,)
+    if which == "pre":
+        patched = getattr(optimizer, "step", None)
+        if getattr(patched, "_wrapped_by_lr_sched", False):
+            optimizer._opt_called = True
+        if getattr(patched, "_with_counter", False):  # torch before 2.2
+            optimizer._step_count = getattr(optimizer, "_step_count", 0) + 1
+        hooks = chain(getattr(torch_optimizer, "_global_optimizer_pre_hooks", {}).values(),
+                      getattr(optimizer, "_optimizer_step_pre_hooks", {}).values())
+    else:
+        hooks = chain(getattr(optimizer, "_optimizer_step_post_hooks", {}).values(),
+                      getattr(torch_optimizer, "_global_optimizer_post_hooks", {}).values())
+    for hook in list(hooks):
+        hook(optimizer, args, {})
 
 
 def _describe(e: BaseException) -> str:

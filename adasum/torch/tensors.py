@@ -1,5 +1,6 @@
 """The arithmetic the training layer does on lists of tensors, each written once: averaging a window's
-gradients, the non-finite check and mark, and the window's starting values (:class:`StartCopy`)."""
+gradients, the non-finite check and mark, and the buffers adasum keeps per parameter (:class:`StartCopy`:
+the window's starting values, the shadows)."""
 
 from __future__ import annotations
 
@@ -48,37 +49,48 @@ def mark_nonfinite(tensors: list[torch.Tensor]) -> None:
 
 
 class StartCopy:
-    """The parameters' values at the start of the closing window, for ``op="adasum"``: the local step's
-    delta is taken against them, and the parameters are set back to them when an update is skipped.
+    """The buffers ``op="adasum"`` keeps per parameter: the window's starting values, and the shadows.
 
-    ``where="device"`` keeps them next to the parameters (one more copy of the parameters in their memory);
-    ``"host"`` keeps them in host memory (page-locked for CUDA parameters), and works one parameter at a
-    time on the device. Buffers are made on first use and kept while the parameters keep their shapes.
-    With overlap, the deltas of a window are kept apart from the parameters until ``step()``
-    (:meth:`side`), next to the parameters.
+    A boundary reduced in ``step()`` takes the local step in the parameters themselves: the start copy
+    (:meth:`keep`) is what the delta is taken against and what the parameters are set back to when an
+    update is skipped. ``where="device"`` keeps it next to the parameters (one more copy of the parameters
+    in their memory); ``"host"`` keeps it in host memory (page-locked for CUDA parameters), and works one
+    parameter at a time on the device.
+
+    A bucket reduced apart from the parameters (overlap, the DDP delta hook) takes its local step on
+    shadows (:meth:`side`): copies of the parameters, next to them, which then hold the deltas. The
+    parameters are the start then, and no start copy is kept for them.
+
+    Buffers are made on first use and kept while the parameters keep their shapes.
     """
 
     def __init__(self, where: str):
         if where not in ("device", "host"):
             raise ValueError(f"start_copy must be 'device' or 'host', got {where!r}")
         self.where = where
-        self._start: list[torch.Tensor] = []
+        self._start: list[torch.Tensor | None] = []
         self._side: list[torch.Tensor | None] = []
+        self._shapes: list[tuple] = []
 
     def ensure(self, params: list[torch.Tensor]) -> None:
-        """Make the buffers for ``params`` (every trained parameter, in order) unless they fit already."""
-        host = self.where == "host"
-        if len(self._start) != len(params) or any(
-                s.shape != p.shape or s.dtype != p.dtype or (not host and s.device != p.device)
-                for s, p in zip(self._start, params)):
-            self._start = [_host_like(p) if host else torch.empty_like(p) for p in params]
+        """Forget the buffers unless they fit ``params`` (every trained parameter, in order)."""
+        shapes = [(p.shape, p.dtype, p.device) for p in params]
+        if shapes != self._shapes:
+            self._shapes = shapes
+            self._start = [None] * len(params)
             self._side = [None] * len(params)
 
     def keep(self, index: list[int], params: list[torch.Tensor]) -> None:
         """Copy ``params`` (the parameters at positions ``index``) into their start buffers."""
-        start = [self._start[i] for i in index]
+        host = self.where == "host"
+        start = []
+        for i, p in zip(index, params):
+            s = self._start[i]
+            if s is None:
+                s = self._start[i] = _host_like(p) if host else torch.empty_like(p)
+            start.append(s)
         with torch.no_grad():
-            if self.where == "host":
+            if host:
                 for s, p in zip(start, params):
                     s.copy_(p.detach(), non_blocking=True)
             elif start:
@@ -105,12 +117,14 @@ class StartCopy:
                     t.copy_(s)
 
     def side(self, index: list[int], params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Kept buffers shaped as ``params`` (the parameters at positions ``index``), next to them."""
+        """The kept shadows of ``params`` (the parameters at positions ``index``): same shape, dtype and
+        device, contiguous. Their start copies, no longer needed, are freed."""
         out = []
         for i, p in zip(index, params):
             buf = self._side[i]
             if buf is None:
                 buf = self._side[i] = torch.empty_like(p, memory_format=torch.contiguous_format)
+            self._start[i] = None
             out.append(buf)
         return out
 
