@@ -96,6 +96,8 @@ class Boundary:
         """Raise on every rank if a bucket failed on any, with the parameters left at the window's start."""
         failed = failures(buckets, comm)
         if failed:
+            if self.engine is not None:
+                self.engine.replan()  # every rank alike: the next closing backward is observed again
             self.strategy.abandon(buckets)
             self.window.close()
             self.reset()
