@@ -87,7 +87,9 @@ class Boundary:
             scale, comm = self.loss.current(), self.comm
             self.strategy.prepare(params)
             buckets = [Bucket(params, list(range(len(params))), count, scale, averaged=self.averaged)]
-            self.strategy.reduce(buckets[0], comm, side=False, everything=True)
+            # A frozen parameter (requires_grad off) is not stepped, even where it still has a gradient.
+            everything = len(params) == len({id(p) for g in self.optimizer.param_groups for p in g["params"]})
+            self.strategy.reduce(buckets[0], comm, side=False, everything=everything)
         self._agree(buckets, comm)
         self.strategy.settle(buckets)
         return buckets, scale
