@@ -116,7 +116,7 @@ def test_freezing_and_unfreezing_a_layer_is_bitwise_the_plain_run(comm, stall_ti
 PATTERNS = {
     "never": lambda i: False,
     "from_window_3": lambda i: i >= 6,  # not at the observed boundary, then always
-    "sometimes": lambda i: i % 3 == 1,
+    "sometimes": lambda i: i % 3 == 0,  # in some closing micro-batches, some other ones only
 }
 
 

@@ -199,9 +199,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Stop the overlap thread, remove the hooks and free the thread's communicator. A window whose
         buckets are on the thread is abandoned: the parameters keep their values. Later boundaries run
         without overlap. Collective: every rank closes alike. Where a closing backward ran, it first hands
-        over the buckets that backward has not and waits until the thread reduced them all, so it returns
-        once every rank closed (where ranks handed different buckets over, the others' close() completes
-        them). An optimizer collected without ``close()`` gives its thread up instead of waiting for it
+        the buckets that backward has not handed over to the thread and waits until the thread reduced them
+        all; since every rank then hands over every bucket, the collectives match even where the ranks had
+        handed different buckets over, and it returns once every rank closed. An optimizer collected
+        without ``close()`` gives its thread up instead of waiting for it
         (:meth:`~adasum.torch.overlap.OverlapEngine.drop`)."""
         if self.overlap:
             self._engine.finish()
