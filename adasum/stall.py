@@ -63,7 +63,7 @@ def patience(s, ctx=None) -> float:
         first = 0.0
     else:
         first = min(t for t in (ANNOUNCE_AFTER, s.stall_warning, s.stall_timeout) if t is not None)
-    if ctx is not None and ctx.may_give_up:
+    if ctx is not None and getattr(ctx, "may_give_up", False):
         return min(first, GIVE_UP_EVERY) if first else GIVE_UP_EVERY
     return first
 
@@ -71,7 +71,7 @@ def patience(s, ctx=None) -> float:
 def _wait_or_give_up(ctx, req: MPI.Request, until: float | None) -> bool:
     """:func:`adasum.waiting.wait_all` of ``req`` until ``until`` (None: its end); on a context that may be
     given up, raising once it was."""
-    if not ctx.may_give_up:
+    if not getattr(ctx, "may_give_up", False):
         return wait_all([req], ctx.waiting(), until=until)
     while True:
         _check_given_up(ctx)
@@ -83,7 +83,7 @@ def _wait_or_give_up(ctx, req: MPI.Request, until: float | None) -> bool:
 
 
 def _check_given_up(ctx) -> None:
-    if ctx.may_give_up and ctx.broken is not None:
+    if ctx.broken is not None and getattr(ctx, "may_give_up", False):
         raise AdasumStallError(f"rank {ctx.rank}: a call on {ctx.name} was given up: {ctx.broken}")
 
 
