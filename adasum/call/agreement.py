@@ -127,7 +127,7 @@ def agree(ctx, op: str, descs: Sequence[TensorDesc] | None, error: Exception | N
     load(scratch, sig, error is not None, vote)
     ctx.record("scalar_bytes", AGREE_BYTES)
     s = ctx.settings
-    patience = stall.patience(s)
+    patience = stall.patience(s, ctx)
     if s.native_mpi and mpi_bound():  # the wait without the GIL, as the compiled small call makes it
         rc = compiled.agree(scratch, *ctx.agree_handles, patience, *waiting.policy(ctx.waiting()))
         if rc == 1:

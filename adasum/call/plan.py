@@ -55,7 +55,7 @@ def agreed_extras(ctx, s: Settings) -> dict:
         extras = {"adasum": (("hierarchical", False), *agreed), "hierarchical": (("hierarchical", True), *agreed),
                   "sum": (("hierarchical", False),), "mean": (("hierarchical", False),),
                   # and what these settings make of this communicator's calls
-                  "patience": stall.patience(s)}
+                  "patience": stall.patience(s, ctx)}
         kept = ctx.extras = (s, extras)
     return kept[1]
 

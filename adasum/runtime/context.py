@@ -136,6 +136,8 @@ class Context:
         self._freed = False
         # Waited on by a thread beside the compute (the overlap thread): under waiting="auto" its waits nap.
         self.beside_compute = False
+        # Its owner may give it up while a thread waits there (the overlap engine's; see adasum.runtime.stall).
+        self.may_give_up = False
 
     @property
     def lcomm(self) -> MPI.Intracomm:

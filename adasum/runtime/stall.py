@@ -16,6 +16,11 @@ arrived know of each other, and the ranks nobody heard from are the ones that ha
   error at once: a stall timeout is the end of that communicator for the library.
 
 Messages from ranks that waited in an earlier call are received and dropped when they are next looked for.
+
+A communicator whose owner may give it up while a thread waits there (the overlap engine's, see
+:meth:`adasum.torch.overlap.OverlapEngine.drop`; ``Context.may_give_up``) is waited on with a patience of at
+most ``GIVE_UP_EVERY`` seconds, with or without the inspector: once its context is marked ``broken``, the
+wait raises :class:`AdasumStallError` within that time, and the thread leaves the MPI library.
 """
 
 from __future__ import annotations
@@ -42,18 +47,44 @@ STALL_TAG = TAG + 2
 # A rank tells the others that it is waiting once it has waited this long (or less, with shorter settings).
 ANNOUNCE_AFTER = 1.0
 _FIELDS = 5  # call number, op, tensors, bytes, rank
+# On a communicator that may be given up, a wait looks this often whether it was.
+GIVE_UP_EVERY = 0.1
 
 
 class AdasumStallError(RuntimeError):
     """A call waited ``stall_timeout`` seconds for ranks that did not enter it; the text names them."""
 
 
-def patience(s) -> float:
+def patience(s, ctx=None) -> float:
     """Seconds a call waits for the agreement as a blocking allreduce would, before the inspector looks:
-    0 (for ever) when neither a warning nor a timeout is set."""
+    0 (for ever) when neither a warning nor a timeout is set. On ``ctx`` that may be given up, at most
+    ``GIVE_UP_EVERY``."""
     if s.stall_warning is None and s.stall_timeout is None:
-        return 0.0
-    return min(t for t in (ANNOUNCE_AFTER, s.stall_warning, s.stall_timeout) if t is not None)
+        first = 0.0
+    else:
+        first = min(t for t in (ANNOUNCE_AFTER, s.stall_warning, s.stall_timeout) if t is not None)
+    if ctx is not None and getattr(ctx, "may_give_up", False):
+        return min(first, GIVE_UP_EVERY) if first else GIVE_UP_EVERY
+    return first
+
+
+def _wait_or_give_up(ctx, req: MPI.Request, until: float | None) -> bool:
+    """:func:`adasum.runtime.waiting.wait_all` of ``req`` until ``until`` (None: its end); on a context that may be
+    given up, raising once it was."""
+    if not getattr(ctx, "may_give_up", False):
+        return wait_all([req], ctx.waiting(), until=until)
+    while True:
+        _check_given_up(ctx)
+        step = time.monotonic() + GIVE_UP_EVERY
+        if wait_all([req], ctx.waiting(), until=step if until is None else min(step, until)):
+            return True
+        if until is not None and time.monotonic() >= until:
+            return False
+
+
+def _check_given_up(ctx) -> None:
+    if ctx.broken is not None and getattr(ctx, "may_give_up", False):
+        raise AdasumStallError(f"rank {ctx.rank}: a call on {ctx.name} was given up: {ctx.broken}")
 
 
 def _describe(op: str | None, descs) -> tuple[int, int, int]:
@@ -112,12 +143,12 @@ def wait(ctx, req: MPI.Request, op: str | None, descs, waited: float = 0.0,
     s = ctx.settings if ctx.settings is not None else current()
     warn, timeout = s.stall_warning, s.stall_timeout
     if warn is None and timeout is None:
-        wait_all([req], ctx.waiting())
+        _wait_or_give_up(ctx, req, None)
         return
     comm = ctx.lcomm if via is None else via
     first = patience(s)
     start = time.monotonic() - waited
-    if wait_all([req], ctx.waiting(), until=start + first):  # as any wait of the library (adasum.runtime.waiting)
+    if _wait_or_give_up(ctx, req, start + first):  # as any wait of the library (adasum.runtime.waiting)
         if via is not None:  # drop what an earlier stall left on the user's communicator
             _collect(via, -1, {})
         return
@@ -127,6 +158,7 @@ def wait(ctx, req: MPI.Request, op: str | None, descs, waited: float = 0.0,
     _announce(ctx, comm, mine)
     reported, delay = False, 1e-4
     while not req.Test():
+        _check_given_up(ctx)
         _collect(comm, seq, heard)
         elapsed = time.monotonic() - start
         if warn is not None and not reported and elapsed >= warn + first:

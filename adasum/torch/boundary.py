@@ -94,7 +94,9 @@ class Boundary:
             scale, comm = self.loss.current(), self.comm
             self.strategy.prepare(params)
             buckets = [Bucket(params, list(range(len(params))), count, scale, averaged=self.averaged)]
-            self.strategy.reduce(buckets[0], comm, side=False, everything=True)
+            # A frozen parameter (requires_grad off) is not stepped, even where it still has a gradient.
+            everything = len(params) == len({id(p) for g in self.optimizer.param_groups for p in g["params"]})
+            self.strategy.reduce(buckets[0], comm, side=False, everything=everything)
         if hook_error and buckets and buckets[0].error is None:
             buckets[0].error = f"a step pre-hook of the wrapped optimizer raised {hook_error}"
         self._agree(buckets, comm)
@@ -105,6 +107,8 @@ class Boundary:
         """Raise on every rank if a bucket failed on any, with the parameters left at the window's start."""
         failed = failures(buckets, comm)
         if failed:
+            if self.engine is not None:
+                self.engine.replan()  # every rank alike: the next closing backward is observed again
             self.strategy.abandon(buckets)
             self.window.close()
             self.reset()

@@ -162,7 +162,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if overlap:
             self._engine = OverlapEngine(optimizer, self._strategy, self._window, self._loss, comm,
                                          bucket_bytes)
-            weakref.finalize(self, self._engine.close)
+            weakref.finalize(self, self._engine.drop)  # never waits for a collective (OverlapEngine.drop)
         self._boundary = Boundary(optimizer, comm, self._strategy, self._window, self._loss, self._engine)
 
     # --- the wrapped optimizer's own attributes ------------------------------------------------------------
@@ -213,9 +213,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return [] if self._engine is None else list(self._engine.timeline)
 
     def close(self) -> None:
-        """Stop the overlap thread, remove the hooks and free the thread's communicator (done when the
-        optimizer is collected, too). A window whose buckets are on the thread is abandoned: the parameters
-        keep their values. Later boundaries run without overlap. Collective: every rank closes alike."""
+        """Stop the overlap thread, remove the hooks and free the thread's communicator. A window whose
+        buckets are on the thread is abandoned: the parameters keep their values. Later boundaries run
+        without overlap. Collective: every rank closes alike. Where a closing backward ran, it first hands
+        the buckets that backward has not handed over to the thread and waits until the thread reduced them
+        all; since every rank then hands over every bucket, the collectives match even where the ranks had
+        handed different buckets over, and it returns once every rank closed. An optimizer collected
+        without ``close()`` gives its thread up instead of waiting for it
+        (:meth:`~adasum.torch.overlap.OverlapEngine.drop`)."""
         if self.overlap:
             self._engine.finish()
             self._engine.close()

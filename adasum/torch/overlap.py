@@ -15,9 +15,18 @@ hands its buckets to the thread in that order, so the collectives follow the sam
 whatever order its own backward produces the gradients in: a bucket whose parameters are ready waits until
 every bucket before it has been handed over.
 
+A plan holds for one list of trained parameters. Where that list changes (a parameter frozen or unfrozen
+with ``requires_grad_``, a group added), the next closing backward is observed again, its boundary runs in
+``step()`` on every rank alike, and the plan made from it serves the boundaries after. A bucket waits for
+at least one gradient of each of its parameters: a parameter that gets none in some backward on some rank
+(a branch not taken, a head not used) holds its bucket, and the ones after it, until ``step()`` hands them
+over, so no bucket is reduced before a gradient it could still receive. A parameter that receives more
+accumulations than planned after its bucket went to the thread makes the boundary fail on every rank.
+
 Nothing here refers to the optimizer proxy: the hooks hold the engine weakly, the thread holds only its
 queue, and a job holds the strategy and its bucket. So an optimizer that is no longer referenced is
-collected, and its finalizer closes the engine (hooks removed, thread joined, communicator freed).
+collected, and its finalizer drops the engine (:meth:`OverlapEngine.drop`): it never waits for a
+collective, since the other ranks may never enter the one a thread is in.
 """
 
 from __future__ import annotations
@@ -40,17 +49,24 @@ __all__ = ["BucketPlan", "CommThread", "Job", "OverlapEngine"]
 
 
 FIRST_BUCKET_BYTES = 1 << 20
+# drop() waits at most this long for a thread that was inside a collective to give it up (adasum.runtime.stall's
+# GIVE_UP_EVERY, and the collective's own end where every rank entered it).
+GIVE_UP_WAIT = 1.0
 
 
 class BucketPlan:
     """The buckets (lists of parameter indices) and, per parameter, how many gradient accumulations one
-    closing backward produces (seen on this rank in the observed boundary).
+    closing backward produces (seen on this rank in the observed boundary, at least one), for the trained
+    parameters whose ids are ``ids`` (their positions: ``pos``).
 
     The first bucket is cut at ``FIRST_BUCKET_BYTES`` (or ``bucket_bytes``, where smaller), so that the
     wire starts with the first layers backward finishes rather than after a whole bucket of them; the
     others at ``bucket_bytes``."""
 
-    def __init__(self, order: list[int], nbytes: list[int], expected: list[int], bucket_bytes: int):
+    def __init__(self, order: list[int], nbytes: list[int], expected: list[int], bucket_bytes: int,
+                 ids: list[int] | None = None):
+        self.ids = list(range(len(order))) if ids is None else list(ids)
+        self.pos = {pid: i for i, pid in enumerate(self.ids)}
         self.buckets: list[list[int]] = []
         cur: list[int] = []
         size = 0
@@ -87,6 +103,18 @@ class Job:
         self.done.wait()
 
 
+class _Serving:
+    """What a :class:`CommThread` and its owner share: whether the owner dropped it (jobs not begun are then
+    skipped), whether a job is running, and what the thread runs last once dropped (``at_end``)."""
+
+    __slots__ = ("dropped", "running", "at_end")
+
+    def __init__(self) -> None:
+        self.dropped = False
+        self.running = False
+        self.at_end: Callable[[], None] | None = None
+
+
 class CommThread:
     """A daemon thread that runs the jobs it is given, one at a time, in the order given. An exception in
     a job is kept on the job (:attr:`Job.error`, with its traceback) and the thread goes on. A job's function
@@ -94,7 +122,8 @@ class CommThread:
 
     def __init__(self, name: str):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=_serve, args=(self._jobs,), name=name, daemon=True)
+        self._serving = _Serving()
+        self._thread = threading.Thread(target=_serve, args=(self._jobs, self._serving), name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[], None]) -> Job:
@@ -109,32 +138,63 @@ class CommThread:
             if threading.current_thread() is not self._thread:
                 self._thread.join()
 
+    def join(self, timeout: float) -> None:
+        """Wait at most ``timeout`` seconds for the thread to end (unless called from it)."""
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
-def _serve(jobs: queue.SimpleQueue) -> None:
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
-        job.times[1] = time.perf_counter()
-        try:
-            job.fn()
-        except BaseException as e:  # noqa: BLE001 - reported in step() on every rank
-            job.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-        finally:
-            job.times[2] = time.perf_counter()
-            job.fn = None
-            job.done.set()
-            del job
+    def drop(self, at_end: Callable[[], None] | None = None) -> bool:
+        """End the thread without running the jobs it has not begun (they end with an error), and run
+        ``at_end`` on it last. Waits for the thread only where no job is running; a running job is left to
+        finish (or to fail) on its own. Returns whether the thread has ended."""
+        serving = self._serving
+        serving.at_end = at_end
+        serving.dropped = True  # before reading running: a job that starts after this sees it and is skipped
+        running = serving.running
+        self._jobs.put(None)
+        if running or threading.current_thread() is self._thread:
+            return False
+        self._thread.join()
+        return True
+
+
+def _serve(jobs: queue.SimpleQueue, serving: _Serving) -> None:
+    try:
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            serving.running = True
+            job.times[1] = time.perf_counter()
+            try:
+                if serving.dropped:
+                    raise RuntimeError("the optimizer was dropped before this bucket's turn")
+                job.fn()
+            except BaseException as e:  # noqa: BLE001 - reported in step() on every rank
+                job.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            finally:
+                job.times[2] = time.perf_counter()
+                job.fn = None
+                job.done.set()
+                del job
+                serving.running = False
+    finally:
+        at_end, serving.at_end = serving.at_end, None
+        if serving.dropped and at_end is not None:
+            at_end()
 
 
 class _Backward:
     """The progress of one closing backward."""
 
-    __slots__ = ("params", "fired", "order", "observe", "count", "scale", "next", "buckets", "jobs",
-                 "local_jobs", "waiting", "began")
+    __slots__ = ("params", "ids", "pos", "fired", "order", "observe", "count", "scale", "next", "buckets",
+                 "jobs", "local_jobs", "waiting", "began", "late")
 
-    def __init__(self, params: list[torch.Tensor], plan: BucketPlan | None, count: int, scale: float):
-        self.params = params
+    def __init__(self, params: list[torch.Tensor], ids: list[int], pos: dict[int, int], plan: BucketPlan | None,
+                 count: int, scale: float):
+        self.params = params            # the trained parameters, in order
+        self.ids = ids                  # their ids
+        self.pos = pos                  # a parameter's id -> its position
         self.fired = [0] * len(params)  # gradient accumulations seen per parameter
         self.order: list[int] = []      # observed boundary: the order parameters first fired in
         self.observe = plan is None
@@ -146,6 +206,7 @@ class _Backward:
         self.local_jobs: list[Job] = []  # the local parts'
         self.waiting = None if plan is None else list(plan.waiting)
         self.began = time.perf_counter()  # the first gradient of this backward
+        self.late: str | None = None    # a gradient that came after its bucket went to the thread
 
 
 class OverlapEngine:
@@ -158,7 +219,9 @@ class OverlapEngine:
     def __init__(self, optimizer, strategy, window, loss_scale, comm: MPI.Intracomm, bucket_bytes: int):
         self.comm = comm.Dup()
         library_comm(self.comm)  # the library's own duplicate, made here on the main thread
-        context_for(self.comm).beside_compute = True  # its waits leave the core to backward (adasum.runtime.waiting)
+        ctx = context_for(self.comm)
+        ctx.beside_compute = True  # its waits leave the core to backward (adasum.runtime.waiting)
+        ctx.may_give_up = True  # drop() may give a wait there up (adasum.runtime.stall)
         self._thread = CommThread(f"adasum-overlap-{self.comm.Get_rank()}")  # the wire
         self._local = CommThread(f"adasum-local-{self.comm.Get_rank()}")
         self._optimizer = optimizer
@@ -185,20 +248,25 @@ class OverlapEngine:
 
     def install(self) -> None:
         """(Re)register one post-accumulate-grad hook per trained parameter; the bucket plan starts over."""
-        self._remove_hooks()
-        params = trained_params(self._optimizer)
-        self._hooked = [id(p) for p in params]
-        me = weakref.ref(self)
-        for i, p in enumerate(params):
-            self._hooks.append(p.register_post_accumulate_grad_hook(_hook(me, i)))
+        self._hook_params(trained_params(self._optimizer))
         self._plan = None
         self._bw = None
 
-    def _on_grad(self, i: int) -> None:
-        """Backward has accumulated parameter ``i``'s gradient (inside backward)."""
+    def _hook_params(self, params: list[torch.Tensor]) -> None:
+        self._remove_hooks()
+        self._hooked = [id(p) for p in params]
+        me = weakref.ref(self)
+        for p in params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(_hook(me)))
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        """Backward has accumulated ``param``'s gradient (inside backward)."""
         if self.disabled or self.paused or not self._window.closes_next:
             return
         bw = self._bw if self._bw is not None else self._begin()
+        i = bw.pos.get(id(param))
+        if i is None:
+            return  # hooked, but not trained any more (frozen since): no bucket holds it
         fired = bw.fired
         fired[i] += 1
         if bw.observe:
@@ -209,19 +277,23 @@ class OverlapEngine:
         if fired[i] == plan.expected[i]:
             bw.waiting[plan.bucket_of[i]] -= 1
             self._launch_ready(bw)
-        elif fired[i] > plan.expected[i]:
-            p = bw.params[i]
-            raise RuntimeError(
-                f"rank {self.comm.Get_rank()}: parameter {i} (shape {tuple(p.shape)}) received more gradients "
-                f"in the backward that closes this window than it did when the buckets were planned "
-                f"({fired[i]} against {plan.expected[i]}), and its bucket was reduced already: step() was not "
-                "called after the previous closing backward, or the model's graph changed (overlap needs "
-                "the same graph at every boundary; use overlap=False otherwise)")
+        elif fired[i] > plan.expected[i] and plan.bucket_of[i] < bw.next and bw.late is None:
+            # Its bucket was reduced without this gradient: the boundary fails on every rank (in step()).
+            bw.late = (
+                f"rank {self.comm.Get_rank()}: parameter {i} (shape {tuple(param.shape)}) received "
+                f"{fired[i]} gradient accumulations in the backward that closes this window, {plan.expected[i]} "
+                "when the buckets were planned, and its bucket went to the overlap thread before the last of "
+                "them: step() was not called after the previous closing backward, or backward ran more often "
+                "in this micro-batch than in the planned one (overlap needs every closing micro-batch to run "
+                "backward alike; use overlap=False otherwise). The buckets are planned again at the next "
+                "boundary")
 
     def _begin(self) -> _Backward:
         params = trained_params(self._optimizer)
-        plan = self._plan if [id(p) for p in params] == self._hooked else None
-        bw = self._bw = _Backward(params, plan, self._window.seen + 1, self._loss_scale.current())
+        ids = [id(p) for p in params]
+        plan = self._plan if self._plan is not None and self._plan.ids == ids else None
+        pos = plan.pos if plan is not None else {pid: i for i, pid in enumerate(ids)}
+        bw = self._bw = _Backward(params, ids, pos, plan, self._window.seen + 1, self._loss_scale.current())
         if plan is not None:
             self._strategy.prepare(params)
             self._launch_ready(bw)
@@ -265,6 +337,8 @@ class OverlapEngine:
             job.wait()
             if job.error and bucket.error is None:
                 bucket.error = job.error
+        if bw.late is not None and bw.buckets and bw.buckets[0].error is None:
+            bw.buckets[0].error = bw.late
         self.overlapped_boundaries += 1
         self.timeline = [{"bucket": b, "bytes": sum(p.numel() * p.element_size() for p in bucket.params),
                           "ready": job.times[0] - bw.began, "local": local.times[1] - bw.began,
@@ -274,17 +348,21 @@ class OverlapEngine:
         return bw.buckets, bw.scale
 
     def after_boundary(self) -> None:
-        """Collective, at the end of every boundary: where no plan exists yet, make it from the backward
-        just observed once every rank observed one (rank 0's order: parameters it saw no gradient for follow
-        in reverse parameter order)."""
+        """Collective, at the end of every boundary: where no plan exists for the trained parameters (none
+        yet, or they changed), make it from the backward just observed once every rank observed one with
+        these parameters (rank 0's order: parameters it saw no gradient for follow in reverse parameter
+        order). Each parameter is expected at least once, so a parameter without a gradient holds its bucket
+        until ``step()``."""
         bw, self._bw = self._bw, None
         params = trained_params(self._optimizer)
-        if [id(p) for p in params] != self._hooked:
-            self.install()
-            bw = None
+        ids = [id(p) for p in params]
+        if ids != self._hooked:
+            self._hook_params(params)
+        if self._plan is not None and self._plan.ids != ids:
+            self._plan = None
         if self._plan is not None or self.disabled:
             return
-        mine = bw.order if bw is not None and bw.observe else None
+        mine = bw.order if bw is not None and bw.observe and bw.ids == ids else None
         rank = self.comm.Get_rank()
         everyone = exchange.allgather(self.comm, mine if rank == 0 else mine is not None,
                                       what="the overlap's bucket plan")
@@ -294,7 +372,13 @@ class OverlapEngine:
         seen = set(order)
         order += [i for i in reversed(range(len(params))) if i not in seen]
         nbytes = [p.numel() * p.element_size() for p in params]
-        self._plan = BucketPlan(order, nbytes, bw.fired, self.bucket_bytes)
+        self._plan = BucketPlan(order, nbytes, [max(1, n) for n in bw.fired], self.bucket_bytes, ids)
+
+    def replan(self) -> None:
+        """Forget the plan (every rank alike: after a boundary that failed on every rank); the next closing
+        backward is observed."""
+        self._plan = None
+        self._bw = None
 
     def refuse_unfinished(self, what: str) -> None:
         """Raise where the backward that closes a window handed buckets to the thread and ``step()`` never
@@ -313,7 +397,9 @@ class OverlapEngine:
     # --- lifetime ---------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Remove the hooks, let the thread run what it was given and end, free the communicator."""
+        """Remove the hooks, let the threads run what they were given and end, free the communicator. It
+        waits for the threads: call it where every rank has handed the same buckets over (after
+        :meth:`finish` on every rank, as ``DistributedOptimizer.close()`` does)."""
         if self.closed:
             return
         self.closed = True
@@ -321,8 +407,35 @@ class OverlapEngine:
         self._bw = None
         self._local.close()
         self._thread.close()
-        if not MPI.Is_finalized():
-            self.comm.Free()  # the library's state on it (and its own duplicate) goes with it
+        _free(self.comm)
+
+    def drop(self) -> None:
+        """The end of an engine nobody closed (its optimizer collected, or the interpreter exiting): never
+        waits for a collective. Removes the hooks; the threads skip the buckets they have not begun and end.
+        A thread inside a bucket's collective is not waited for: the other ranks may never enter that
+        collective (they handed other buckets over, or none). The thread's communicator is marked as given
+        up (its context's ``broken``): a wait there raises within ``adasum.runtime.stall.GIVE_UP_EVERY`` seconds (the
+        error stays on the dropped bucket) and no later call starts there; the thread then frees the
+        communicator and ends. This waits at most ``GIVE_UP_WAIT`` seconds for that, so that the thread is
+        out of the MPI library before the interpreter's exit finalizes it. The user's communicator is
+        untouched: its next collective works as before."""
+        if self.closed:
+            return
+        self.closed = True
+        self._remove_hooks()
+        self._bw = None
+        comm = self.comm
+        self._local.drop()
+        if MPI.Is_finalized():
+            self._thread.drop()
+            return
+        ctx = context_for(comm)
+        if not self._thread.drop(lambda: _free(comm)):
+            ctx.broken = ctx.broken or ("the optimizer that owned this communicator was dropped while its "
+                                        "overlap thread waited in a collective")
+            # A wait there now ends within GIVE_UP_EVERY; a collective every rank entered ends on its own.
+            # Either way the thread is out of the MPI library before the interpreter's exit finalizes it.
+            self._thread.join(GIVE_UP_WAIT)
 
     def _remove_hooks(self) -> None:
         for h in self._hooks:
@@ -330,12 +443,17 @@ class OverlapEngine:
         self._hooks.clear()
 
 
-def _hook(owner: "weakref.ref[OverlapEngine]", i: int):
-    def hook(_param: torch.Tensor) -> None:
+def _hook(owner: "weakref.ref[OverlapEngine]"):
+    def hook(param: torch.Tensor) -> None:
         engine = owner()
         if engine is not None and not engine.closed:
-            engine._on_grad(i)
+            engine._on_grad(param)
     return hook
+
+
+def _free(comm: MPI.Intracomm) -> None:
+    if not MPI.Is_finalized():
+        comm.Free()  # the library's state on it (and its own duplicate) goes with it
 
 
 def _local_job(strategy, bucket: Bucket) -> Callable[[], None]:
