@@ -308,44 +308,40 @@ DEFINE_DOTS_AVX2(AVX2_FMA_TARGET, avx2fma, uint16_t, bf16, AVX2_BF16, AVX2_FMA)
 DEFINE_SCALED_ADD(AVX2, avx2, 4, __m256d, _mm256_set1_pd, _mm256_cvtps_pd, _mm_loadu_ps, _mm256_cvtpd_ps,
                   _mm_storeu_ps, _mm256_loadu_pd, _mm256_storeu_pd, _mm256_mul_pd, _mm256_add_pd)
 
-/* The four float32 bits (as integers) of four doubles rounded to float32 to odd (as f64_to_f32_odd). */
-AVX2 static inline __m128i
-odd_f32_avx2(__m256d x)
-{
-    __m128 f = _mm256_cvtpd_ps(x);
-    __m256d back = _mm256_cvtps_pd(f);
-    __m256d abs_mask = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffLL));
-    __m256d cut = _mm256_cmp_pd(back, x, _CMP_NEQ_OQ); /* inexact (never for a NaN) */
-    __m256d away = _mm256_cmp_pd(_mm256_and_pd(back, abs_mask), _mm256_and_pd(x, abs_mask), _CMP_GT_OQ);
-    __m256i low = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6); /* a 64-bit mask's low half, lanes 0..3 */
-    __m128i cut32 = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(_mm256_castpd_si256(cut), low));
-    __m128i away32 = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(_mm256_castpd_si256(away), low));
-    __m128i u = _mm_add_epi32(_mm_castps_si128(f), away32); /* away: one step back towards zero */
-    return _mm_or_si128(u, _mm_and_si128(cut32, _mm_set1_epi32(1)));
-}
+/*
+ * The 16-bit combine rounds each double x to the 16-bit type's grid in double arithmetic: with 2^e the power
+ * of two of x's binade, clamped to the type's normal range [2^emin, 2^emax], and C = 2^(e + 52 - p) carrying
+ * x's sign (p: the type's significant bits after the first, 10 for float16, 7 for bfloat16), (x + C) - C
+ * is x rounded to a multiple of 2^(e - p), to nearest, ties to even: the type's own rounding, subnormals
+ * included, as a double the type holds exactly (or one beyond its largest, which the conversion below
+ * takes to infinity). The sign of x goes back on a zero; infinities and NaN pass through unchanged. The
+ * conversions to float32 and on to the type are then exact: the same bits as the portable loop's rounding.
+ */
+#define ROUND16_AVX2(x, lo, hi, scale, sign)                                                          \
+    do {                                                                                            \
+        __m256d s_ = _mm256_and_pd(x, sign);                                                        \
+        __m256d e_ = _mm256_min_pd(_mm256_max_pd(_mm256_and_pd(x, expo), lo), hi);                  \
+        __m256d c_ = _mm256_or_pd(_mm256_mul_pd(e_, scale), s_);                                    \
+        x = _mm256_or_pd(_mm256_sub_pd(_mm256_add_pd(x, c_), c_), s_);                                \
+    } while (0)
 
-/* float32 bits to bfloat16 bits in the low half of each 32-bit lane (as f32_to_bf16). */
-AVX2 static inline __m128i
-bf16_of_f32_bits(__m128i u)
-{
-    __m128i lsb = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
-    __m128i r = _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(u, _mm_set1_epi32(0x7fff)), lsb), 16);
-    __m128i nan = _mm_cmpgt_epi32(_mm_and_si128(u, _mm_set1_epi32(0x7fffffff)), _mm_set1_epi32(0x7f800000));
-    __m128i quiet = _mm_or_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(0x40));
-    return _mm_blendv_epi8(r, quiet, nan);
-}
-
-/* 16-bit combine, eight elements a step: two registers of four doubles, narrowed as the portable loop does. */
+/* 16-bit combine, eight elements a step: two registers of four doubles. */
 #define AVX2_COMBINE4(LOAD, k) _mm256_add_pd(_mm256_mul_pd(p, LOAD(a + i + (k))), _mm256_mul_pd(q, LOAD(b + i + (k))))
+#define AVX2_ROUND16_SETUP(EMIN, EMAX, P)                                                             \
+    __m256d p = _mm256_set1_pd(ca), q = _mm256_set1_pd(cb);                                         \
+    __m256d sign = _mm256_set1_pd(-0.0), expo = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7ff0000000000000LL)); \
+    __m256d lo = _mm256_set1_pd(EMIN), hi = _mm256_set1_pd(EMAX), scale = _mm256_set1_pd(P)
 
 AVX2_F16C static void
 scaled_add_f16_avx2(uint16_t *dst, const uint16_t *a, const uint16_t *b, Py_ssize_t n, double ca, double cb)
 {
-    __m256d p = _mm256_set1_pd(ca), q = _mm256_set1_pd(cb);
+    AVX2_ROUND16_SETUP(0x1p-14, 0x1p15, 0x1p42);
     Py_ssize_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m128i lo = odd_f32_avx2(AVX2_COMBINE4(AVX2_F16, 0)), hi = odd_f32_avx2(AVX2_COMBINE4(AVX2_F16, 4));
-        __m256 f = _mm256_set_m128(_mm_castsi128_ps(hi), _mm_castsi128_ps(lo));
+        __m256d x0 = AVX2_COMBINE4(AVX2_F16, 0), x1 = AVX2_COMBINE4(AVX2_F16, 4);
+        ROUND16_AVX2(x0, lo, hi, scale, sign);
+        ROUND16_AVX2(x1, lo, hi, scale, sign);
+        __m256 f = _mm256_set_m128(_mm256_cvtpd_ps(x1), _mm256_cvtpd_ps(x0));
         _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }
     scaled_add_f16_portable(dst + i, a + i, b + i, n - i, ca, cb);
@@ -354,11 +350,15 @@ scaled_add_f16_avx2(uint16_t *dst, const uint16_t *a, const uint16_t *b, Py_ssiz
 AVX2 static void
 scaled_add_bf16_avx2(uint16_t *dst, const uint16_t *a, const uint16_t *b, Py_ssize_t n, double ca, double cb)
 {
-    __m256d p = _mm256_set1_pd(ca), q = _mm256_set1_pd(cb);
+    AVX2_ROUND16_SETUP(0x1p-126, 0x1p127, 0x1p45);
     Py_ssize_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m128i lo = odd_f32_avx2(AVX2_COMBINE4(AVX2_BF16, 0)), hi = odd_f32_avx2(AVX2_COMBINE4(AVX2_BF16, 4));
-        _mm_storeu_si128((__m128i *)(dst + i), _mm_packus_epi32(bf16_of_f32_bits(lo), bf16_of_f32_bits(hi)));
+        __m256d x0 = AVX2_COMBINE4(AVX2_BF16, 0), x1 = AVX2_COMBINE4(AVX2_BF16, 4);
+        ROUND16_AVX2(x0, lo, hi, scale, sign);
+        ROUND16_AVX2(x1, lo, hi, scale, sign);
+        __m128i u0 = _mm_srli_epi32(_mm_castps_si128(_mm256_cvtpd_ps(x0)), 16);
+        __m128i u1 = _mm_srli_epi32(_mm_castps_si128(_mm256_cvtpd_ps(x1)), 16);
+        _mm_storeu_si128((__m128i *)(dst + i), _mm_packus_epi32(u0, u1));
     }
     scaled_add_bf16_portable(dst + i, a + i, b + i, n - i, ca, cb);
 }
@@ -383,26 +383,31 @@ DEFINE_DOTS_AVX512(AVX512_16, uint16_t, bf16, LOAD_BF16_AS_F64_512, _mm512_fmadd
 DEFINE_SCALED_ADD(AVX512, avx512, 8, __m512d, _mm512_set1_pd, _mm512_cvtps_pd, _mm256_loadu_ps, _mm512_cvtpd_ps,
                   _mm256_storeu_ps, _mm512_loadu_pd, _mm512_storeu_pd, _mm512_mul_pd, _mm512_add_pd)
 
-/* Eight doubles rounded to float32 to odd, as integer bits: truncated, then the last bit set if inexact. */
-AVX512_16 static inline __m256i
-odd_f32_avx512(__m512d x)
-{
-    __m256 f = _mm512_cvt_roundpd_ps(x, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-    __mmask8 cut = _mm512_cmp_pd_mask(_mm512_cvtps_pd(f), x, _CMP_NEQ_OQ);
-    __m256i ones = _mm512_cvtepi64_epi32(_mm512_maskz_set1_epi64(cut, 1));
-    return _mm256_or_si256(_mm256_castps_si256(f), ones);
-}
-
+#define ROUND16_AVX512(x, lo, hi, scale, sign)                                                        \
+    do {                                                                                            \
+        __m512d s_ = _mm512_castsi512_pd(_mm512_and_si512(_mm512_castpd_si512(x), sign));            \
+        __m512d e_ = _mm512_castsi512_pd(_mm512_and_si512(_mm512_castpd_si512(x), expo));            \
+        __m512d c_ = _mm512_mul_pd(_mm512_min_pd(_mm512_max_pd(e_, lo), hi), scale);                \
+        c_ = _mm512_castsi512_pd(_mm512_or_si512(_mm512_castpd_si512(c_), _mm512_castpd_si512(s_))); \
+        x = _mm512_sub_pd(_mm512_add_pd(x, c_), c_);                                                \
+        x = _mm512_castsi512_pd(_mm512_or_si512(_mm512_castpd_si512(x), _mm512_castpd_si512(s_)));   \
+    } while (0)
+#define AVX512_ROUND16_SETUP(EMIN, EMAX, P)                                                           \
+    __m512d p = _mm512_set1_pd(ca), q = _mm512_set1_pd(cb);                                         \
+    __m512i sign = _mm512_set1_epi64((long long)0x8000000000000000ULL), expo = _mm512_set1_epi64(0x7ff0000000000000LL); \
+    __m512d lo = _mm512_set1_pd(EMIN), hi = _mm512_set1_pd(EMAX), scale = _mm512_set1_pd(P)
 #define AVX512_COMBINE8(LOAD) _mm512_add_pd(_mm512_mul_pd(p, LOAD(a + i)), _mm512_mul_pd(q, LOAD(b + i)))
 
 AVX512_16 static void
 scaled_add_f16_avx512(uint16_t *dst, const uint16_t *a, const uint16_t *b, Py_ssize_t n, double ca, double cb)
 {
-    __m512d p = _mm512_set1_pd(ca), q = _mm512_set1_pd(cb);
+    AVX512_ROUND16_SETUP(0x1p-14, 0x1p15, 0x1p42);
     Py_ssize_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256 f = _mm256_castsi256_ps(odd_f32_avx512(AVX512_COMBINE8(LOAD_F16_AS_F64_512)));
-        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        __m512d x = AVX512_COMBINE8(LOAD_F16_AS_F64_512);
+        ROUND16_AVX512(x, lo, hi, scale, sign);
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtps_ph(_mm512_cvtpd_ps(x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }
     scaled_add_f16_portable(dst + i, a + i, b + i, n - i, ca, cb);
 }
@@ -410,12 +415,14 @@ scaled_add_f16_avx512(uint16_t *dst, const uint16_t *a, const uint16_t *b, Py_ss
 AVX512_16 static void
 scaled_add_bf16_avx512(uint16_t *dst, const uint16_t *a, const uint16_t *b, Py_ssize_t n, double ca, double cb)
 {
-    __m512d p = _mm512_set1_pd(ca), q = _mm512_set1_pd(cb);
+    AVX512_ROUND16_SETUP(0x1p-126, 0x1p127, 0x1p45);
     Py_ssize_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256i u = odd_f32_avx512(AVX512_COMBINE8(LOAD_BF16_AS_F64_512));
-        __m128i lo = bf16_of_f32_bits(_mm256_castsi256_si128(u)), hi = bf16_of_f32_bits(_mm256_extracti128_si256(u, 1));
-        _mm_storeu_si128((__m128i *)(dst + i), _mm_packus_epi32(lo, hi));
+        __m512d x = AVX512_COMBINE8(LOAD_BF16_AS_F64_512);
+        ROUND16_AVX512(x, lo, hi, scale, sign);
+        __m256i u = _mm256_srli_epi32(_mm256_castps_si256(_mm512_cvtpd_ps(x)), 16);
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
     }
     scaled_add_bf16_portable(dst + i, a + i, b + i, n - i, ca, cb);
 }
