@@ -326,11 +326,33 @@ DEFINE_SCALED_ADD(AVX2, avx2, 4, __m256d, _mm256_set1_pd, _mm256_cvtps_pd, _mm_l
     } while (0)
 
 /* 16-bit combine, eight elements a step: two registers of four doubles. */
-#define AVX2_COMBINE4(LOAD, k) _mm256_add_pd(_mm256_mul_pd(p, LOAD(a + i + (k))), _mm256_mul_pd(q, LOAD(b + i + (k))))
 #define AVX2_ROUND16_SETUP(EMIN, EMAX, P)                                                             \
     __m256d p = _mm256_set1_pd(ca), q = _mm256_set1_pd(cb);                                         \
     __m256d sign = _mm256_set1_pd(-0.0), expo = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7ff0000000000000LL)); \
     __m256d lo = _mm256_set1_pd(EMIN), hi = _mm256_set1_pd(EMAX), scale = _mm256_set1_pd(P)
+
+/* Eight 16-bit elements as two registers of four doubles: float16 through F16C, bfloat16 shifted. */
+#define WIDEN8_F16(p, lo, hi)                                                                         \
+    do {                                                                                            \
+        __m256 f_ = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)));                         \
+        lo = _mm256_cvtps_pd(_mm256_castps256_ps128(f_));                                           \
+        hi = _mm256_cvtps_pd(_mm256_extractf128_ps(f_, 1));                                         \
+    } while (0)
+#define WIDEN8_BF16(p, lo, hi)                                                                        \
+    do {                                                                                            \
+        __m256 f_ = _mm256_castsi256_ps(                                                            \
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16));   \
+        lo = _mm256_cvtps_pd(_mm256_castps256_ps128(f_));                                           \
+        hi = _mm256_cvtps_pd(_mm256_extractf128_ps(f_, 1));                                         \
+    } while (0)
+#define AVX2_COMBINE8(WIDEN, x0, x1)                                                                  \
+    do {                                                                                            \
+        __m256d a0_, a1_, b0_, b1_;                                                                 \
+        WIDEN(a + i, a0_, a1_);                                                                     \
+        WIDEN(b + i, b0_, b1_);                                                                     \
+        x0 = _mm256_add_pd(_mm256_mul_pd(p, a0_), _mm256_mul_pd(q, b0_));                           \
+        x1 = _mm256_add_pd(_mm256_mul_pd(p, a1_), _mm256_mul_pd(q, b1_));                           \
+    } while (0)
 
 AVX2_F16C static void
 scaled_add_f16_avx2(uint16_t *dst, const uint16_t *a, const uint16_t *b, Py_ssize_t n, double ca, double cb)
@@ -338,7 +360,8 @@ scaled_add_f16_avx2(uint16_t *dst, const uint16_t *a, const uint16_t *b, Py_ssiz
     AVX2_ROUND16_SETUP(0x1p-14, 0x1p15, 0x1p42);
     Py_ssize_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256d x0 = AVX2_COMBINE4(AVX2_F16, 0), x1 = AVX2_COMBINE4(AVX2_F16, 4);
+        __m256d x0, x1;
+        AVX2_COMBINE8(WIDEN8_F16, x0, x1);
         ROUND16_AVX2(x0, lo, hi, scale, sign);
         ROUND16_AVX2(x1, lo, hi, scale, sign);
         __m256 f = _mm256_set_m128(_mm256_cvtpd_ps(x1), _mm256_cvtpd_ps(x0));
@@ -353,7 +376,8 @@ scaled_add_bf16_avx2(uint16_t *dst, const uint16_t *a, const uint16_t *b, Py_ssi
     AVX2_ROUND16_SETUP(0x1p-126, 0x1p127, 0x1p45);
     Py_ssize_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256d x0 = AVX2_COMBINE4(AVX2_BF16, 0), x1 = AVX2_COMBINE4(AVX2_BF16, 4);
+        __m256d x0, x1;
+        AVX2_COMBINE8(WIDEN8_BF16, x0, x1);
         ROUND16_AVX2(x0, lo, hi, scale, sign);
         ROUND16_AVX2(x1, lo, hi, scale, sign);
         __m128i u0 = _mm_srli_epi32(_mm_castps_si128(_mm256_cvtpd_ps(x0)), 16);
