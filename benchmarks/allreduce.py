@@ -11,6 +11,12 @@ repeat runs every method once, in a rotating order, between barriers; a method's
 that of its slowest rank, and the table shows the median over repeats. ``raw`` is ``comm.Allreduce(SUM)``
 in place on one contiguous buffer of the same bytes: the strongest baseline, with no per-layer work at all.
 Ratios are to ``raw`` of the same repeat. Bytes sent per rank are counted by ``adasum.count_traffic``.
+
+``--dtypes float32,bfloat16,float16`` adds a dtype axis: the same values, as many elements as the size
+holds in float32 (so a 16-bit call moves half the bytes), reduced in each dtype in the same rounds, named
+``adasum-bfloat16`` and so on (bfloat16 needs ``--kind torch``); ``x/float32`` is then the median
+per-repeat ratio of a dtype's time to the float32 call's. ``--equal-layers N`` uses N layers of equal size
+instead of the ten uneven ones.
 """
 
 from __future__ import annotations
@@ -38,9 +44,12 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
-def layer_sizes(nbytes: int, itemsize: int = 4) -> list[int]:
-    n = max(len(WEIGHTS), nbytes // itemsize)
-    sizes = np.floor(WEIGHTS / WEIGHTS.sum() * n).astype(int)
+def layer_sizes(nbytes: int, itemsize: int = 4, equal: int = 0) -> list[int]:
+    """Elements per layer of a model of ``nbytes`` (in elements of ``itemsize``): ten layers in proportion
+    1, 2, 3, 5, …, 89, or ``equal`` layers of one size."""
+    weights = WEIGHTS if not equal else np.ones(equal)
+    n = max(len(weights), nbytes // itemsize)
+    sizes = np.floor(weights / weights.sum() * n).astype(int)
     sizes[-1] += n - sizes.sum()
     return sizes.tolist()
 
@@ -68,11 +77,23 @@ PAGES = ("default", "small", "huge")  # --pages, here and in benchmarks/schedule
 HUGE_PAGE = 2 << 20
 
 
-def _methods(comm, ops, hierarchical):
+def _methods(comm, ops, hierarchical, dtypes=("float32",)):
     names = ["raw"] + [f"{op}" for op in ops]
     if hierarchical:
         names.append("adasum-hier")
+    names += [f"{op}-{d}" for d in dtypes if d != "float32" for op in ops]
     return names
+
+
+def _as(values, kind: str, dtype: str):
+    """A copy of float32 ``values`` (numpy) in ``dtype``, of ``kind``."""
+    if kind == "torch":
+        import torch
+
+        return torch.from_numpy(values).to(getattr(torch, dtype))
+    if dtype == "bfloat16":
+        raise SystemExit("bfloat16 needs --kind torch (numpy has no bfloat16)")
+    return values.astype(dtype)
 
 
 def time_rounds(comm, names, call, refill, repeats: int, warmup: int, sync=lambda: None) -> dict:
@@ -96,14 +117,15 @@ def time_rounds(comm, names, call, refill, repeats: int, warmup: int, sync=lambd
     return times
 
 
-def model(rank: int, nbytes: int, layout: str, pages: str = "default", kind: str = "numpy"):
+def model(rank: int, nbytes: int, layout: str, pages: str = "default", kind: str = "numpy", equal: int = 0):
     """A rank's ten-layer float32 data of ``nbytes``: ``(layers, flat, work, refill)``. ``layers`` keeps
     the values, ``flat`` is the raw allreduce's buffer, ``work`` the tensors Adasum reduces (separate
     arrays or views of one buffer), and ``refill()`` restores both before a timed call, so that values
     stay in range whatever the ops did to them. ``kind="torch"``: ``work`` and ``flat`` are CPU tensors
-    in torch's own memory (``flat`` is handed to MPI as a numpy view of it; ``pages`` does not apply)."""
+    in torch's own memory (``flat`` is handed to MPI as a numpy view of it; ``pages`` does not apply).
+    ``equal``: that many layers of one size."""
     rng = np.random.default_rng(rank)
-    sizes = layer_sizes(nbytes)
+    sizes = layer_sizes(nbytes, equal=equal)
     layers = [rng.standard_normal(n).astype(np.float32) for n in sizes]
     if kind == "torch":
         import torch
@@ -132,14 +154,28 @@ def model(rank: int, nbytes: int, layout: str, pages: str = "default", kind: str
 
 
 def run(comm, nbytes: int, ops, repeats: int, warmup: int, hierarchical: bool, layout: str,
-        pages: str = "default", kind: str = "numpy") -> dict:
+        pages: str = "default", kind: str = "numpy", dtypes=("float32",), equal: int = 0) -> dict:
     size = comm.Get_size()
-    layers, flat, work, refill = model(comm.Get_rank(), nbytes, layout, pages, kind)
+    layers, flat, work, refill_float32 = model(comm.Get_rank(), nbytes, layout, pages, kind, equal)
     sizes = [x.size for x in layers]
-    names = _methods(comm, ops, hierarchical)
+    names = _methods(comm, ops, hierarchical, dtypes)
+    # the other dtypes: the same values, separate tensors (refilled from their own first copy)
+    typed = {d: [_as(x, kind, d) for x in layers] for d in dtypes if d != "float32"}
+    kept = {d: [_as(x, kind, d) for x in layers] for d in typed}
+
+    def refill(name=None):
+        d = (name or "").rsplit("-", 1)[-1]
+        if d in typed:
+            for w, x in zip(typed[d], kept[d]):
+                w[...] = x
+        else:
+            refill_float32(name)
 
     def call(name):
-        if name == "raw":
+        d = name.rsplit("-", 1)[-1]
+        if d in typed:
+            adasum.adasum_allreduce_inplace(typed[d], op=name.rsplit("-", 1)[0], comm=comm)
+        elif name == "raw":
             comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
         elif name == "adasum-hier":
             adasum.adasum_allreduce_inplace(work, op="adasum", comm=comm, hierarchical=True)
@@ -157,7 +193,7 @@ def run(comm, nbytes: int, ops, repeats: int, warmup: int, hierarchical: bool, l
     times = time_rounds(comm, names, call, refill, repeats, warmup)
     total = int(sum(sizes)) * 4
     raw = np.array(times["raw"])
-    out = {"bytes": total, "world_size": size, "layers": len(sizes), "results": {}}
+    out = {"bytes": total, "world_size": size, "layers": len(sizes), "dtypes": list(dtypes), "results": {}}
     for name in names:
         t = np.array(times[name])
         med = float(np.median(t))
@@ -171,6 +207,9 @@ def run(comm, nbytes: int, ops, repeats: int, warmup: int, hierarchical: bool, l
         }
         if name == "adasum-hier" and "adasum" in times:
             out["results"][name]["ratio_to_adasum"] = float(np.median(t / np.array(times["adasum"])))
+        op, _, d = name.rpartition("-")
+        if d in typed and op in times:  # the same op in float32, in the same rounds
+            out["results"][name]["ratio_to_float32"] = float(np.median(t / np.array(times[op])))
     return out
 
 
@@ -189,6 +228,11 @@ def main(argv=None) -> int:
     ap.add_argument("--kind", choices=["numpy", "torch"], default="numpy",
                     help="numpy arrays, or torch CPU tensors (the layers and the raw allreduce's buffer in "
                          "torch's memory; --pages does not apply)")
+    ap.add_argument("--dtypes", default="float32",
+                    help="dtypes of the same values to time, comma-separated (float32, bfloat16, float16): as "
+                         "many elements as the size holds in float32")
+    ap.add_argument("--equal-layers", type=int, default=0, metavar="N",
+                    help="N layers of equal size instead of the ten uneven ones")
     ap.add_argument("--repeats", type=int, default=0, help="repeats per size (default: by size)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", help="write the results to this JSON file (rank 0)")
@@ -201,7 +245,9 @@ def main(argv=None) -> int:
     for s in args.sizes.split(","):
         nbytes = parse_size(s)
         repeats = args.repeats or int(np.clip(2e8 / max(nbytes, 1), 7, 51))
-        res = run(comm, nbytes, ops, repeats, args.warmup, args.hierarchical, args.layout, args.pages, args.kind)
+        dtypes = tuple(d for d in args.dtypes.split(",") if d)
+        res = run(comm, nbytes, ops, repeats, args.warmup, args.hierarchical, args.layout, args.pages, args.kind,
+                  dtypes, args.equal_layers)
         res["layout"], res["pages"], res["kind"] = args.layout, args.pages, args.kind
         res["repeats"] = repeats
         results.append(res)
@@ -243,6 +289,9 @@ def _print_row(res, first: bool) -> None:
         f"{r[n]['median_s'] * 1e3:>12.3f}" for n in names) + " " + " ".join(
         f"{r[n]['ratio_to_raw']:>12.2f}" for n in names if n != "raw")
     print(line, flush=True)
+    for n in names:
+        if "ratio_to_float32" in r[n]:
+            print(f"{'':>14} {n}/float32: {r[n]['ratio_to_float32']:.2f}", flush=True)
 
 
 def _human(n: int) -> str:

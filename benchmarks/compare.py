@@ -10,8 +10,15 @@ so it runs as it is) and imported next to this checkout's. Every repeat times, b
 order that alternates, ``comm.Allreduce`` on one buffer of the same bytes (``raw``), the base version, the
 base version once more under a second name (the same code twice: what the ratio of two identical
 contenders spreads by is the noise of the measurement), and this checkout: in-place Adasum of a float32
-model of ten layers (sizes in proportion 1, 2, 3, 5, …, 89). A contender's time for a repeat is its
-slowest rank's. The table shows medians over repeats of per-repeat ratios.
+model of ten layers (sizes in proportion 1, 2, 3, 5, …, 89; ``--equal-layers N``: N layers of one size).
+A contender's time for a repeat is its slowest rank's. The table shows medians over repeats of per-repeat
+ratios.
+
+``--dtypes float32,bfloat16,float16`` times every contender on the same values in each dtype (as many
+elements as the size holds in float32), all in the same repeats; ``/f32`` is then the median ratio of a
+version's time in that dtype to its own float32 time in the same repeat. ``--kind torch`` reduces torch CPU
+tensors (bfloat16 needs it) instead of numpy arrays. The milliseconds shown are medians of the slowest
+rank's time.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's adasum first
 
 import adasum  # noqa: E402
-from allreduce import layer_sizes, parse_size  # noqa: E402
+from allreduce import _as, layer_sizes, parse_size  # noqa: E402
 
 
 def _import_copy(src: Path, name: str, where: str):
@@ -40,9 +47,9 @@ def _import_copy(src: Path, name: str, where: str):
     return __import__(name)
 
 
-def _layers(nbytes: int, seed: int, rank: int) -> list[np.ndarray]:
+def _layers(nbytes: int, seed: int, rank: int, equal: int = 0, kind: str = "numpy", dtype: str = "float32"):
     rng = np.random.default_rng([seed, rank])
-    return [rng.standard_normal(n).astype(np.float32) for n in layer_sizes(nbytes)]
+    return [_as(rng.standard_normal(n).astype(np.float32), kind, dtype) for n in layer_sizes(nbytes, equal=equal)]
 
 
 def main() -> None:
@@ -50,7 +57,11 @@ def main() -> None:
     ap.add_argument("--base", required=True, help="checkout of the version to compare with (extension built)")
     ap.add_argument("--sizes", default="64KiB,2MiB,16MiB,64MiB")
     ap.add_argument("--seconds", type=float, default=6.0, help="about how long to spend per size")
+    ap.add_argument("--dtypes", default="float32", help="dtypes to time, comma-separated (float32 first)")
+    ap.add_argument("--kind", choices=["numpy", "torch"], default="numpy")
+    ap.add_argument("--equal-layers", type=int, default=0, metavar="N")
     args = ap.parse_args()
+    dtypes = [d for d in args.dtypes.split(",") if d]
     comm = MPI.COMM_WORLD
     where = tempfile.mkdtemp(prefix="adasum-compare-")  # each rank its own copies
     src = Path(args.base) / "adasum"
@@ -58,12 +69,12 @@ def main() -> None:
     rows = []
     for text in args.sizes.split(","):
         nbytes = parse_size(text)
-        data = {k: _layers(nbytes, 1, comm.Get_rank()) for k in ("base", "twin", "new")}
-        raw = np.zeros(sum(x.size for x in data["new"]), np.float32)
-        fns = {"raw": lambda: comm.Allreduce(MPI.IN_PLACE, raw, op=MPI.SUM),
-               "base": lambda: base.adasum_allreduce_inplace(data["base"]),
-               "twin": lambda: twin.adasum_allreduce_inplace(data["twin"]),
-               "new": lambda: adasum.adasum_allreduce_inplace(data["new"])}
+        raw = np.zeros(sum(layer_sizes(nbytes, equal=args.equal_layers)), np.float32)
+        fns = {"raw": lambda: comm.Allreduce(MPI.IN_PLACE, raw, op=MPI.SUM)}
+        for d in dtypes:
+            for k, lib in (("base", base), ("twin", twin), ("new", adasum)):
+                data = _layers(nbytes, 1, comm.Get_rank(), args.equal_layers, args.kind, d)
+                fns[k, d] = lambda lib=lib, data=data: lib.adasum_allreduce_inplace(data)
         for f in fns.values():
             f()
             f()
@@ -81,14 +92,23 @@ def main() -> None:
                 fns[k]()
                 times[k].append(comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
         t = {k: np.array(v) for k, v in times.items()}
-        rows.append((text, repeats, *(float(np.median(a / b)) for a, b in
-                                      ((t["base"], t["raw"]), (t["new"], t["raw"]), (t["new"], t["base"]),
-                                       (t["twin"], t["base"])))))
+
+        def ratio(a, b):
+            return float(np.median(t[a] / t[b]))
+
+        f32 = dtypes[0]
+        for d in dtypes:
+            rows.append((text, d, repeats, 1e3 * float(np.median(t["base", d])), 1e3 * float(np.median(t["new", d])),
+                         ratio(("base", d), "raw"), ratio(("new", d), "raw"), ratio(("new", d), ("base", d)),
+                         ratio(("twin", d), ("base", d)), ratio(("base", d), ("base", f32)),
+                         ratio(("new", d), ("new", f32))))
     if comm.Get_rank() == 0:
-        print(f"P = {comm.Get_size()}; medians of per-repeat ratios; base: {args.base}")
-        print(f"{'size':>8} {'repeats':>8} {'base/raw':>9} {'new/raw':>8} {'new/base':>9} {'twin/base':>10}")
-        for text, repeats, a, b, c, d in rows:
-            print(f"{text:>8} {repeats:>8} {a:9.2f} {b:8.2f} {c:9.2f} {d:10.2f}")
+        print(f"P = {comm.Get_size()}; {args.kind}; medians of per-repeat ratios; base: {args.base}")
+        print(f"{'size':>8} {'dtype':>9} {'repeats':>8} {'base ms':>8} {'new ms':>8} {'base/raw':>9} {'new/raw':>8} "
+              f"{'new/base':>9} {'twin/base':>10} {'base/f32':>9} {'new/f32':>8}")
+        for text, d, repeats, bms, nms, a, b, c, tw, bf, nf in rows:
+            print(f"{text:>8} {d:>9} {repeats:>8} {bms:8.2f} {nms:8.2f} {a:9.2f} {b:8.2f} {c:9.2f} {tw:10.2f} "
+                  f"{bf:9.2f} {nf:8.2f}")
     shutil.rmtree(where, ignore_errors=True)
 
 

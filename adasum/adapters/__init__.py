@@ -28,7 +28,7 @@ __all__ = ["Adapter", "Adapters", "CopyStream", "CupyAdapter", "NumpyAdapter", "
 
 
 def kernels_backend() -> str:
-    """``"c"`` when host float32/float64 buffers go through the compiled kernels under the current
+    """``"c"`` when host float buffers go through the compiled kernels under the current
     settings, else ``"numpy"``.
 
     The environment variable ``ADASUM_KERNELS=numpy`` (or :func:`set_kernels_backend`) selects the numpy

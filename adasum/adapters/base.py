@@ -5,6 +5,7 @@ implement it."""
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Sequence
 
 import numpy as np
@@ -15,7 +16,8 @@ from ..kernels.native import compiled as _c_kernels  # None where the install co
 
 
 def use_c(s: _settings.Settings) -> bool:
-    """Whether host float32/float64 buffers go through the compiled kernels under the settings ``s``."""
+    """Whether host float buffers (float32, float64, float16, bfloat16) go through the compiled kernels under
+    the settings ``s``."""
     return _c_kernels is not None and s.kernels == "c"
 
 
@@ -126,7 +128,7 @@ class Adapter:
         raise NotImplementedError
 
     def numpy_dtype(self, buf) -> np.dtype:
-        """The numpy dtype of a buffer's elements (never a 16-bit float: those are reduced as float32)."""
+        """The numpy dtype of a buffer's elements (never a 16-bit float: those are summed as float32)."""
         raise NotImplementedError
 
     def astype(self, buf, dtype: str):
@@ -295,8 +297,16 @@ def _dtype_name(dtype) -> str:
 
 
 def _host(x):
-    """A CPU operand for the numpy adapter: a tensor's memory as numpy, or a list of numpy pieces."""
-    return x if type(x) is list else x.numpy()
+    """A CPU operand for the numpy adapter: a tensor's memory as numpy (a bfloat16 tensor's as its uint16
+    bits, which the kernels take for bfloat16), or a list of numpy pieces."""
+    if type(x) is list or type(x) is np.ndarray:
+        return x
+    if x.dtype is sys.modules["torch"].bfloat16:
+        return x.view(sys.modules["torch"].uint16).numpy()
+    return x.numpy()
+
+
+host_numpy = _host
 
 
 def nonempty(tensors, layers):

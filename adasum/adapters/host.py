@@ -1,11 +1,14 @@
-"""numpy arrays: the host adapter, whose float32/float64 work goes through the compiled kernels (or the
-numpy kernels below, which do the same operations), and the base of the cupy adapter."""
+"""numpy arrays: the host adapter, whose float work goes through the compiled kernels (or the numpy kernels
+below, which do the same operations), and the base of the cupy adapter. float16 arrays are computed on as
+they are, bfloat16 ones (torch's, on the CPU) as their uint16 bits: widened to float64 as they are read,
+the combine rounded once to the 16-bit type."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ..rule.combine import extend_range, dtype_of
+from ..rule.sixteen import SIXTEEN, narrow, widen
 from ..kernels.native import compiled as _c_kernels  # None where the install could not build them
 from .base import BLOCK, Adapter, _dtype_name, nonempty, use_c
 
@@ -55,7 +58,7 @@ class NumpyAdapter(_NumpyLike):
         return np.empty(n, dtype=dtype)
 
     def pack(self, tensors, buf, bounds, spans=None):
-        if spans is not None and _c_kernels is not None and buf.dtype.char in "fd":
+        if spans is not None and _c_kernels is not None and buf.dtype.char in _KERNEL_TYPES:
             try:  # one memcpy per tensor; raises for a non-contiguous tensor
                 _c_kernels.copy(buf, nonempty(tensors, spans[0]), spans[2])
                 return
@@ -65,7 +68,7 @@ class NumpyAdapter(_NumpyLike):
         np.concatenate([t.reshape(-1) for t in tensors], out=buf)
 
     def write_back(self, tensors, buf, bounds, spans=None):
-        if spans is not None and _c_kernels is not None and buf.dtype.char in "fd":
+        if spans is not None and _c_kernels is not None and buf.dtype.char in _KERNEL_TYPES:
             try:
                 _c_kernels.copy(nonempty(tensors, spans[0]), buf, spans[2])
                 return
@@ -117,7 +120,7 @@ class NumpyAdapter(_NumpyLike):
         return buf
 
     def _compiled(self, *operands) -> bool:
-        return use_c(self.settings) and all(type(x) is list or (x.dtype.char in "fd" and x.flags.c_contiguous)
+        return use_c(self.settings) and all(type(x) is list or (x.dtype.char in _KERNEL_TYPES and x.flags.c_contiguous)
                               for x in operands)
 
     def partial_dots(self, a, b, pieces):
@@ -138,8 +141,9 @@ class NumpyAdapter(_NumpyLike):
         if dst is b:
             a, b = b, a  # compute into b's memory: the sum is symmetric in its two terms
             ca, cb = cb, ca
-        wide = _WIDER.get(a.dtype.char)
-        _numpy_scaled_add(a, b, pieces, ca, cb, None if wide is None else self._block_scratch(wide, wide))
+        wide = a.dtype != np.float64
+        _numpy_scaled_add(a, b, pieces, ca, cb, self._block_scratch("wide64", np.float64) if wide else None,
+                          "bfloat16" if a.dtype == np.uint16 else None)
         if dst is not a:
             dst[...] = a
 
@@ -150,7 +154,7 @@ class NumpyAdapter(_NumpyLike):
         super().pair(left, right, dst, pieces, span_array, count_left, count_right)
 
     def direct_parts(self, tensors, dtype, contiguous=False):
-        if not use_c(self.settings) or dtype not in ("float32", "float64"):
+        if not use_c(self.settings) or dtype not in _DIRECT_DTYPES:
             return None
         if not contiguous and not all(t.flags.c_contiguous for t in tensors):
             return None
@@ -171,6 +175,12 @@ class NumpyAdapter(_NumpyLike):
     def from_host(self, host, buf):
         buf.view(np.uint8)[...] = host
 
+
+
+# Element types of the compiled kernels (numpy's type characters): float32, float64, float16, and uint16,
+# the bits of bfloat16 (only torch's bfloat16 tensors reach the kernels as uint16).
+_KERNEL_TYPES = "fdeH"
+_DIRECT_DTYPES = ("float32", "float64", *SIXTEEN)
 
 
 def _numpy_root(t):
@@ -210,9 +220,7 @@ def _numpy_dots_into(out, a, b, pieces, native, gram_scratch) -> None:
             x, y = a[bs:be], b[bs:be]
         else:
             m = gram_scratch[:, :be - bs]
-            m[0] = a[bs:be]
-            m[1] = b[bs:be]
-            x, y = m[0], m[1]
+            x, y = widen(a[bs:be], m[0]), widen(b[bs:be], m[1])
         if cuts is not None:
             i1 = i0 + len(cuts)
             out[i0:i1, 0] += np.add.reduceat(x * y, cuts)
@@ -222,20 +230,16 @@ def _numpy_dots_into(out, a, b, pieces, native, gram_scratch) -> None:
             out[i0] += (np.dot(x, y), np.dot(x, x), np.dot(y, y))
 
 
-# The dtype that scaled_add computes a dtype's combine in: float32 as the compiled kernel does (in float64,
-# rounded once), float16 in float32.
-_WIDER = {"f": "float64", "e": "float32"}
-
-
-def _numpy_scaled_add(a, b, pieces, ca, cb, wide_scratch) -> None:
-    """``a ← ca·a + cb·b`` per piece, computed in ``wide_scratch``'s dtype block by block (None: in the
-    array's own, float64)."""
+def _numpy_scaled_add(a, b, pieces, ca, cb, wide_scratch, bits_of=None) -> None:
+    """``a ← ca·a + cb·b`` per piece, computed in float64 block by block (in ``wide_scratch`` for narrower
+    types; None: float64 data) and rounded once to the type, as the compiled kernel does. ``bits_of``:
+    the dtype whose bits a uint16 ``a`` holds (bfloat16)."""
     wide = wide_scratch is not None
     for bs, be, i0, cuts in _numpy_blocks(len(a), pieces):
         if wide:
             x, y = wide_scratch[0, :be - bs], wide_scratch[1, :be - bs]
-            x[...] = a[bs:be]
-            y[...] = b[bs:be]
+            widen(a[bs:be], x)
+            widen(b[bs:be], y)
         else:
             x, y = a[bs:be], b[bs:be]
         if cuts is None:
@@ -249,7 +253,10 @@ def _numpy_scaled_add(a, b, pieces, ca, cb, wide_scratch) -> None:
         np.multiply(x, p, out=x, casting="unsafe")
         np.multiply(y, q, out=y, casting="unsafe")
         np.add(x, y, out=x)
-        if wide:
-            a[bs:be] = x
+        if bits_of is not None:
+            narrow(x, bits_of, out=a[bs:be])
+        elif wide:
+            with np.errstate(over="ignore"):
+                a[bs:be] = x
 
 

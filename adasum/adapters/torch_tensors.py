@@ -109,9 +109,10 @@ class TorchAdapter(Adapter):
         return BLOCK if like.device.type == "cpu" else DEVICE_BLOCK
 
     def _numpy_path(self, x) -> bool:
-        """Whether an operand is computed on by the numpy adapter: host memory of a dtype numpy has (lists
-        are flat numpy views of the caller's CPU tensors, from :meth:`direct_parts`)."""
-        return type(x) is list or (x.device.type == "cpu" and x.dtype != self.torch.bfloat16)
+        """Whether an operand is computed on by the numpy adapter (and so by the compiled kernels): host
+        memory, bfloat16 as its uint16 bits (lists are flat numpy views of the caller's CPU tensors, from
+        :meth:`direct_parts`)."""
+        return type(x) is list or x.device.type == "cpu"
 
     def layout(self, tensors, indices, rank):
         views = self._host_views(tensors)
@@ -124,9 +125,10 @@ class TorchAdapter(Adapter):
         return None if views is None else self._numpy.direct_parts(views, dtype, contiguous=True)
 
     def _host_views(self, tensors):
-        """numpy views of CPU float32/float64 tensors (their own memory), else None."""
+        """numpy views of CPU float tensors (their own memory; bfloat16 as its uint16 bits), else None."""
         torch = self.torch
-        if not tensors or tensors[0].device.type != "cpu" or tensors[0].dtype not in (torch.float32, torch.float64):
+        if not tensors or tensors[0].device.type != "cpu" or tensors[0].dtype not in (
+                torch.float32, torch.float64, torch.float16, torch.bfloat16):
             return None
         return self.host_views(tensors)
 
@@ -143,7 +145,7 @@ class TorchAdapter(Adapter):
                     break
             else:
                 return kept[1]
-        views = [t.detach().numpy() for t in tensors]
+        views = [_host(t.detach()) for t in tensors]
         entry = [None, views]  # [(weak reference, address, shape) per tensor, views]
 
         def forget(_, key=key):  # a tensor is gone: its views must not keep its memory alive

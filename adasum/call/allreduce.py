@@ -18,6 +18,7 @@ from mpi4py import MPI
 from ..runtime import stall
 from .agreement import agree, explain
 from ..adapters import array_kind
+from ..adapters.base import host_numpy
 from ..runtime.context import Context, context_for
 from ..schedules.doubling import adasum_reduce_doubling
 from .fusion import Operand, Placement, TensorLayout
@@ -228,8 +229,8 @@ def _layout(where: int | None) -> TensorLayout | None:
 
 
 def _small_adasum(ctx: Context, s: Settings, items: list, inplace: bool, extras: dict):
-    """Adasum of a doubling call on contiguous float32/float64 host arrays (numpy, or torch CPU tensors
-    through numpy views of their memory) as one compiled call (:class:`~adasum.schedules.doubling.SmallCall`): the
+    """Adasum of a doubling call on contiguous float host arrays (numpy, or torch CPU tensors through numpy
+    views of their memory, bfloat16 as its uint16 bits) as one compiled call (:class:`~adasum.schedules.doubling.SmallCall`): the
     same collective, messages and kernels as the general path, so ranks may take either. Returns
     ``(result, plan)``: the result None when the call is not one of those (or some check fails: the general
     path then reports it), with the call's kept plan if it found one."""
@@ -252,7 +253,7 @@ def _small_adasum(ctx: Context, s: Settings, items: list, inplace: bool, extras:
     if where == TensorLayout.OVERLAPPING:
         return None, plan  # the general path writes each result back in turn
     out = None if inplace else g.adapter.empty(g.size, g.dtype, g.device)
-    dst = host if inplace else out if type(out) is np.ndarray else out.numpy()
+    dst = host if inplace else host_numpy(out)
     rc = call(host, dst, plan.signature, plan.descs, extras["patience"])
     if rc == -1:
         raise explain(ctx, "adasum", plan.descs, None, extras["adasum"])

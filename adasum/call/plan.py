@@ -83,7 +83,7 @@ class Plan:
         active = [g for g in self.groups if g.size > 0]
         self.small = None
         if (self.schedule is Schedule.DOUBLING and self.one_group and compiled is not None
-                and len(active) == 1 and active[0].dtype in ("float32", "float64")
+                and len(active) == 1 and active[0].dtype in ("float32", "float64", "float16", "bfloat16")
                 and (active[0].adapter.kind, active[0].device) in (("numpy", "cpu"), ("torch", "cpu"))):
             g = active[0]
             spans = layer_spans(g)

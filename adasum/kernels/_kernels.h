@@ -29,14 +29,21 @@
 
 /* --- _kernels_loops.c --------------------------------------------------------------------------------- */
 
+/*
+ * The element types of the kernels: float32, float64, float16 (buffer format 'e') and bfloat16, which
+ * Python has no buffer format for and which comes as its uint16 bits (format 'H'; torch's bfloat16 tensors
+ * are reached through their uint16 views).
+ */
+enum { T_F32, T_F64, T_F16, T_BF16, T_COUNT };
+
 /* out[0..2] = [a·b, a·a, b·b] over n elements, in float64. */
 typedef void (*dots_fn)(const void *a, const void *b, Py_ssize_t n, double *out);
 /* dst = ca·a + cb·b over n elements, in float64, rounded once to the element type. */
 typedef void (*scaled_add_fn)(void *dst, const void *a, const void *b, Py_ssize_t n, double ca, double cb);
 
-/* The loops in use for float32 and float64 (chosen by select_isa()), and the name of their instruction set. */
-extern INTERNAL dots_fn dots_f32, dots_f64;
-extern INTERNAL scaled_add_fn scaled_add_f32, scaled_add_f64;
+/* The loops in use per element type (chosen by select_isa()), and the name of their instruction set. */
+extern INTERNAL dots_fn dots_of[T_COUNT];
+extern INTERNAL scaled_add_fn scaled_add_of[T_COUNT];
 extern INTERNAL const char *isa;
 
 INTERNAL void select_isa(const char *cap);
@@ -53,6 +60,7 @@ typedef struct {
     Py_buffer *parts; /* NULL for a whole buffer */
     Py_ssize_t n;
     int itemsize;
+    int type; /* T_F32, T_F64, T_F16 or T_BF16 */
 } operand;
 
 /* Where span i of the operand starts. */

@@ -1,11 +1,15 @@
 /*
- * The two passes Adasum makes over every span of every layer, for float32 and float64 (see _kernels.h):
+ * The two passes Adasum makes over every span of every layer, for float32, float64, float16 and bfloat16
+ * (see _kernels.h):
  *
  *   dots(a, b, n, out)               out = [a·b, a·a, b·b], in float64
  *   scaled_add(dst, a, b, n, ca, cb)  dst = ca·a + cb·b, in float64, rounded once to the type
  *
  * Each reads its inputs once. Products and sums are taken in double (a product of two floats is exact in
- * double), so the dot products need no float64 copy of the data and the combine rounds once.
+ * double), so the dot products need no float64 copy of the data and the combine rounds once. 16-bit
+ * elements are widened to double in registers as they are read (exactly; F16C for float16, a shift of the
+ * bits for bfloat16) and the combine is rounded once from double to the 16-bit type, to nearest, ties to
+ * even (NaN stays NaN), so no wider copy of a 16-bit span is ever made.
  *
  * The results do not depend on the instruction set: the AVX-512 and AVX2 loops (chosen where the CPU has
  * them, by select_isa()) and the portable loops add in the same fixed order, and none fuses a multiply with
@@ -14,6 +18,7 @@
  */
 #include "_kernels.h"
 
+#include <math.h>
 #include <string.h>
 
 /*
@@ -29,7 +34,7 @@
  * exact in double, so a fused multiply-add rounds exactly where the separate multiply and add do.
  */
 #define LANES 32
-#define DEFINE_PORTABLE(T, NAME)                                                                      \
+#define DEFINE_PORTABLE(T, NAME, WIDEN, NARROW)                                                       \
     static void dots_##NAME##_portable(const T *a, const T *b, Py_ssize_t n, double *out)            \
     {                                                                                               \
         double ab[LANES] = {0}, aa[LANES] = {0}, bb[LANES] = {0};                                   \
@@ -42,7 +47,7 @@
             }                                                                                       \
             for (; i + w <= n; i += w) {                                                            \
                 for (int j = 0; j < w; j++) {                                                       \
-                    double x = (double)a[i + j], y = (double)b[i + j];                              \
+                    double x = WIDEN(a[i + j]), y = WIDEN(b[i + j]);                                \
                     ab[j] += x * y;                                                                 \
                     aa[j] += x * x;                                                                 \
                     bb[j] += y * y;                                                                 \
@@ -57,7 +62,7 @@
                                              double cb)                                             \
     {                                                                                               \
         for (Py_ssize_t i = 0; i < n; i++)                                                          \
-            dst[i] = (T)(ca * (double)a[i] + cb * (double)b[i]);                                    \
+            dst[i] = NARROW(ca * WIDEN(a[i]) + cb * WIDEN(b[i]));                                   \
     }
 
 /* Step 2 of the order: lanes 0..31 to lanes 0..7. */
@@ -79,25 +84,124 @@ finish(const double *ab, const double *aa, const double *bb, double *out)
     }
 }
 
-#define DEFINE_TAIL(T, NAME)                                                                          \
+#define DEFINE_TAIL(T, NAME, WIDEN)                                                                   \
     static void tail_##NAME(const T *a, const T *b, Py_ssize_t n, double *out)                       \
     {                                                                                               \
         for (Py_ssize_t i = 0; i < n; i++) {                                                        \
-            double x = (double)a[i], y = (double)b[i];                                              \
+            double x = WIDEN(a[i]), y = WIDEN(b[i]);                                                \
             out[0] += x * y;                                                                        \
             out[1] += x * x;                                                                        \
             out[2] += y * y;                                                                        \
         }                                                                                           \
     }
 
-DEFINE_TAIL(float, f32)
-DEFINE_TAIL(double, f64)
-DEFINE_PORTABLE(float, f32)
-DEFINE_PORTABLE(double, f64)
+/*
+ * The 16-bit types, one element at a time (the portable loops, and the tails of the SIMD loops). Widening is
+ * exact. Narrowing rounds the double once to the 16-bit type: first to float32 rounding to odd (truncate,
+ * then set the last bit if anything was cut off), then from float32 to nearest, ties to even; float32 holds
+ * more than two bits beyond either 16-bit type's precision over its whole range, so the two steps give the
+ * double's correctly rounded value (the SIMD loops narrow the same way, hence the same bits). A NaN stays a
+ * NaN with its leading payload bits, quiet, as F16C's conversion leaves it.
+ */
+#define AS_DOUBLE(x) ((double)(x))
+#define AS_FLOAT(x) ((float)(x))
+#define AS_SELF(x) (x)
 
-dots_fn dots_f32 = (dots_fn)dots_f32_portable, dots_f64 = (dots_fn)dots_f64_portable;
-scaled_add_fn scaled_add_f32 = (scaled_add_fn)scaled_add_f32_portable,
-              scaled_add_f64 = (scaled_add_fn)scaled_add_f64_portable;
+static inline double
+f16_to_f64(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
+    if (e == 0) { /* zero or subnormal: m · 2^-24 */
+        double v = (double)m * 0x1p-24;
+        return sign ? -v : v;
+    }
+    bits = sign | (e == 0x1f ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+    float f;
+    memcpy(&f, &bits, 4);
+    return (double)f;
+}
+
+static inline double
+bf16_to_f64(uint16_t h)
+{
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return (double)f;
+}
+
+/* The bits of x rounded to float32 to odd. */
+static inline uint32_t
+f64_to_f32_odd(double x)
+{
+    float f = (float)x;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    double back = (double)f;
+    if (back != x && x == x) {
+        if (fabs(back) > fabs(x)) /* rounded away from zero: one step back towards it */
+            u -= 1;
+        u |= 1;
+    }
+    return u;
+}
+
+/* float32 bits to float16 bits, to nearest, ties to even (what F16C's vcvtps2ph computes). */
+static inline uint16_t
+f32_to_f16(uint32_t u)
+{
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u)
+        return sign | 0x7e00 | ((a >> 13) & 0x3ff);
+    if (a >= 0x477ff000u) /* 65520 and beyond: infinity */
+        return sign | 0x7c00;
+    if (a >= 0x38800000u) { /* a normal float16 (2^-14 and above) */
+        uint32_t r = a - (112u << 23);
+        return sign | (uint16_t)((r + 0xfff + ((r >> 13) & 1)) >> 13);
+    }
+    uint32_t e = a >> 23;
+    if (e < 102) /* below 2^-25: zero */
+        return sign;
+    uint32_t m = (a & 0x7fffff) | 0x800000, s = 126 - e; /* subnormal: m · 2^(e - 150) in units of 2^-24 */
+    uint32_t q = m >> s, rem = m & ((1u << s) - 1), half = 1u << (s - 1);
+    if (rem > half || (rem == half && (q & 1)))
+        q++;
+    return sign | (uint16_t)q;
+}
+
+/* float32 bits to bfloat16 bits, to nearest, ties to even; a NaN stays a quiet NaN. */
+static inline uint16_t
+f32_to_bf16(uint32_t u)
+{
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+static inline uint16_t
+f64_to_f16(double x)
+{
+    return f32_to_f16(f64_to_f32_odd(x));
+}
+
+static inline uint16_t
+f64_to_bf16(double x)
+{
+    return f32_to_bf16(f64_to_f32_odd(x));
+}
+
+DEFINE_TAIL(float, f32, AS_DOUBLE)
+DEFINE_TAIL(double, f64, AS_DOUBLE)
+DEFINE_TAIL(uint16_t, f16, f16_to_f64)
+DEFINE_TAIL(uint16_t, bf16, bf16_to_f64)
+DEFINE_PORTABLE(float, f32, AS_DOUBLE, AS_FLOAT)
+DEFINE_PORTABLE(double, f64, AS_DOUBLE, AS_SELF)
+DEFINE_PORTABLE(uint16_t, f16, f16_to_f64, f64_to_f16)
+DEFINE_PORTABLE(uint16_t, bf16, bf16_to_f64, f64_to_bf16)
+
+dots_fn dots_of[T_COUNT];
+scaled_add_fn scaled_add_of[T_COUNT];
 const char *isa = "portable";
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -105,6 +209,8 @@ const char *isa = "portable";
 #define HAVE_AVX2_PATH 1
 #define AVX2 __attribute__((target("avx2")))
 #define AVX2_FMA_TARGET __attribute__((target("avx2,fma")))
+#define AVX2_F16C __attribute__((target("avx2,f16c")))
+#define AVX2_FMA_F16C __attribute__((target("avx2,fma,f16c")))
 
 /*
  * The dot products with W doubles per register, for AVX2 (W = 4) and AVX-512 (W = 8). Step 1: lanes
@@ -151,7 +257,11 @@ const char *isa = "portable";
         tail_##NAME(a + i, b + i, n - i, out);                                                      \
     }
 
+/* Four elements widened to double: float32, float16 (F16C) and bfloat16 (its bits shifted into a float32). */
 #define AVX2_F32(p) _mm256_cvtps_pd(_mm_loadu_ps(p))
+#define LOAD4_16(p) _mm_loadl_epi64((const __m128i *)(p))
+#define AVX2_F16(p) _mm256_cvtps_pd(_mm_cvtph_ps(LOAD4_16(p)))
+#define AVX2_BF16(p) _mm256_cvtps_pd(_mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(LOAD4_16(p)), 16)))
 #define AVX2_MUL_ADD(x, y, acc) _mm256_add_pd(acc, _mm256_mul_pd(x, y))
 #define AVX2_FMA(x, y, acc) _mm256_fmadd_pd(x, y, acc)
 #define DEFINE_DOTS_AVX2(ATTR, SUFFIX, T, NAME, LOAD, ACC)                                            \
@@ -160,6 +270,11 @@ const char *isa = "portable";
 DEFINE_DOTS_AVX2(AVX2, avx2, float, f32, AVX2_F32, AVX2_MUL_ADD)
 DEFINE_DOTS_AVX2(AVX2_FMA_TARGET, avx2fma, float, f32, AVX2_F32, AVX2_FMA)
 DEFINE_DOTS_AVX2(AVX2, avx2, double, f64, _mm256_loadu_pd, AVX2_MUL_ADD)
+/* products of 16-bit values are exact in double too: FMA gives the same bits */
+DEFINE_DOTS_AVX2(AVX2_F16C, avx2, uint16_t, f16, AVX2_F16, AVX2_MUL_ADD)
+DEFINE_DOTS_AVX2(AVX2_FMA_F16C, avx2fma, uint16_t, f16, AVX2_F16, AVX2_FMA)
+DEFINE_DOTS_AVX2(AVX2, avx2, uint16_t, bf16, AVX2_BF16, AVX2_MUL_ADD)
+DEFINE_DOTS_AVX2(AVX2_FMA_TARGET, avx2fma, uint16_t, bf16, AVX2_BF16, AVX2_FMA)
 
 /*
  * dst = ca·a + cb·b with W doubles per register: the same loop for AVX2 (W = 4) and AVX-512 (W = 8), over
@@ -193,45 +308,191 @@ DEFINE_DOTS_AVX2(AVX2, avx2, double, f64, _mm256_loadu_pd, AVX2_MUL_ADD)
 DEFINE_SCALED_ADD(AVX2, avx2, 4, __m256d, _mm256_set1_pd, _mm256_cvtps_pd, _mm_loadu_ps, _mm256_cvtpd_ps,
                   _mm_storeu_ps, _mm256_loadu_pd, _mm256_storeu_pd, _mm256_mul_pd, _mm256_add_pd)
 
+/*
+ * The 16-bit combine rounds each double x to the 16-bit type's grid in double arithmetic: with 2^e the power
+ * of two of x's binade, clamped to the type's normal range [2^emin, 2^emax], and C = 2^(e + 52 - p) carrying
+ * x's sign (p: the type's significant bits after the first, 10 for float16, 7 for bfloat16), (x + C) - C
+ * is x rounded to a multiple of 2^(e - p), to nearest, ties to even: the type's own rounding, subnormals
+ * included, as a double the type holds exactly (or one beyond its largest, which the conversion below
+ * takes to infinity). The sign of x goes back on a zero; infinities and NaN pass through unchanged. The
+ * conversions to float32 and on to the type are then exact: the same bits as the portable loop's rounding.
+ */
+#define ROUND16_AVX2(x, lo, hi, scale, sign)                                                          \
+    do {                                                                                            \
+        __m256d s_ = _mm256_and_pd(x, sign);                                                        \
+        __m256d e_ = _mm256_min_pd(_mm256_max_pd(_mm256_and_pd(x, expo), lo), hi);                  \
+        __m256d c_ = _mm256_or_pd(_mm256_mul_pd(e_, scale), s_);                                    \
+        x = _mm256_or_pd(_mm256_sub_pd(_mm256_add_pd(x, c_), c_), s_);                                \
+    } while (0)
+
+/* 16-bit combine, eight elements a step: two registers of four doubles. */
+#define AVX2_ROUND16_SETUP(EMIN, EMAX, P)                                                             \
+    __m256d p = _mm256_set1_pd(ca), q = _mm256_set1_pd(cb);                                         \
+    __m256d sign = _mm256_set1_pd(-0.0), expo = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7ff0000000000000LL)); \
+    __m256d lo = _mm256_set1_pd(EMIN), hi = _mm256_set1_pd(EMAX), scale = _mm256_set1_pd(P)
+
+/* Eight 16-bit elements as two registers of four doubles: float16 through F16C, bfloat16 shifted. */
+#define WIDEN8_F16(p, lo, hi)                                                                         \
+    do {                                                                                            \
+        __m256 f_ = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)));                         \
+        lo = _mm256_cvtps_pd(_mm256_castps256_ps128(f_));                                           \
+        hi = _mm256_cvtps_pd(_mm256_extractf128_ps(f_, 1));                                         \
+    } while (0)
+#define WIDEN8_BF16(p, lo, hi)                                                                        \
+    do {                                                                                            \
+        __m256 f_ = _mm256_castsi256_ps(                                                            \
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16));   \
+        lo = _mm256_cvtps_pd(_mm256_castps256_ps128(f_));                                           \
+        hi = _mm256_cvtps_pd(_mm256_extractf128_ps(f_, 1));                                         \
+    } while (0)
+#define AVX2_COMBINE8(WIDEN, x0, x1)                                                                  \
+    do {                                                                                            \
+        __m256d a0_, a1_, b0_, b1_;                                                                 \
+        WIDEN(a + i, a0_, a1_);                                                                     \
+        WIDEN(b + i, b0_, b1_);                                                                     \
+        x0 = _mm256_add_pd(_mm256_mul_pd(p, a0_), _mm256_mul_pd(q, b0_));                           \
+        x1 = _mm256_add_pd(_mm256_mul_pd(p, a1_), _mm256_mul_pd(q, b1_));                           \
+    } while (0)
+
+AVX2_F16C static void
+scaled_add_f16_avx2(uint16_t *dst, const uint16_t *a, const uint16_t *b, Py_ssize_t n, double ca, double cb)
+{
+    AVX2_ROUND16_SETUP(0x1p-14, 0x1p15, 0x1p42);
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256d x0, x1;
+        AVX2_COMBINE8(WIDEN8_F16, x0, x1);
+        ROUND16_AVX2(x0, lo, hi, scale, sign);
+        ROUND16_AVX2(x1, lo, hi, scale, sign);
+        __m256 f = _mm256_set_m128(_mm256_cvtpd_ps(x1), _mm256_cvtpd_ps(x0));
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    scaled_add_f16_portable(dst + i, a + i, b + i, n - i, ca, cb);
+}
+
+AVX2 static void
+scaled_add_bf16_avx2(uint16_t *dst, const uint16_t *a, const uint16_t *b, Py_ssize_t n, double ca, double cb)
+{
+    AVX2_ROUND16_SETUP(0x1p-126, 0x1p127, 0x1p45);
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256d x0, x1;
+        AVX2_COMBINE8(WIDEN8_BF16, x0, x1);
+        ROUND16_AVX2(x0, lo, hi, scale, sign);
+        ROUND16_AVX2(x1, lo, hi, scale, sign);
+        __m128i u0 = _mm_srli_epi32(_mm_castps_si128(_mm256_cvtpd_ps(x0)), 16);
+        __m128i u1 = _mm_srli_epi32(_mm_castps_si128(_mm256_cvtpd_ps(x1)), 16);
+        _mm_storeu_si128((__m128i *)(dst + i), _mm_packus_epi32(u0, u1));
+    }
+    scaled_add_bf16_portable(dst + i, a + i, b + i, n - i, ca, cb);
+}
+
 /* AVX-512F: the same loops, 8 doubles per register. */
 #define AVX512 __attribute__((target("avx512f")))
+#define AVX512_16 __attribute__((target("avx512f,avx2,f16c")))
 
 #define LOAD_F32_AS_F64_512(p) _mm512_cvtps_pd(_mm256_loadu_ps(p))
+#define LOAD8_16(p) _mm_loadu_si128((const __m128i *)(p))
+#define LOAD_F16_AS_F64_512(p) _mm512_cvtps_pd(_mm256_cvtph_ps(LOAD8_16(p)))
+#define LOAD_BF16_AS_F64_512(p) \
+    _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(LOAD8_16(p)), 16)))
 #define AVX512_MUL_ADD(x, y, acc) _mm512_add_pd(acc, _mm512_mul_pd(x, y))
-#define DEFINE_DOTS_AVX512(T, NAME, LOAD, ACC)                                                        \
-    DEFINE_DOTS_SIMD(AVX512, avx512, T, NAME, __m512d, 8, _mm512_setzero_pd, _mm512_add_pd, _mm512_storeu_pd, \
+#define DEFINE_DOTS_AVX512(ATTR, T, NAME, LOAD, ACC)                                                  \
+    DEFINE_DOTS_SIMD(ATTR, avx512, T, NAME, __m512d, 8, _mm512_setzero_pd, _mm512_add_pd, _mm512_storeu_pd, \
                      LOAD, ACC)
-DEFINE_DOTS_AVX512(float, f32, LOAD_F32_AS_F64_512, _mm512_fmadd_pd)  /* exact products: FMA gives the same bits */
-DEFINE_DOTS_AVX512(double, f64, _mm512_loadu_pd, AVX512_MUL_ADD)
+DEFINE_DOTS_AVX512(AVX512, float, f32, LOAD_F32_AS_F64_512, _mm512_fmadd_pd)  /* exact products: FMA gives the same bits */
+DEFINE_DOTS_AVX512(AVX512, double, f64, _mm512_loadu_pd, AVX512_MUL_ADD)
+DEFINE_DOTS_AVX512(AVX512_16, uint16_t, f16, LOAD_F16_AS_F64_512, _mm512_fmadd_pd)
+DEFINE_DOTS_AVX512(AVX512_16, uint16_t, bf16, LOAD_BF16_AS_F64_512, _mm512_fmadd_pd)
 DEFINE_SCALED_ADD(AVX512, avx512, 8, __m512d, _mm512_set1_pd, _mm512_cvtps_pd, _mm256_loadu_ps, _mm512_cvtpd_ps,
                   _mm256_storeu_ps, _mm512_loadu_pd, _mm512_storeu_pd, _mm512_mul_pd, _mm512_add_pd)
+
+#define ROUND16_AVX512(x, lo, hi, scale, sign)                                                        \
+    do {                                                                                            \
+        __m512d s_ = _mm512_castsi512_pd(_mm512_and_si512(_mm512_castpd_si512(x), sign));            \
+        __m512d e_ = _mm512_castsi512_pd(_mm512_and_si512(_mm512_castpd_si512(x), expo));            \
+        __m512d c_ = _mm512_mul_pd(_mm512_min_pd(_mm512_max_pd(e_, lo), hi), scale);                \
+        c_ = _mm512_castsi512_pd(_mm512_or_si512(_mm512_castpd_si512(c_), _mm512_castpd_si512(s_))); \
+        x = _mm512_sub_pd(_mm512_add_pd(x, c_), c_);                                                \
+        x = _mm512_castsi512_pd(_mm512_or_si512(_mm512_castpd_si512(x), _mm512_castpd_si512(s_)));   \
+    } while (0)
+#define AVX512_ROUND16_SETUP(EMIN, EMAX, P)                                                           \
+    __m512d p = _mm512_set1_pd(ca), q = _mm512_set1_pd(cb);                                         \
+    __m512i sign = _mm512_set1_epi64((long long)0x8000000000000000ULL), expo = _mm512_set1_epi64(0x7ff0000000000000LL); \
+    __m512d lo = _mm512_set1_pd(EMIN), hi = _mm512_set1_pd(EMAX), scale = _mm512_set1_pd(P)
+#define AVX512_COMBINE8(LOAD) _mm512_add_pd(_mm512_mul_pd(p, LOAD(a + i)), _mm512_mul_pd(q, LOAD(b + i)))
+
+AVX512_16 static void
+scaled_add_f16_avx512(uint16_t *dst, const uint16_t *a, const uint16_t *b, Py_ssize_t n, double ca, double cb)
+{
+    AVX512_ROUND16_SETUP(0x1p-14, 0x1p15, 0x1p42);
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m512d x = AVX512_COMBINE8(LOAD_F16_AS_F64_512);
+        ROUND16_AVX512(x, lo, hi, scale, sign);
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtps_ph(_mm512_cvtpd_ps(x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    scaled_add_f16_portable(dst + i, a + i, b + i, n - i, ca, cb);
+}
+
+AVX512_16 static void
+scaled_add_bf16_avx512(uint16_t *dst, const uint16_t *a, const uint16_t *b, Py_ssize_t n, double ca, double cb)
+{
+    AVX512_ROUND16_SETUP(0x1p-126, 0x1p127, 0x1p45);
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m512d x = AVX512_COMBINE8(LOAD_BF16_AS_F64_512);
+        ROUND16_AVX512(x, lo, hi, scale, sign);
+        __m256i u = _mm256_srli_epi32(_mm256_castps_si256(_mm512_cvtpd_ps(x)), 16);
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+    }
+    scaled_add_bf16_portable(dst + i, a + i, b + i, n - i, ca, cb);
+}
 #endif
 
-/* Picks the widest loops the CPU has (AVX-512F, then AVX2), capped at `cap`: "portable", "avx2" or "auto"
- * (the setting kernels_isa; all of them give the same bits). */
+/* Picks the widest loops the CPU has (AVX-512F, then AVX2; F16C for float16), capped at `cap`: "portable",
+ * "avx2" or "auto" (the setting kernels_isa; all of them give the same bits). */
 void
 select_isa(const char *cap)
 {
-    dots_f32 = (dots_fn)dots_f32_portable;
-    dots_f64 = (dots_fn)dots_f64_portable;
-    scaled_add_f32 = (scaled_add_fn)scaled_add_f32_portable;
-    scaled_add_f64 = (scaled_add_fn)scaled_add_f64_portable;
+    dots_of[T_F32] = (dots_fn)dots_f32_portable;
+    dots_of[T_F64] = (dots_fn)dots_f64_portable;
+    dots_of[T_F16] = (dots_fn)dots_f16_portable;
+    dots_of[T_BF16] = (dots_fn)dots_bf16_portable;
+    scaled_add_of[T_F32] = (scaled_add_fn)scaled_add_f32_portable;
+    scaled_add_of[T_F64] = (scaled_add_fn)scaled_add_f64_portable;
+    scaled_add_of[T_F16] = (scaled_add_fn)scaled_add_f16_portable;
+    scaled_add_of[T_BF16] = (scaled_add_fn)scaled_add_bf16_portable;
     isa = "portable";
 #ifdef HAVE_AVX2_PATH
     if (strcmp(cap, "portable") == 0)
         return;
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && strcmp(cap, "avx2") != 0) {
-        dots_f32 = (dots_fn)dots_f32_avx512;
-        dots_f64 = (dots_fn)dots_f64_avx512;
-        scaled_add_f32 = (scaled_add_fn)scaled_add_f32_avx512;
-        scaled_add_f64 = (scaled_add_fn)scaled_add_f64_avx512;
+    int f16c = __builtin_cpu_supports("f16c");
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && f16c && strcmp(cap, "avx2") != 0) {
+        dots_of[T_F32] = (dots_fn)dots_f32_avx512;
+        dots_of[T_F64] = (dots_fn)dots_f64_avx512;
+        dots_of[T_F16] = (dots_fn)dots_f16_avx512;
+        dots_of[T_BF16] = (dots_fn)dots_bf16_avx512;
+        scaled_add_of[T_F32] = (scaled_add_fn)scaled_add_f32_avx512;
+        scaled_add_of[T_F64] = (scaled_add_fn)scaled_add_f64_avx512;
+        scaled_add_of[T_F16] = (scaled_add_fn)scaled_add_f16_avx512;
+        scaled_add_of[T_BF16] = (scaled_add_fn)scaled_add_bf16_avx512;
         isa = "avx512f";
     } else if (__builtin_cpu_supports("avx2")) {
-        dots_f32 = __builtin_cpu_supports("fma") ? (dots_fn)dots_f32_avx2fma : (dots_fn)dots_f32_avx2;
-        dots_f64 = (dots_fn)dots_f64_avx2;
-        scaled_add_f32 = (scaled_add_fn)scaled_add_f32_avx2;
-        scaled_add_f64 = (scaled_add_fn)scaled_add_f64_avx2;
+        int fma = __builtin_cpu_supports("fma");
+        dots_of[T_F32] = fma ? (dots_fn)dots_f32_avx2fma : (dots_fn)dots_f32_avx2;
+        dots_of[T_F64] = (dots_fn)dots_f64_avx2;
+        dots_of[T_BF16] = fma ? (dots_fn)dots_bf16_avx2fma : (dots_fn)dots_bf16_avx2;
+        scaled_add_of[T_F32] = (scaled_add_fn)scaled_add_f32_avx2;
+        scaled_add_of[T_F64] = (scaled_add_fn)scaled_add_f64_avx2;
+        scaled_add_of[T_BF16] = (scaled_add_fn)scaled_add_bf16_avx2;
+        if (f16c) {
+            dots_of[T_F16] = fma ? (dots_fn)dots_f16_avx2fma : (dots_fn)dots_f16_avx2;
+            scaled_add_of[T_F16] = (scaled_add_fn)scaled_add_f16_avx2;
+        }
         isa = "avx2";
     }
 #endif

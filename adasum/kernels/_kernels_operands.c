@@ -1,6 +1,7 @@
 /*
  * The arguments of a kernel call, acquired from Python objects and checked before any data is touched:
- * spans (int64 pairs 0 <= s <= e), and operands that are one float32/float64 buffer every span indexes or a
+ * spans (int64 pairs 0 <= s <= e), and operands that are one buffer of floats (float32, float64, float16, or
+ * bfloat16 as uint16 bits) every span indexes or a
  * sequence of buffers, one per span (the operand type is in _kernels.h). On any error an exception is set
  * and nothing stays held.
  */
@@ -8,18 +9,36 @@
 
 #include <string.h>
 
-/* A C-contiguous buffer of 4- or 8-byte floats; returns the item size, or 0 with an exception set. */
+/* The element type of a buffer format: float32 'f', float64 'd', float16 'e', bfloat16 as uint16 bits 'H';
+ * -1 for any other. */
 static int
-float_buffer(PyObject *obj, Py_buffer *view, int writable, const char *name)
+type_of(char code, Py_ssize_t itemsize)
+{
+    if (code == 'f' && itemsize == 4)
+        return T_F32;
+    if (code == 'd' && itemsize == 8)
+        return T_F64;
+    if (code == 'e' && itemsize == 2)
+        return T_F16;
+    if (code == 'H' && itemsize == 2)
+        return T_BF16;
+    return -1;
+}
+
+/* A C-contiguous buffer of one of the element types; returns the item size (its type in *type), or 0 with
+ * an exception set. */
+static int
+float_buffer(PyObject *obj, Py_buffer *view, int writable, const char *name, int *type)
 {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, view, flags) < 0)
         return 0;
     const char *fmt = view->format ? view->format : "B";
-    char code = fmt[strlen(fmt) - 1];
-    if ((code == 'f' && view->itemsize == 4) || (code == 'd' && view->itemsize == 8))
+    if ((*type = type_of(fmt[strlen(fmt) - 1], view->itemsize)) >= 0)
         return (int)view->itemsize;
-    PyErr_Format(PyExc_TypeError, "%s: expected a float32 or float64 buffer, got format '%s'", name, fmt);
+    PyErr_Format(PyExc_TypeError,
+                 "%s: expected a float32 or float64 buffer, or float16, or bfloat16 as its uint16 bits; got format "
+                 "'%s'", name, fmt);
     PyBuffer_Release(view);
     return 0;
 }
@@ -82,7 +101,7 @@ release_operand(operand *op)
 static int
 whole_operand(PyObject *obj, operand *op, int writable, const char *name, const int64_t *sp, Py_ssize_t n)
 {
-    if (!(op->itemsize = float_buffer(obj, &op->whole, writable, name)))
+    if (!(op->itemsize = float_buffer(obj, &op->whole, writable, name, &op->type)))
         return 0;
     Py_ssize_t len = op->whole.len / op->itemsize;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -111,8 +130,9 @@ parts_operand(PyObject *seq, operand *op, int writable, const char *name, const 
     }
     op->itemsize = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int size = float_buffer(PySequence_Fast_GET_ITEM(seq, i), &op->parts[i], writable, name);
-        int ok = size && !(op->itemsize && size != op->itemsize) &&
+        int type = -1;
+        int size = float_buffer(PySequence_Fast_GET_ITEM(seq, i), &op->parts[i], writable, name, &type);
+        int ok = size && !(op->itemsize && type != op->type) &&
                  op->parts[i].len == (sp[2 * i + 1] - sp[2 * i]) * size;
         if (size && !ok) {
             PyErr_Format(PyExc_ValueError, "%s: part %zd: expected %lld elements of %d bytes, got %zd bytes", name,
@@ -126,13 +146,16 @@ parts_operand(PyObject *seq, operand *op, int writable, const char *name, const 
             return 0;
         }
         op->itemsize = size;
+        op->type = type;
     }
-    if (!op->itemsize) /* no spans: any float type will do */
+    if (!op->itemsize) { /* no spans: any float type will do */
         op->itemsize = 4;
+        op->type = T_F32;
+    }
     return 1;
 }
 
-/* Acquires `obj` as an operand over `n` spans of float32/float64; 1 on success, 0 with an exception set. */
+/* Acquires `obj` as an operand over `n` spans of one element type; 1 on success, 0 with an exception set. */
 int
 get_operand(PyObject *obj, operand *op, int writable, const char *name, const int64_t *sp, Py_ssize_t n)
 {
@@ -153,7 +176,7 @@ int
 same_type(const operand *ops, int count)
 {
     for (int k = 1; k < count; k++) {
-        if (ops[k].itemsize != ops[0].itemsize && !(ops[k].parts && ops[k].n == 0) &&
+        if (ops[k].type != ops[0].type && !(ops[k].parts && ops[k].n == 0) &&
             !(ops[0].parts && ops[0].n == 0)) {
             PyErr_SetString(PyExc_ValueError, "all operands must have the same dtype");
             return 0;

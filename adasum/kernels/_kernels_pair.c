@@ -29,7 +29,7 @@ k_dots(PyObject *self, PyObject *args)
         return NULL;
     }
     double *o = (double *)out.buf;
-    dots_fn dots = c.ops[0].itemsize == 4 ? dots_f32 : dots_f64;
+    dots_fn dots = dots_of[c.ops[0].type];
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < c.n; i++)
         dots(operand_at(&c.ops[0], c.sp, i), operand_at(&c.ops[1], c.sp, i), c.sp[2 * i + 1] - c.sp[2 * i],
@@ -62,7 +62,7 @@ k_scaled_add(PyObject *self, PyObject *args)
         return NULL;
     }
     const double *p = (const double *)ca.buf, *q = (const double *)cb.buf;
-    scaled_add_fn scaled_add = c.ops[0].itemsize == 4 ? scaled_add_f32 : scaled_add_f64;
+    scaled_add_fn scaled_add = scaled_add_of[c.ops[0].type];
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < c.n; i++)
         scaled_add(operand_at(&c.ops[0], c.sp, i), operand_at(&c.ops[1], c.sp, i), operand_at(&c.ops[2], c.sp, i),
@@ -119,15 +119,15 @@ pair_spans(const operand *left, const operand *right, const operand *dst, const 
 {
     double total = (double)(count_left + count_right);
     double w_left = (double)count_left / total, w_right = (double)count_right / total;
-    dots_fn dots = dst->itemsize == 4 ? dots_f32 : dots_f64;
-    scaled_add_fn scaled_add = dst->itemsize == 4 ? scaled_add_f32 : scaled_add_f64;
+    dots_fn dots = dots_of[dst->type];
+    scaled_add_fn scaled_add = scaled_add_of[dst->type];
     for (Py_ssize_t i = 0; i < n; i++) {
         void *d = operand_at(dst, sp, i);
         const void *x = operand_at(left, sp, i), *y = operand_at(right, sp, i);
         Py_ssize_t len = sp[2 * i + 1] - sp[2 * i];
         double g[3];
         dots(x, y, len, g);
-        if (dst->itemsize == 8 && !(isfinite(g[0]) && isfinite(g[1]) && isfinite(g[2]) && g[1] >= TINY && g[2] >= TINY))
+        if (dst->type == T_F64 && !(isfinite(g[0]) && isfinite(g[1]) && isfinite(g[2]) && g[1] >= TINY && g[2] >= TINY))
             rescaled_dots_f64((const double *)x, (const double *)y, len, g);
         double q_left = g[1] != 0.0 ? g[0] / g[1] : 0.0, q_right = g[2] != 0.0 ? g[0] / g[2] : 0.0;
         scaled_add(d, x, y, len, 1.0 - w_left * q_left, 1.0 - w_right * q_right);

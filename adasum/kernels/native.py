@@ -1,5 +1,5 @@
-"""The compiled kernels (the extension ``adasum.kernels._kernels``, built from ``adasum/kernels/_kernels*.c``: float32/float64
-dot products and combine, copies between tensors and buffers, the compiled small call and the agreement's
+"""The compiled kernels (the extension ``adasum.kernels._kernels``, built from ``adasum/kernels/_kernels*.c``: float32, float64,
+float16 and bfloat16 dot products and combine, copies between tensors and buffers, the compiled small call and the agreement's
 wait), where the install could build them.
 
 ``compiled`` is the extension module, or None on an install without a C compiler; the numpy kernels of

@@ -25,6 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..adapters import Adapters
+from ..adapters.base import host_numpy
 from ..kernels.native import handle
 from . import stall
 from .stall import AdasumStallError
@@ -90,7 +91,7 @@ class Buffers:
         view = entry[1]
         if view is None or len(view) < n:
             self.get(adapters, kind, "cpu", dtype, n, slot)
-            view = entry[1] = entry[0] if type(entry[0]) is np.ndarray else entry[0].numpy()
+            view = entry[1] = host_numpy(entry[0])
         return view if len(view) == n else view[:n]
 
     def staging(self, adapters: Adapters, kind: str, device: str, which: int, nbytes: int) -> np.ndarray:

@@ -57,7 +57,7 @@ class Settings:
             vectors by recursive doubling (log2 P message rounds); larger calls use recursive halving (about
             2·N bytes sent per rank). ``0`` always halves. ``None``: chosen from the world size (3 MiB for 2
             and 3 ranks, 1 MiB for 4 to 7, 1 MiB / (log2 P - 1) from 8 on).
-        kernels: ``"c"``: float32/float64 host buffers go through the compiled kernels where they were built;
+        kernels: ``"c"``: host float buffers (float32, float64, float16, bfloat16) go through the compiled kernels where they were built;
             ``"numpy"``: always the numpy kernels (same results to rounding; the compiled ones are faster).
         kernels_isa: the widest instruction set the compiled kernels use: ``"auto"`` (the widest the CPU has,
             AVX-512F or AVX2), ``"avx2"`` or ``"portable"`` (plain C). All of them give the same bits.

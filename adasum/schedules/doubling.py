@@ -8,8 +8,8 @@ per-level dot-product sums, which is what counts when N is small: there the cost
 Both partners compute the same coefficients from the same two vectors with the same kernel and operand
 order, so they hold bitwise the same result after every level and every rank ends with the same bits.
 
-:class:`SmallCall` runs the same schedule for one host float32/float64 group as one compiled call
-(``_kernels.small_doubling``), which executes the program :meth:`SmallCall.program` derives from the same
+:class:`SmallCall` runs the same schedule for one host float group (float32, float64, float16, bfloat16) as
+one compiled call (``_kernels.small_doubling``), which executes the program :meth:`SmallCall.program` derives from the same
 tree geometry: the same messages and kernel calls, with no Python between them.
 """
 
@@ -78,7 +78,7 @@ def adasum_reduce_doubling(comm: MPI.Intracomm, groups: Sequence[Operand], trans
 
 
 class SmallCall:
-    """:func:`adasum_reduce_doubling` of one plan's single host group (float32/float64, compiled kernels)
+    """:func:`adasum_reduce_doubling` of one plan's single host float group (compiled kernels)
     on one context's communicator, as one compiled call: everything that stays the same between calls (the
     program derived from the tree, the layers) is worked out once."""
 

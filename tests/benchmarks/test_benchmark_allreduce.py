@@ -82,3 +82,21 @@ def test_plots_label_sizes_in_kib_and_mib_and_give_each_op_its_colour(tmp_path):
     assert set(colours) == {"raw, P=2", "adasum, P=2", "sum, P=2"}
     assert len(set(colours.values())) == 3, f"ops share a colour: {colours}"
     assert ticks == ["4 KiB", "1 MiB"]
+
+
+def test_dtype_axis_times_every_dtype_in_the_same_rounds():
+    """``--dtypes``: the same values in each dtype (as many elements as the size holds in float32), each
+    dtype's op timed in the same rounds and given its ratio to float32; ``--equal-layers``."""
+    from mpi4py import MPI
+
+    assert bench.layer_sizes(16 << 20, equal=8) == [1 << 19] * 8
+    assert bench._methods(None, ["adasum"], False, ("float32", "bfloat16", "float16")) == \
+        ["raw", "adasum", "adasum-bfloat16", "adasum-float16"]
+    with pytest.raises(SystemExit, match="bfloat16 needs --kind torch"):
+        bench._as(np.ones(3, np.float32), "numpy", "bfloat16")
+    res = bench.run(MPI.COMM_SELF, 64 << 10, ["adasum"], 3, 0, False, "separate", "default", "torch",
+                    ("float32", "bfloat16", "float16"), 8)
+    assert res["dtypes"] == ["float32", "bfloat16", "float16"] and res["layers"] == 8
+    for name in ("adasum-bfloat16", "adasum-float16"):
+        assert res["results"][name]["ratio_to_float32"] > 0
+    assert "ratio_to_float32" not in res["results"]["adasum"]

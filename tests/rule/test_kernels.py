@@ -1,9 +1,11 @@
-"""The compiled kernels (adasum.kernels._kernels) against float64 numpy, across instruction sets and the fallback."""
+"""The compiled kernels (adasum.kernels._kernels) against float64 numpy, across instruction sets and the fallback;
+float32 and float64, and float16 and bfloat16 (as its uint16 bits)."""
 
 from __future__ import annotations
 
 import os
 import platform
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ import adasum
 from adasum import adapters
 from adasum.kernels import native
 from adasum.rule.combine import combine
+from adasum.rule.sixteen import narrow, widen
 from adasum.runtime.settings import from_environment
 
 K = pytest.importorskip("adasum.kernels._kernels") if os.environ.get("ADASUM_ALLOW_NO_KERNELS") else None
@@ -277,3 +280,115 @@ def test_compiled_rule_is_the_python_rule(dtype, scale, counts):
     for s, e in spans:  # and the rule is the reference's
         want = combine(left[s:e], right[s:e], *counts).astype(dtype)
         np.testing.assert_allclose(results["c"][s:e], want, rtol=4 * np.finfo(dtype).eps, atol=0)
+
+
+# --- float16 and bfloat16 (bfloat16 as its uint16 bits) ---------------------------------------------------
+
+SIXTEEN = {"float16": np.float16, "bfloat16": np.uint16}
+
+
+def _sixteen(dtype: str, bits: np.ndarray) -> np.ndarray:
+    return bits.astype(np.uint16).view(SIXTEEN[dtype])
+
+
+def _same_bits(got: np.ndarray, want: np.ndarray, dtype: str) -> bool:
+    """16-bit arrays equal bit for bit, every NaN alike (which NaN of two propagates is not fixed)."""
+    g, w = got.view(np.uint16).copy(), want.view(np.uint16).copy()
+    with np.errstate(invalid="ignore"):
+        g[np.isnan(widen(got))] = w[np.isnan(widen(want))] = 0xFFFF
+    return bool((g == w).all())
+
+
+def _every_isa():
+    """Runs the block under every instruction set cap (a cap above the CPU's runs the widest it has)."""
+    try:
+        for cap in ("auto", "avx2", "portable"):
+            yield native.use_isa(cap)
+    finally:
+        native.use_isa(adasum.current_settings().kernels_isa)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sixteen_dots_follow_the_fixed_summation_order(dtype):
+    """16-bit data widened exactly in registers and summed in float64 in the one documented order: the same
+    bits on every instruction set, subnormals included."""
+    rng = np.random.default_rng(18)
+    for isa in _every_isa():
+        for n in [0, 1, 7, 8, 31, 32, 33, 39, 40, 63, 64, 65, 100, 1000, 4099]:
+            a = narrow(rng.standard_normal(n) * 2.0 ** rng.integers(-26, 12, n), dtype)
+            b = narrow(rng.standard_normal(n) * 2.0 ** rng.integers(-26, 12, n), dtype)
+            out = np.empty((1, 3))
+            K.dots(a, b, np.array([[0, n]]), out)
+            assert out[0].tolist() == _dots_in_the_documented_order(widen(a), widen(b)), (isa, n)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sixteen_scaled_add_rounds_once(dtype):
+    """Every 16-bit value (subnormals, the largest, infinities, NaN) combined with random ones: the float64
+    value ca·a + cb·b rounded once to the dtype, to nearest, ties to even, on every instruction set; into a
+    third buffer and in place."""
+    a = _sixteen(dtype, np.arange(1 << 16))
+    b = _sixteen(dtype, np.random.default_rng(19).integers(0, 1 << 16, 1 << 16))
+    spans = np.array([[0, 3], [3, 1000], [1000, 1 << 16]], dtype=np.int64)
+    coefficients = [(0.3, 0.7), (1.0, 0.0), (0.5, 0.5), (1e-7, 3.1), (1.0000001, -0.9999999), (1e6, 1e-30)]
+    for isa in _every_isa():
+        for ca, cb in coefficients:
+            with np.errstate(all="ignore"):
+                want = narrow(ca * widen(a) + cb * widen(b), dtype)
+            dst = np.empty_like(a)
+            K.scaled_add(dst, a, b, spans, np.full(3, ca), np.full(3, cb))
+            assert _same_bits(dst, want, dtype), (isa, ca, cb)
+            x = a.copy()
+            K.scaled_add(x, x, b, spans, np.full(3, ca), np.full(3, cb))
+            assert _same_bits(x, want, dtype), (isa, ca, cb, "in place")
+
+
+def test_sixteen_rounding_is_correct():
+    """adasum.rule.sixteen.narrow rounds float64 once: numpy's own float16 cast (which rounds from float64
+    directly), and for bfloat16 the nearest value (ties to even), checked exactly on values that lie near
+    the middle between two bfloat16 values, where rounding through float32 first can go wrong."""
+    rng = np.random.default_rng(20)
+    v = rng.standard_normal(1 << 16) * 2.0 ** rng.uniform(-30, 18, 1 << 16)
+    with np.errstate(over="ignore"):
+        assert (narrow(v, "float16").view(np.uint16) == v.astype(np.float16).view(np.uint16)).all()
+    lo = widen(narrow(rng.standard_normal(2000) * 2.0 ** rng.integers(-130, 120, 2000), "bfloat16"))
+    step = np.abs(lo) * 2.0 ** -8
+    near = np.concatenate([lo + step / 2 + step * 2.0 ** -30, lo + step / 2 - step * 2.0 ** -30, lo + step / 2])
+    got = widen(narrow(near, "bfloat16"))
+    for x, g in zip(near.tolist(), got.tolist()):
+        if not np.isfinite(x) or x == 0:
+            continue
+        candidates = sorted({g, float(widen(narrow(np.array([np.nextafter(g, np.inf)]), "bfloat16"))[0]),
+                             float(widen(narrow(np.array([np.nextafter(g, -np.inf)]), "bfloat16"))[0])})
+        assert abs(Fraction(x) - Fraction(g)) <= min(abs(Fraction(x) - Fraction(c)) for c in candidates), x
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("counts", [(1, 1), (2, 1), (1, 3)])
+def test_sixteen_numpy_fallback_is_bitwise_the_compiled(dtype, counts):
+    """The numpy kernels compute 16-bit data as the compiled ones do: dot products in float64, combine in
+    float64 rounded once. On data whose dot products are exact in any order (small integers times a power
+    of two, down to subnormals), pair() gives the same bits on both."""
+    rng = np.random.default_rng([21, *counts])
+    bounds = [0, 7, 7, 40, 41, 300, 1300]
+    scale = -20 if dtype == "float16" else -130  # the last layer subnormal in the dtype
+    left = rng.integers(-8, 9, bounds[-1]).astype(np.float64)
+    right = rng.integers(-8, 9, bounds[-1]).astype(np.float64)
+    left[300:], right[300:] = np.ldexp(left[300:], scale), np.ldexp(right[300:], scale)
+    right[7:40] = 0
+    right[41:60] = left[41:60]
+    left, right = narrow(left, dtype), narrow(right, dtype)
+    spans = [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    span_array = np.array(spans, dtype=np.int64)
+    adapter = adapters.NumpyAdapter()
+    results = {}
+    for backend in ("c", "numpy"):
+        adapter.settings = adasum.Settings(kernels=backend)
+        dst = np.empty_like(left)
+        adapter.pair(left.copy(), right.copy(), dst, spans, span_array, *counts)
+        dots = adapter.partial_dots(left, right, spans)
+        results[backend] = dst.tobytes(), dots.tobytes()
+    assert results["c"] == results["numpy"]
+    for s, e in spans:  # and the rule is the reference's, rounded once
+        want = narrow(combine(widen(left[s:e]), widen(right[s:e]), *counts), dtype)
+        assert np.frombuffer(results["c"][0], left.dtype)[s:e].tobytes() == want.tobytes()
