@@ -99,10 +99,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             no MPI call), and every H windows the ranks combine each parameter's delta since the start of
             the H windows (``op="adasum"``: Adasum; ``"mean"``/``"sum"``: mean/sum of the deltas, i.e. model
             averaging) and continue from start + combined delta (see ``outer_lr``). See :mod:`.local`.
-        outer_lr, outer_momentum: the outer optimizer applied at each combine (defaults 1.0 and 0.0: start +
-            combined delta): DiLoCo's outer SGD, Nesterov where ``outer_momentum > 0``, on g = -(combined
-            delta): v <- mu·v + g, params = start - outer_lr·(g + mu·v). Any other value, like
-            ``local_steps > 1``, makes every window's step a plain local step (also with ``op="mean"``).
+        outer_lr: the outer optimizer's rate at each combine (default 1.0): DiLoCo's outer SGD on
+            g = -(combined delta): v <- mu·v + g, params = start - outer_lr·(g + mu·v). Any other value of
+            it or of ``outer_momentum``, like ``local_steps > 1``, makes every window's step a plain local
+            step (also with ``op="mean"``).
+        outer_momentum: mu above, Nesterov where > 0 (default 0.0: params = start + combined delta).
         delay: 0 (the combine runs in the ``step()`` of the H-th local step). 1 is refused in this version.
 
     Attributes:
