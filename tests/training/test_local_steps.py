@@ -53,7 +53,7 @@ def train(model, opt, rank: int, steps: range, k: int) -> list[bool]:
     return out
 
 
-def by_hand(comm, name: str, op: str, windows: int, h: int, k: int, outer_lr=1.0, mu=0.0):
+def by_hand(comm, name: str, op: str, windows: int, h: int, k: int, outer_lr=1.0, mu=0.0, **reduce):
     """The same training written out: ``h`` plain steps of the torch optimizer on this rank's averaged
     gradients, this rank's delta, the reduction with ``adasum.adasum_allreduce``, the outer formula."""
     model = tiny_model()
@@ -71,7 +71,7 @@ def by_hand(comm, name: str, op: str, windows: int, h: int, k: int, outer_lr=1.0
             opt.zero_grad()
         deltas = [p.detach() - s0 for p, s0 in zip(params, start)]
         if comm.Get_size() > 1:
-            deltas = adasum.adasum_allreduce(deltas, op=op)
+            deltas = adasum.adasum_allreduce(deltas, op=op, **reduce)
         with torch.no_grad():
             if outer_lr == 1.0 and mu == 0.0:
                 new = [s0 + d for s0, d in zip(start, deltas)]
@@ -272,3 +272,34 @@ def test_ddp_no_sync_recipe_is_distributed_optimizer_with_local_steps(comm, pg):
             assert ctx.calls == calls  # nothing on MPI during the local steps
     want, _ = by_hand(comm, "adam", "adasum", 2, 3, 2)
     assert [raw_bytes(p) for p in model.parameters()] == [raw_bytes(p) for p in want.parameters()]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_hierarchical_combine(comm):
+    model = tiny_model()
+    opt = DistributedOptimizer(inner("adam", model.parameters()), local_steps=2, hierarchical=True)
+    train(model, opt, comm.Get_rank(), range(4), 1)
+    want, _ = by_hand(comm, "adam", "adasum", 2, 2, 1, hierarchical=True)
+    assert [raw_bytes(p) for p in model.parameters()] == [raw_bytes(p) for p in want.parameters()]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_grad_scaler_backs_off_at_the_combine_on_every_rank(comm):
+    """One rank's gradients overflow at its first local step: it skips that step alone; the combine goes on,
+    and every rank backs the scale off once, there."""
+    model = tiny_model().float()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), local_steps=2, grad_scaler=scaler)
+    rank, last = comm.Get_rank(), comm.Get_size() - 1
+    for s in range(2):
+        x, y = batch(rank, s, 0)
+        loss = loss_of(model, x.float(), y.float())
+        if s == 0 and rank == last:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        opt.step()
+        opt.zero_grad()
+        assert scaler.get_scale() == (2.0 ** 10 if s == 0 else 2.0 ** 9)
+    assert opt.is_boundary and not opt.step_was_skipped
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert_identical_across_ranks(comm, list(model.parameters()))
