@@ -54,9 +54,6 @@ def local_problem(settings: dict[str, Any]) -> str | None:
         return f"outer_momentum must be a number in [0, 1), got {mu!r}"
     if isinstance(delay, bool) or delay not in (0, 1):
         return f"delay must be 0 or 1, got {delay!r}"
-    if delay == 1:
-        return ("delay=1 (the combine behind the next window) is not available in this version; "
-                "use delay=0")
     if settings["overlap_requested"] and uses_local_steps(int(h), float(lr), float(mu), int(delay)):
         return ("overlap=True overlaps a combine with the backward that closes it; with local_steps > 1 or an "
                 "outer optimizer the combine follows the H-th local step instead: construct the optimizer "
@@ -159,8 +156,13 @@ class LocalSteps:
             self.averaged = False
         return forced or self.taken >= self.steps
 
-    def combine(self) -> bool:
-        """Collective: every parameter becomes the outer optimizer's step from the window's start along the
+    pending = False  # a combine in flight (delay=1, :mod:`.delayed`)
+
+    def close(self) -> None:
+        """Nothing runs apart (delay=1 waits for its thread here)."""
+
+    def combine(self, drain: bool = False) -> bool:
+        """Collective (``drain`` matters only with ``delay=1``): every parameter becomes the outer optimizer's step from the window's start along the
         combined delta, or keeps the start where the combined delta is not finite (then False, on every rank
         alike). A local step that raised on any rank raises here on every rank, the start restored."""
         params = trained_params(self.optimizer)

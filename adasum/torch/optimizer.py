@@ -28,6 +28,7 @@ from .amp import LossScale
 from .boundary import Boundary, log_skip
 from .buffers import BUFFER_MODES, BufferSync, buffers_of
 from .compress import Wire
+from .delayed import DelayedCombine
 from .local import LocalSteps, OuterSGD, local_problem, uses_local_steps
 from .overlap import OverlapEngine
 from .strategy import AdasumDeltas, GradientReduce, trained_params
@@ -104,7 +105,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             it or of ``outer_momentum``, like ``local_steps > 1``, makes every window's step a plain local
             step (also with ``op="mean"``).
         outer_momentum: mu above, Nesterov where > 0 (default 0.0: params = start + combined delta).
-        delay: 0 (the combine runs in the ``step()`` of the H-th local step). 1 is refused in this version.
+        delay: 0 (the combine runs in the ``step()`` of the H-th local step) or 1 (it runs on a thread during
+            the next window's local steps and is merged at its end; rule in :mod:`.delayed`). A forced
+            boundary (``force_boundary()``, ``flush()``) merges at once: every rank then holds the same values.
 
     Attributes:
         is_boundary: whether the last ``step()`` combined the ranks' updates (without local steps: closed a
@@ -180,7 +183,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             int(local_steps), float(outer_lr), float(outer_momentum), int(delay))
         self._local: LocalSteps | None = None
         if uses_local_steps(self.local_steps, self.outer_lr, self.outer_momentum, self.delay):
-            self._local = LocalSteps(optimizer, comm, self.op, self.local_steps,
+            self._local = (DelayedCombine if self.delay else LocalSteps)(optimizer, comm, self.op, self.local_steps,
                                      OuterSGD(self.outer_lr, self.outer_momentum), start, wire, self.hierarchical,
                                      self.skip_nonfinite, self._loss)
         source = module if isinstance(module, torch.nn.Module) else None
@@ -251,6 +254,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.overlap:
             self._engine.finish()
             self._engine.close()
+        if self._local is not None:
+            self._local.close()
 
     def __getattr__(self, name: str):
         optimizer = self.__dict__.get("optimizer")
@@ -297,9 +302,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.is_boundary = self.step_was_skipped = False
         self.took_local_step = False
         if self._window.seen == 0:
-            if self._local is None or not self._local.taken:
+            if self._local is None or not (self._local.taken or self._local.pending):
                 return False
-            self._combine()
+            self._combine(drain=True)
             return True
         self._window.force()  # with local steps: the combine follows this local step
         self._close_window(self._window.seen)
@@ -396,14 +401,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._window.close()
             self.took_local_step = True
             if self._local.local_step(count, forced):
-                self._combine()
+                self._combine(drain=forced)
             return
         if not self._boundary.run(count):
             self._record_skip()
         self._after_boundary()
 
-    def _combine(self) -> None:
-        if not self._local.combine():
+    def _combine(self, drain: bool = False) -> None:
+        if not self._local.combine(drain):
             self._record_skip()
         self._after_boundary()
 

@@ -303,3 +303,94 @@ def test_grad_scaler_backs_off_at_the_combine_on_every_rank(comm):
     assert opt.is_boundary and not opt.step_was_skipped
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert_identical_across_ranks(comm, list(model.parameters()))
+
+
+def by_hand_delayed(comm, op: str, windows: int, h: int, outer_lr=1.0, mu=0.0):
+    """``delay=1`` written out (adasum/torch/delayed.py): each rank continues from G + its own delta while its
+    window's combine travels; the combine moves G at the end of the next window; the last window drains."""
+    model = tiny_model()
+    opt = inner("adam", model.parameters())
+    params = list(model.parameters())
+    glob, pending, v = None, None, None
+
+    def outer(g0, combined):
+        nonlocal v
+        if outer_lr == 1.0 and mu == 0.0:
+            return [s0 + c for s0, c in zip(g0, combined)]
+        g = [-c for c in combined]
+        if mu:
+            v = [mu * (torch.zeros_like(x) if v is None else v[i]) + x for i, x in enumerate(g)]
+            return [s0 - outer_lr * (x + mu * vi) for s0, x, vi in zip(g0, g, v)]
+        return [s0 - outer_lr * x for s0, x in zip(g0, g)]
+
+    def combine(d):
+        return adasum.adasum_allreduce(d, op=op) if comm.Get_size() > 1 else d
+
+    for w in range(windows):
+        start = [p.detach().clone() for p in params]
+        for s in range(w * h, (w + 1) * h):
+            loss_of(model, *batch(comm.Get_rank(), s, 0)).backward()
+            opt.step()
+            opt.zero_grad()
+        d = [p.detach() - s0 for p, s0 in zip(params, start)]
+        if pending is not None:
+            glob = outer(glob, combine(pending))
+        with torch.no_grad():
+            if glob is None:
+                glob = start
+            else:
+                for p, x, g in zip(params, d, glob):
+                    p.copy_(x + g)
+        pending = d
+        if w == windows - 1:  # the last window is forced: drained
+            glob = outer(glob, combine(pending))
+            with torch.no_grad():
+                for p, g in zip(params, glob):
+                    p.copy_(g)
+    return model
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op,outer", [("adasum", (1.0, 0.0)), ("mean", (1.0, 0.0)), ("adasum", (0.7, 0.9))])
+def test_delay_merges_each_combine_one_window_late(comm, op, outer):
+    h, windows = 2, 4
+    model = tiny_model()
+    opt = DistributedOptimizer(inner("adam", model.parameters()), op=op, local_steps=h, delay=1,
+                               outer_lr=outer[0], outer_momentum=outer[1])
+    marks = train(model, opt, comm.Get_rank(), range((windows - 1) * h), 1)
+    assert marks == [False, True] * (windows - 1)
+    loss_of(model, *batch(comm.Get_rank(), (windows - 1) * h, 0)).backward()
+    opt.step()
+    opt.zero_grad()
+    loss_of(model, *batch(comm.Get_rank(), (windows - 1) * h + 1, 0)).backward()
+    opt.force_boundary()  # the end of the data: drained, every rank identical
+    opt.step()
+    assert opt.is_boundary and opt.boundaries == windows
+    assert_identical_across_ranks(comm, list(model.parameters()))
+    want = by_hand_delayed(comm, op, windows, h, *outer)
+    assert [raw_bytes(p) for p in model.parameters()] == [raw_bytes(p) for p in want.parameters()]
+    assert not opt.flush()
+    opt.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_delay_flush_drains_and_state_resumes_bitwise(comm):
+    rank = comm.Get_rank()
+
+    def make(seed=0):
+        model = tiny_model(seed)
+        return model, DistributedOptimizer(inner("adam", model.parameters()), local_steps=2, delay=1,
+                                           outer_momentum=0.5)
+
+    model, opt = make()
+    train(model, opt, rank, range(5), 1)  # two combines out (one merged), one local step into the third window
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    train(model, opt, rank, range(5, 7), 1)
+    assert opt.flush() and opt.is_boundary
+    assert_identical_across_ranks(comm, list(model.parameters()))
+    again, opt2 = make(seed=1)
+    again.load_state_dict(saved_model)
+    opt2.load_state_dict(saved_opt)
+    train(again, opt2, rank, range(5, 7), 1)
+    assert opt2.flush()
+    assert [raw_bytes(p) for p in again.parameters()] == [raw_bytes(p) for p in model.parameters()]
