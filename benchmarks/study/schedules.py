@@ -14,6 +14,7 @@ class Schedule(NamedTuple):
     warmup: bool
     local_steps: int = 1         # DistributedOptimizer(local_steps=): local steps per combine
     outer: tuple = (1.0, 0.0)    # (outer_lr, outer_momentum)
+    delay: int = 0               # DistributedOptimizer(delay=)
 
     def factor(self, p: int) -> float:
         return {"1": 1.0, "2": 2.0, "sqrt": math.sqrt(p), "linear": float(p)}[self.scale]
@@ -25,7 +26,8 @@ class Schedule(NamedTuple):
             return "1 rank"
         local = f" H{self.local_steps}" if self.local_steps > 1 else ""
         outer = f" outer {self.outer[0]:g}/{self.outer[1]:g}" if self.outer != (1.0, 0.0) else ""
-        return f"{self.op} {scale}" + (" + warmup" if self.warmup else "") + local + outer
+        return f"{self.op} {scale}" + (" + warmup" if self.warmup else "") + local + outer + (
+            " delay" if self.delay else "")
 
 
 SINGLE = Schedule("single", "mean", "1", False)
@@ -41,6 +43,7 @@ SCHEDULES = {s.name: s for s in [
     # local steps between combines (not in the default grids): H, and DiLoCo's outer Nesterov (0.7, 0.9)
     *[Schedule(f"{op}-x1-H{h}{'-diloco' if o else ''}", op, "1", False, h, (0.7, 0.9) if o else (1.0, 0.0))
       for op in ("adasum", "mean") for h in (4, 16) for o in (False, True)],
+    *[Schedule(f"{op}-x1-H{h}-delay", op, "1", False, h, delay=1) for op in ("adasum", "mean") for h in (4, 16)],
     SINGLE,
 ]}
 OPS = ("adasum", "adasum-grad", "mean", "sum")
