@@ -394,3 +394,15 @@ def test_delay_flush_drains_and_state_resumes_bitwise(comm):
     train(again, opt2, rank, range(5, 7), 1)
     assert opt2.flush()
     assert [raw_bytes(p) for p in again.parameters()] == [raw_bytes(p) for p in model.parameters()]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_delay_flush_after_a_full_window_merges_the_combine_in_flight(comm):
+    model = tiny_model()
+    opt = DistributedOptimizer(inner("adam", model.parameters()), local_steps=2, delay=1)
+    assert train(model, opt, comm.Get_rank(), range(6), 1) == [False, True] * 3
+    assert opt.flush() and opt.is_boundary and opt.boundaries == 4  # nothing left to send: the merge alone
+    assert_identical_across_ranks(comm, list(model.parameters()))
+    want = by_hand_delayed(comm, "adasum", 3, 2)
+    assert [raw_bytes(p) for p in model.parameters()] == [raw_bytes(p) for p in want.parameters()]
+    opt.close()
