@@ -93,7 +93,9 @@ class AdasumStrategy(ParallelStrategy):
     """Data-parallel training over MPI with :class:`adasum.torch.DistributedOptimizer`.
 
     ``op``, ``overlap``, ``compression``, ``hierarchical``, ``bucket_bytes``, ``start_copy`` and
-    ``skip_nonfinite`` go to every wrapped optimizer; ``comm`` (default ``MPI.COMM_WORLD``) is the world.
+    ``skip_nonfinite``, and ``local_steps``, ``outer_lr``, ``outer_momentum``, ``delay`` (local steps between
+    combines and the outer optimizer: each of Lightning's optimizer steps is a local step) go to every
+    wrapped optimizer; ``comm`` (default ``MPI.COMM_WORLD``) is the world.
     ``buffers`` (``"average"``, the default, ``"broadcast"`` or None) is how the first optimizer keeps the
     module's buffers alike at each window's end (``DistributedOptimizer(..., module=, buffers=)``).
     """
@@ -102,7 +104,8 @@ class AdasumStrategy(ParallelStrategy):
 
     def __init__(self, *, op: str = "adasum", overlap: bool = False, compression: str | None = None,
                  hierarchical: bool = False, bucket_bytes: int = 25 << 20, start_copy: str = "device",
-                 skip_nonfinite: bool = True, buffers: str | None = "average",
+                 skip_nonfinite: bool = True, buffers: str | None = "average", local_steps: int = 1,
+                 outer_lr: float = 1.0, outer_momentum: float = 0.0, delay: int = 0,
                  comm: MPI.Intracomm | None = None, accelerator=None,
                  checkpoint_io=None, precision_plugin=None):
         env = MPIEnvironment(comm)
@@ -110,7 +113,9 @@ class AdasumStrategy(ParallelStrategy):
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.comm = env.comm
         self.options = {"op": op, "overlap": overlap, "compression": compression, "hierarchical": hierarchical,
-                        "bucket_bytes": bucket_bytes, "start_copy": start_copy, "skip_nonfinite": skip_nonfinite}
+                        "bucket_bytes": bucket_bytes, "start_copy": start_copy, "skip_nonfinite": skip_nonfinite,
+                        "local_steps": local_steps, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
+                        "delay": delay}
         self.buffer_mode = buffers
 
     # --- the world ----------------------------------------------------------------------------------------

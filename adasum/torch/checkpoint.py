@@ -123,6 +123,9 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
             raise
     if model is not None:
         model.load_state_dict(header["model"])
+        restore = getattr(optimizer, "_restore_window", None)
+        if callable(restore):  # mid-window of local steps: each rank's own parameters, not the root's
+            restore()
     return header["extra"]
 
 

@@ -28,6 +28,8 @@ from .amp import LossScale
 from .boundary import Boundary, log_skip
 from .buffers import BUFFER_MODES, BufferSync, buffers_of
 from .compress import Wire
+from .delayed import DelayedCombine
+from .local import LocalSteps, OuterSGD, local_problem, uses_local_steps
 from .overlap import OverlapEngine
 from .strategy import AdasumDeltas, GradientReduce, trained_params
 from .tensors import StartCopy
@@ -93,9 +95,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
             boundary is averaged over the ranks, integers rounded down; the constructor first copies rank
             0's buffers to every rank), ``"broadcast"`` (rank 0's buffers are copied to every rank) or None
             (left alone). See :mod:`adasum.torch.buffers` for why averaging is the default.
+        local_steps: local steps between combines (default 1: a combine at every window). With H > 1 the
+            wrapped optimizer takes a plain step at every window (each rank on its own averaged gradients,
+            no MPI call), and every H windows the ranks combine each parameter's delta since the start of
+            the H windows (``op="adasum"``: Adasum; ``"mean"``/``"sum"``: mean/sum of the deltas, i.e. model
+            averaging) and continue from start + combined delta (see ``outer_lr``). See :mod:`.local`.
+        outer_lr: the outer optimizer's rate at each combine (default 1.0): DiLoCo's outer SGD on
+            g = -(combined delta): v <- mu·v + g, params = start - outer_lr·(g + mu·v). Any other value of
+            it or of ``outer_momentum``, like ``local_steps > 1``, makes every window's step a plain local
+            step (also with ``op="mean"``).
+        outer_momentum: mu above, Nesterov where > 0 (default 0.0: params = start + combined delta).
+        delay: 0 (the combine runs in the ``step()`` of the H-th local step) or 1 (it runs on a thread during
+            the next window's local steps and is merged at its end; rule in :mod:`.delayed`). A forced
+            boundary (``force_boundary()``, ``flush()``) merges at once: every rank then holds the same values.
 
     Attributes:
-        is_boundary: whether the last ``step()`` closed a window.
+        is_boundary: whether the last ``step()`` combined the ranks' updates (without local steps: closed a
+            window; with ``local_steps=H``: the H-th local step's window).
+        took_local_step: whether the last ``step()`` closed an accumulation window (with ``local_steps``:
+            took a local step, or skipped one for non-finite gradients).
         step_was_skipped: whether that boundary's update was skipped for non-finite values.
         skipped_updates: boundaries skipped so far.
         boundaries: windows closed so far.
@@ -114,7 +132,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  comm: MPI.Intracomm | None = None, start_copy: str = "device", grad_scaler=None,
                  skip_nonfinite: bool = True, hierarchical: bool = False, overlap: bool = False,
                  bucket_bytes: int = 25 << 20, compression: str | None = None, module=None,
-                 buffers: str | None = "average"):
+                 buffers: str | None = "average", local_steps: int = 1, outer_lr: float = 1.0,
+                 outer_momentum: float = 0.0, delay: int = 0):
         # torch.optim.Optimizer.__init__ is not called: the wrapped optimizer owns groups, state, defaults.
         _check_arguments(optimizer, bucket_bytes)
         _check_buffers(module, buffers)
@@ -143,19 +162,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:  # one rank: exactly the wrapped optimizer (the reduction is the identity)
             self._strategy = GradientReduce(optimizer, self.op, wire, self.skip_nonfinite)
         self.is_boundary = False
+        self.took_local_step = False
         self.step_was_skipped = False
         self.skipped_updates = 0
         self.boundaries = 0
         # Overlap needs a second thread in MPI; without MPI_THREAD_MULTIPLE every boundary runs in step().
-        overlap = bool(overlap) and comm.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self.buffers = buffers if module is not None else None
         kept = [] if self.buffers is None else buffers_of(module)
+        local = {"local_steps": local_steps, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
+                 "delay": delay, "overlap_requested": bool(overlap)}
+        self.overlap_requested = bool(overlap)
+        overlap = bool(overlap) and comm.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
         _check_agreement(comm, {"op": self.op, "accumulation_steps": accumulation_steps, "start_copy": start_copy,
                                 "skip_nonfinite": self.skip_nonfinite, "hierarchical": self.hierarchical,
                                 "grad_scaler": self._loss.enabled, "overlap": overlap,
                                 "bucket_bytes": bucket_bytes, "compression": str(wire.dtype),
-                                "buffers": self.buffers, "buffer_count": len(kept)},
-                         self._params(), [(tuple(b.shape), str(b.dtype)) for b in kept])
+                                "buffers": self.buffers, "buffer_count": len(kept), **local},
+                         self._params(), [(tuple(b.shape), str(b.dtype)) for b in kept], local_problem)
+        self.local_steps, self.outer_lr, self.outer_momentum, self.delay = (
+            int(local_steps), float(outer_lr), float(outer_momentum), int(delay))
+        self._local: LocalSteps | None = None
+        if uses_local_steps(self.local_steps, self.outer_lr, self.outer_momentum, self.delay):
+            self._local = (DelayedCombine if self.delay else LocalSteps)(optimizer, comm, self.op, self.local_steps,
+                                     OuterSGD(self.outer_lr, self.outer_momentum), start, wire, self.hierarchical,
+                                     self.skip_nonfinite, self._loss)
         source = module if isinstance(module, torch.nn.Module) else None
         self._buffers = None if self.buffers is None else BufferSync(self.buffers, kept, comm, source)
         self._engine: OverlapEngine | None = None
@@ -224,6 +254,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.overlap:
             self._engine.finish()
             self._engine.close()
+        if self._local is not None:
+            self._local.close()
 
     def __getattr__(self, name: str):
         optimizer = self.__dict__.get("optimizer")
@@ -268,8 +300,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         must have the same number of micro-batches in its window.
         """
         self.is_boundary = self.step_was_skipped = False
+        self.took_local_step = False
         if self._window.seen == 0:
-            return False
+            if self._local is None or not (self._local.taken or self._local.pending):
+                return False
+            self._combine(drain=True)
+            return True
+        self._window.force()  # with local steps: the combine follows this local step
         self._close_window(self._window.seen)
         return True
 
@@ -317,7 +354,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if not self._window.closes_next:
             return False
-        self._boundary.finalize()
+        if self._local is not None:
+            self._local.finalize(self._window.seen + 1)  # each rank's own, before its local step
+        else:
+            self._boundary.finalize()
         return True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs) -> torch.Tensor | None:
@@ -350,14 +390,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.is_boundary = self.step_was_skipped = False
+        self.is_boundary = self.step_was_skipped = self.took_local_step = False
         if self._window.record():
             self._close_window(self._window.seen)
         return loss
 
     def _close_window(self, count: int) -> None:
+        if self._local is not None:
+            forced = self._window.forced
+            self._window.close()
+            self.took_local_step = True
+            if self._local.local_step(count, forced):
+                self._combine(drain=forced)
+            return
         if not self._boundary.run(count):
             self._record_skip()
+        self._after_boundary()
+
+    def _combine(self, drain: bool = False) -> None:
+        if not self._local.combine(drain):
+            self._record_skip()
+        self._after_boundary()
+
+    def _after_boundary(self) -> None:
         self.boundaries += 1
         self.is_boundary = True
         if self._buffers is not None:
@@ -368,7 +423,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _record_skip(self) -> None:
         self.skipped_updates += 1
         self.step_was_skipped = True
-        log_skip(self.comm, self._strategy, self.boundaries + 1, self.skipped_updates)
+        if self._local is not None:
+            self._local.log_skip(self.boundaries + 1, self.skipped_updates)
+        else:
+            log_skip(self.comm, self._strategy, self.boundaries + 1, self.skipped_updates)
 
     # --- state ------------------------------------------------------------------------------------------------
 
@@ -380,6 +438,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         state = dict(self.optimizer.state_dict())
         own: dict[str, Any] = {**self._window.state_dict(), "boundaries": self.boundaries,
                                "skipped_updates": self.skipped_updates, "scaler_good_steps": self._loss.good_steps}
+        if self._local is not None:
+            own.update(self._local.state_dict())
         if self._window.seen:
             own["accumulated_grads"] = [None if p.grad is None else p.grad.detach() for p in self._params()]
         state["adasum"] = own
@@ -400,9 +460,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._loss.good_steps = int(own.get("scaler_good_steps", 0))
         self.is_boundary = self.step_was_skipped = False
         self._boundary.reset()
+        if self._local is not None:
+            self._local.load_state_dict(own)
         if grads is not None:
             for p, g in zip(params, grads):
                 p.grad = None if g is None else g.detach().to(device=p.device, dtype=p.dtype, copy=True)
+
+    def _restore_window(self) -> None:
+        """After a checkpoint's model (the root rank's parameters) was loaded over a loaded open window of
+        local steps: this rank's own parameters again."""
+        if self._local is not None:
+            self._local.restore_parameters()
 
     # --- helpers ----------------------------------------------------------------------------------------------
 
@@ -411,18 +479,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 
 def _check_agreement(comm: MPI.Intracomm, mine: dict[str, Any], params: list[torch.Tensor],
-                     buffers: list[tuple[tuple[int, ...], str]] = ()) -> None:
+                     buffers: list[tuple[tuple[int, ...], str]] = (),
+                     problem: Callable[[dict[str, Any]], str | None] | None = None) -> None:
     """Every rank must use the same settings, parameter shapes and buffer shapes; raise on every rank if
-    not."""
+    not. ``problem``: what is wrong with one rank's settings (or None), raised on every rank first, naming
+    each rank whose settings it finds wrong. ``overlap_requested`` is checked, not agreed."""
+    rank = comm.Get_rank()
     if comm.Get_size() == 1:
+        exchange.raise_found(rank, exchange.failures(comm, problem and problem(mine)))
         return
     mine = dict(mine, parameters=len(params))
     shapes = hashlib.blake2b(repr(([(tuple(p.shape), str(p.dtype)) for p in params], list(buffers))).encode(),
                              digest_size=8).hexdigest()
     everyone = exchange.allgather(comm, (mine, shapes), what="DistributedOptimizer's settings")
-    rank = comm.Get_rank()
     first, first_shapes = everyone[0]
+    if problem is not None:
+        found = "; ".join(f"rank {r}: {p}" for r, p in ((r, problem(s)) for r, (s, _) in enumerate(everyone)) if p)
+        exchange.raise_found(rank, found or None)
     for key in first:
+        if key == "overlap_requested":
+            continue
         odd = [r for r, (s, _) in enumerate(everyone) if s[key] != first[key]]
         if odd:
             raise ValueError(f"(raised on rank {rank}) ranks disagree on {key} of DistributedOptimizer: "

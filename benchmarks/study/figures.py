@@ -16,7 +16,11 @@ from .tasks import TASKS
 
 _COLORS = {"adasum-x1": "tab:blue", "adasum-x1-warmup": "tab:cyan", "adasum-x2": "navy",
            "mean-x1": "tab:orange", "mean-sqrtP": "tab:red", "mean-linear-warmup": "tab:brown",
-           "sum-x1": "tab:green", "adasum-grad-x1": "tab:purple", "single": "gray"}
+           "sum-x1": "tab:green", "adasum-grad-x1": "tab:purple", "single": "gray",
+           "adasum-x1-H4": "dodgerblue", "adasum-x1-H4-diloco": "steelblue", "adasum-x1-H16": "slateblue",
+           "adasum-x1-H16-diloco": "darkslateblue", "mean-x1-H4": "orange", "mean-x1-H4-diloco": "darkorange",
+           "mean-x1-H16": "goldenrod", "mean-x1-H16-diloco": "peru", "adasum-x1-H4-delay": "darkblue",
+           "adasum-x1-H16-delay": "midnightblue", "mean-x1-H4-delay": "chocolate", "mean-x1-H16-delay": "sienna"}
 
 
 def _plt():

@@ -12,6 +12,9 @@ class Schedule(NamedTuple):
     op: str        # the DistributedOptimizer's op
     scale: str     # "1", "2", "sqrt" (√P) or "linear" (P): the learning rate's multiple of the base
     warmup: bool
+    local_steps: int = 1         # DistributedOptimizer(local_steps=): local steps per combine
+    outer: tuple = (1.0, 0.0)    # (outer_lr, outer_momentum)
+    delay: int = 0               # DistributedOptimizer(delay=)
 
     def factor(self, p: int) -> float:
         return {"1": 1.0, "2": 2.0, "sqrt": math.sqrt(p), "linear": float(p)}[self.scale]
@@ -19,7 +22,12 @@ class Schedule(NamedTuple):
     @property
     def label(self) -> str:
         scale = {"1": "×1", "2": "×2", "sqrt": "×√P", "linear": "×P"}[self.scale]
-        return f"{self.op} {scale}" + (" + warmup" if self.warmup else "") if self.name != "single" else "1 rank"
+        if self.name == "single":
+            return "1 rank"
+        local = f" H{self.local_steps}" if self.local_steps > 1 else ""
+        outer = f" outer {self.outer[0]:g}/{self.outer[1]:g}" if self.outer != (1.0, 0.0) else ""
+        return f"{self.op} {scale}" + (" + warmup" if self.warmup else "") + local + outer + (
+            " delay" if self.delay else "")
 
 
 SINGLE = Schedule("single", "mean", "1", False)
@@ -32,13 +40,18 @@ SCHEDULES = {s.name: s for s in [
     Schedule("mean-linear-warmup", "mean", "linear", True),
     Schedule("sum-x1", "sum", "1", False),
     Schedule("adasum-grad-x1", "adasum-grad", "1", False),
+    # local steps between combines (not in the default grids): H, and DiLoCo's outer Nesterov (0.7, 0.9)
+    *[Schedule(f"{op}-x1-H{h}{'-diloco' if o else ''}", op, "1", False, h, (0.7, 0.9) if o else (1.0, 0.0))
+      for op in ("adasum", "mean") for h in (4, 16) for o in (False, True)],
+    *[Schedule(f"{op}-x1-H{h}-delay", op, "1", False, h, delay=1) for op in ("adasum", "mean") for h in (4, 16)],
     SINGLE,
 ]}
 OPS = ("adasum", "adasum-grad", "mean", "sum")
 # The four the closing comparison is about, in the order the tables show them.
 HEADLINE = ("adasum-x1", "mean-x1", "mean-sqrtP", "mean-linear-warmup")
 
-ALL = list(s for s in SCHEDULES if s not in ("single", "adasum-grad-x1"))
+ALL = list(s for s in SCHEDULES if s not in ("single", "adasum-grad-x1") and SCHEDULES[s].local_steps == 1
+           and SCHEDULES[s].outer == (1.0, 0.0))
 NO_SUM = [s for s in ALL if s != "sum-x1"]
 
 

@@ -50,7 +50,11 @@ class Run:
             self.optimizer = GradientAdasum(self.inner, accumulation_steps=cfg.accumulation, comm=comm)
         else:
             self.optimizer = at.DistributedOptimizer(self.inner, op=self.schedule.op,
-                                                     accumulation_steps=cfg.accumulation, comm=comm)
+                                                     accumulation_steps=cfg.accumulation, comm=comm,
+                                                     local_steps=self.schedule.local_steps,
+                                                     outer_lr=self.schedule.outer[0],
+                                                     outer_momentum=self.schedule.outer[1],
+                                                     delay=self.schedule.delay)
         self.n = self.task.train_count(data, s)
         self.micro = len(shard_batches(self.n, s["batch_size"], self.rank, self.size, 0, cfg.seed))
         self.per_epoch = math.ceil(self.micro / cfg.accumulation)

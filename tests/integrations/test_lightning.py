@@ -173,3 +173,27 @@ def test_buffers_are_alike_on_every_rank(comm, accumulate, overlap):
     with torch.no_grad():
         val = torch.nn.functional.mse_loss(module.net(x), y)
     assert_identical_across_ranks(comm, [val])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_local_steps_and_outer_optimizer_pass_through(comm):
+    """Each of Lightning's optimizer steps is a local step; the ranks combine every ``local_steps``."""
+    options = {"local_steps": 2, "outer_lr": 0.7, "outer_momentum": 0.9}
+    module, trainer = fit(comm, **options)
+    opt = trainer.strategy.optimizers[0]
+    assert (opt.local_steps, opt.outer_lr, opt.outer_momentum, opt.delay) == (2, 0.7, 0.9, 0)
+    steps = 2 * N // (4 * comm.Get_size())  # two epochs of this rank's shard, batches of 4
+    assert opt.boundaries == steps // 2
+    assert_identical_across_ranks(comm, list(module.net.parameters()))
+    net = model_init()
+    hand = at.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), **options)
+    sampler = DistributedSampler(dataset(), comm.Get_size(), comm.Get_rank(), shuffle=True, seed=0)
+    loader = DataLoader(dataset(), batch_size=4, sampler=sampler)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for _, x, y in loader:
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            hand.step()
+            hand.zero_grad()
+    for a, b in zip(module.net.parameters(), net.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
