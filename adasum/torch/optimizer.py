@@ -12,21 +12,20 @@ so an error on one rank is an error on every rank. Every MPI call goes through t
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import weakref
 from typing import Any, Callable
 
 import torch
 from mpi4py import MPI
 
-from ..runtime import exchange
 from ..call.allreduce import Op
 from ..runtime.context import check_comm
 from ..runtime.launch import check_launch
+from .arguments import check_accumulated, check_agreement, check_arguments, check_buffers
 from .accumulate import AccumulationWindow
 from .amp import LossScale
 from .boundary import Boundary, log_skip
-from .buffers import BUFFER_MODES, BufferSync, buffers_of
+from .buffers import BufferSync, buffers_of
 from .compress import Wire
 from .delayed import DelayedCombine
 from .local import LocalSteps, OuterSGD, local_problem, uses_local_steps
@@ -135,8 +134,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  buffers: str | None = "average", local_steps: int = 1, outer_lr: float = 1.0,
                  outer_momentum: float = 0.0, delay: int = 0):
         # torch.optim.Optimizer.__init__ is not called: the wrapped optimizer owns groups, state, defaults.
-        _check_arguments(optimizer, bucket_bytes)
-        _check_buffers(module, buffers)
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("optimizer is already a DistributedOptimizer; wrap the torch optimizer only once")
+        check_arguments(optimizer, bucket_bytes)
+        check_buffers(module, buffers)
         try:
             self.op = Op(op).value
         except ValueError:
@@ -173,7 +174,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  "delay": delay, "overlap_requested": bool(overlap)}
         self.overlap_requested = bool(overlap)
         overlap = bool(overlap) and comm.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
-        _check_agreement(comm, {"op": self.op, "accumulation_steps": accumulation_steps, "start_copy": start_copy,
+        check_agreement(comm, {"op": self.op, "accumulation_steps": accumulation_steps, "start_copy": start_copy,
                                 "skip_nonfinite": self.skip_nonfinite, "hierarchical": self.hierarchical,
                                 "grad_scaler": self._loss.enabled, "overlap": overlap,
                                 "bucket_bytes": bucket_bytes, "compression": str(wire.dtype),
@@ -452,7 +453,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         own = state.pop("adasum", None) or {}
         grads = own.get("accumulated_grads")
         params = self._params()
-        _check_accumulated(grads, params)
+        check_accumulated(grads, params)
         self.optimizer.load_state_dict(state)
         self._window.load_state_dict(own)
         self.boundaries = int(own.get("boundaries", 0))
@@ -476,63 +477,3 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _params(self) -> list[torch.Tensor]:
         return trained_params(self.optimizer)
-
-
-def _check_agreement(comm: MPI.Intracomm, mine: dict[str, Any], params: list[torch.Tensor],
-                     buffers: list[tuple[tuple[int, ...], str]] = (),
-                     problem: Callable[[dict[str, Any]], str | None] | None = None) -> None:
-    """Every rank must use the same settings, parameter shapes and buffer shapes; raise on every rank if
-    not. ``problem``: what is wrong with one rank's settings (or None), raised on every rank first, naming
-    each rank whose settings it finds wrong. ``overlap_requested`` is checked, not agreed."""
-    rank = comm.Get_rank()
-    if comm.Get_size() == 1:
-        exchange.raise_found(rank, exchange.failures(comm, problem and problem(mine)))
-        return
-    mine = dict(mine, parameters=len(params))
-    shapes = hashlib.blake2b(repr(([(tuple(p.shape), str(p.dtype)) for p in params], list(buffers))).encode(),
-                             digest_size=8).hexdigest()
-    everyone = exchange.allgather(comm, (mine, shapes), what="DistributedOptimizer's settings")
-    first, first_shapes = everyone[0]
-    if problem is not None:
-        found = "; ".join(f"rank {r}: {p}" for r, p in ((r, problem(s)) for r, (s, _) in enumerate(everyone)) if p)
-        exchange.raise_found(rank, found or None)
-    for key in first:
-        if key == "overlap_requested":
-            continue
-        odd = [r for r, (s, _) in enumerate(everyone) if s[key] != first[key]]
-        if odd:
-            raise ValueError(f"(raised on rank {rank}) ranks disagree on {key} of DistributedOptimizer: "
-                             + ", ".join(f"rank {r} has {everyone[r][0][key]!r}" for r in odd)
-                             + f", rank 0 has {first[key]!r}")
-    odd = [r for r, (_, h) in enumerate(everyone) if h != first_shapes]
-    if odd:
-        raise ValueError(f"(raised on rank {rank}) the parameter or buffer shapes or dtypes of rank(s) "
-                         f"{', '.join(map(str, odd))} differ from rank 0's")
-
-
-def _check_arguments(optimizer, bucket_bytes) -> None:
-    if isinstance(optimizer, DistributedOptimizer):
-        raise TypeError("optimizer is already a DistributedOptimizer; wrap the torch optimizer only once")
-    if not callable(getattr(optimizer, "step", None)) or not hasattr(optimizer, "param_groups"):
-        raise TypeError(f"optimizer must be a torch optimizer with param_groups and step(), got "
-                        f"{type(optimizer).__name__}")
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
-
-
-def _check_buffers(module, buffers) -> None:
-    if buffers is not None and buffers not in BUFFER_MODES:
-        raise ValueError(f"buffers must be 'average', 'broadcast' or None, got {buffers!r}")
-    if module is None and buffers == "broadcast":
-        raise ValueError("buffers='broadcast' needs the model: pass module=model (or an iterable of its buffers)")
-
-
-def _check_accumulated(grads, params: list[torch.Tensor]) -> None:
-    """A state's accumulated gradients (or None) must fit the parameters, one per parameter."""
-    if grads is not None and len(grads) != len(params):
-        raise ValueError(f"the state holds accumulated gradients for {len(grads)} parameters, the optimizer "
-                         f"has {len(params)}")
-    for i, (p, g) in enumerate(zip(params, grads or [])):
-        if g is not None and tuple(g.shape) != tuple(p.shape):
-            raise ValueError(f"accumulated gradient {i} has shape {tuple(g.shape)}, parameter {i} has "
-                             f"{tuple(p.shape)}")
