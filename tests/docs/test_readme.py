@@ -164,3 +164,35 @@ def test_an_excerpt_check_catches_drift():
     assert _missing_line("import torch\ndone()\n", script) == "done()"     # not at the same depth
     assert _missing_line("done()\nstep(x)\n", script) == "step(x)"          # out of order
     assert _missing_line("step(x, lr=1)\n", script) == "step(x, lr=1)"      # changed
+
+
+_RUNS = re.compile(r"(?<![\w./-])(mpiexec|mpirun|python3?)\b")
+
+
+@pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_pages_that_run_commands_say_to_activate_the_venv(readme):
+    """After the two commands, mpiexec and the python that has adasum are in .venv/bin: a page whose
+    commands run them says to activate .venv, or writes them with .venv/bin/."""
+    text = readme.read_text()
+    bare = [line.strip() for block in _blocks(text, "bash") for line in block.splitlines()
+            if _RUNS.search(line.split("#", 1)[0]) and ".venv/bin/" not in line]
+    if bare:
+        assert ". .venv/bin/activate" in text, \
+            f"{readme.relative_to(ROOT)} runs {bare[0]!r} but never says to activate .venv (. .venv/bin/activate)"
+
+
+_SCRIPT_OPTIONS = re.compile(r"(examples/[\w.]+\.py)((?:\s+(?:--?[\w-]+(?:\s+(?!--)[^\s#]+)?))*)")
+
+
+@pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_option_a_command_passes_to_an_example_is_one_it_takes(readme):
+    """`mpiexec ... examples/train.py --op mean`: each --option after an example script is defined in it."""
+    unknown = []
+    for block in _blocks(readme.read_text(), "bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            for script, options in _SCRIPT_OPTIONS.findall(line.split("#", 1)[0]):
+                source = (ROOT / script).read_text() if (ROOT / script).exists() else ""
+                for option in re.findall(r"(?<!\S)(--[\w-]+)", options):
+                    if f'"{option}"' not in source:
+                        unknown.append(f"{script} {option} in: {line.strip()}")
+    assert not unknown, f"{readme.relative_to(ROOT)}: options the scripts do not define:\n" + "\n".join(unknown)
