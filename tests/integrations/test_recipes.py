@@ -31,7 +31,8 @@ RECIPES = [
     ("hf_trainer.py", "transformers"),
 ]
 
-_LINE = re.compile(r"rank (\d+): final test accuracy ([0-9.]+), parameter checksum (\S+)")
+# The launcher may join the ranks' lines (one rank's line right after the other's, without a newline).
+_LINE = re.compile(r"rank (\d+): final test accuracy ([0-9]\.[0-9]{4}), parameter checksum (-?[0-9]+\.[0-9]+(?:e[-+][0-9]+)?)")
 
 
 def _mpiexec() -> str:
