@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 __all__ = ["Data", "make_data", "load_or_make_data", "shard_batches", "ConvNet", "build_model", "evaluate",
-           "sleeping_barrier"]
+           "sleeping_barrier", "recipe_data", "report"]
 
 
 class Data(NamedTuple):
@@ -130,3 +130,25 @@ def sleeping_barrier(comm, interval: float = 0.01) -> None:
     req = comm.Ibarrier()
     while not req.Test():
         time.sleep(interval)
+
+
+def recipe_data(num_samples: int = 2000) -> Data:
+    """MNIST-1D for the short recipe scripts under ``examples/``: rank 0 of ``MPI.COMM_WORLD`` reads it from a
+    cache file in the temporary directory (generating it there the first time, a few seconds) while the
+    other ranks sleep, then sends it to them."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    cache = os.path.join(tempfile.gettempdir(), f"adasum-examples-mnist1d-{int(num_samples)}.npz")
+    data = load_or_make_data(num_samples, cache=cache) if comm.Get_rank() == 0 else None
+    sleeping_barrier(comm)
+    return comm.bcast(data, root=0)
+
+
+def report(model: nn.Module, data: Data, rank: int) -> float:
+    """Print this rank's final test accuracy and a checksum of its parameters (every rank of a data-parallel
+    run holds the same model, so every rank prints the same line but for its rank); returns the accuracy."""
+    _, correct, n = evaluate(model, data.x_test, data.y_test)
+    checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+    print(f"rank {rank}: final test accuracy {correct / n:.4f}, parameter checksum {checksum!r}", flush=True)
+    return correct / n

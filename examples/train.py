@@ -12,6 +12,8 @@ nodes it found.
 
 ``--checkpoint PATH`` saves at the end of every epoch (and every ``--checkpoint-every`` micro-batches) and
 resumes from PATH when it exists; the resumed run ends with bitwise the parameters of an uninterrupted one.
+Run again once the checkpoint's run has finished its epochs, it trains nothing and reports (and writes to
+``--metrics-json``) the metrics of the checkpoint's last epoch.
 """
 
 from __future__ import annotations
@@ -136,17 +138,20 @@ def main(argv=None) -> dict | None:
         torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * steps_per_epoch), optimizer)
 
     epoch, micro, elapsed = 0, 0, 0.0
+    finished = None
     if args.checkpoint and _exists(comm, args.checkpoint):
         extra = at.load_checkpoint(args.checkpoint, model=model, optimizer=optimizer)
         scheduler.load_state_dict(extra["scheduler"])
         if scaler is not None and extra.get("scaler"):
             scaler.load_state_dict(extra["scaler"])
         epoch, micro, elapsed = extra["epoch"], extra["micro"], extra["seconds"]
+        finished = extra.get("metrics")  # the metrics of the epoch the checkpoint closed, if it closed one
         log.info("resumed from %s at epoch %d, micro-batch %d", args.checkpoint, epoch + 1, micro)
 
-    def save(epoch: int, micro: int) -> None:
+    def save(epoch: int, micro: int, metrics: dict | None = None) -> None:
         extra = {"epoch": epoch, "micro": micro, "seconds": elapsed + time.perf_counter() - t0,
-                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None}
+                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None,
+                 "metrics": metrics}
         at.save_checkpoint(args.checkpoint, model=model, optimizer=optimizer, extra=extra)
 
     log.info("MNIST-1D: %d training and %d test signals; %d ranks, %d micro-batches of %d per rank and epoch, "
@@ -161,7 +166,7 @@ def main(argv=None) -> dict | None:
         """Test loss and accuracy over all ranks' test shards, and the epoch's mean training loss."""
         loss_sum, correct, count = evaluate(model, data.x_test[test_shard], data.y_test[test_shard])
         totals = comm.allreduce(torch.tensor([loss_sum, correct, count, *train_loss.tolist()],
-                                             dtype=torch.float64).numpy(), op=MPI.SUM)
+                                             dtype=torch.float64).numpy(), op=MPI.SUM).tolist()
         return {"test_accuracy": totals[1] / totals[2], "test_loss": totals[0] / totals[2],
                 "train_loss": totals[3] / max(totals[4], 1), "epochs": epoch, "op": args.op,
                 "world_size": size, "accumulation_steps": args.accumulation_steps,
@@ -211,13 +216,18 @@ def main(argv=None) -> dict | None:
                  100 * metrics["test_accuracy"], scheduler.get_last_lr()[0], optimizer.skipped_updates,
                  metrics["seconds"])
         if args.checkpoint:
-            save(epoch, 0)
+            save(epoch, 0, metrics)
         if done == args.stop_after:
             log.info("stopping after %d micro-batches, as asked", done)
             return None
 
-    if not metrics:  # resumed from a checkpoint of a finished run
-        metrics = measure(epoch, torch.zeros(2, dtype=torch.float64))
+    if not metrics:  # resumed from a checkpoint of a finished run: nothing was trained here
+        if finished is not None:
+            metrics = finished
+        else:  # a checkpoint written before it kept its metrics: the test metrics, no training loss
+            metrics = dict(measure(epoch, torch.zeros(2, dtype=torch.float64)), train_loss=None)
+        log.info("nothing to train: %s holds a run that finished its %d epochs; its metrics: test accuracy "
+                 "%.2f%%", args.checkpoint, epoch, 100 * metrics["test_accuracy"])
     if rank == 0 and args.metrics_json:
         with open(args.metrics_json, "w") as f:
             json.dump(metrics, f, indent=2)

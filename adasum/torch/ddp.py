@@ -1,5 +1,7 @@
 """Adasum inside torch's ``DistributedDataParallel``, as a communication hook: an explicit state object and
-a plain function, as torch's own hooks are.
+a plain function, as torch's own hooks are. A model takes one hook (DDP's ``register_comm_hook`` can be
+called once): one of the two below. ``examples/ddp_hook.py`` and ``examples/ddp_delta_hook.py`` are complete
+scripts.
 
 Gradients (any optimizer; Adasum of the gradients, or their sum or mean)::
 

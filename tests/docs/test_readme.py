@@ -98,3 +98,101 @@ def test_every_path_in_a_readme_command_exists(readme):
                 if not (ROOT / path).exists():
                     missing.append(f"{path!r} in: {line.strip()}")
     assert not missing, f"{readme.relative_to(ROOT)}: commands name files that do not exist:\n" + "\n".join(missing)
+
+
+# A recipe in the docs is an excerpt of a complete script: the HTML comment names the script, the fenced
+# block after it shows some of its lines.
+_EXCERPT = re.compile(r"^<!-- excerpt: (\S+) -->\n```\w*\n(.*?)^```", flags=re.S | re.M)
+
+
+def _excerpts() -> list[tuple[Path, str, str]]:
+    return [(readme, m[1], m[2]) for readme in READMES for m in _EXCERPT.finditer(readme.read_text())]
+
+
+def _missing_line(excerpt: str, script: str) -> str | None:
+    """None where every non-blank line of ``excerpt`` is a line of ``script``, in order, all indented by the
+    same amount more than in the excerpt; else the first line that could not be found."""
+    want = [line.rstrip() for line in excerpt.splitlines() if line.strip()]
+    have = [line.rstrip() for line in script.splitlines()]
+    first_unmatched = want[0]
+    for indent in sorted({len(h) - len(h.lstrip()) for h in have if h.strip() == want[0].strip()}):
+        prefix, i = " " * (indent - (len(want[0]) - len(want[0].lstrip()))), 0
+        for line in have:
+            if i < len(want) and line == prefix + want[i]:
+                i += 1
+        if i == len(want):
+            return None
+        first_unmatched = want[i]
+    return first_unmatched
+
+
+def test_python_blocks_are_marked_excerpts():
+    """Every python block of the README and the docs is the quick start (the whole of examples/quickstart.py)
+    or an excerpt marked with the script it comes from: no recipe stands alone, untested."""
+    unmarked = []
+    for readme in READMES:
+        text = readme.read_text()
+        for m in re.finditer(r"^```python\n", text, flags=re.M):
+            before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+            block = text[m.end():text.index("\n```", m.end())]
+            if not before.startswith("<!-- excerpt:") and block + "\n" != (ROOT / "examples" / "quickstart.py").read_text():
+                unmarked.append(f"{readme.relative_to(ROOT)}: {block.splitlines()[0]!r}")
+    assert not unmarked, "python blocks without an excerpt marker:\n" + "\n".join(unmarked)
+
+
+def test_the_recipes_are_excerpts_of_their_scripts():
+    found = _excerpts()
+    named = {script for _, script, _ in found}
+    for script in ("examples/ddp_hook.py", "examples/ddp_delta_hook.py", "examples/lightning_mnist1d.py",
+                   "examples/accelerate_ddp.py", "examples/hf_trainer.py", "examples/horovod_style.py",
+                   "examples/train_quickstart.py", "examples/distributed_optimizer.py"):
+        assert script in named, f"no recipe in the docs is marked as an excerpt of {script}"
+    drift = []
+    for readme, script, block in found:
+        path = ROOT / script
+        assert path.is_file(), f"{readme.relative_to(ROOT)}: the excerpt names {script}, which does not exist"
+        line = _missing_line(block, path.read_text())
+        if line is not None:
+            drift.append(f"{readme.relative_to(ROOT)}: {line.strip()!r} is not in {script} (in this order)")
+    assert not drift, "recipes differ from their scripts:\n" + "\n".join(drift)
+
+
+def test_an_excerpt_check_catches_drift():
+    script = "import torch\n\nfor x in data:\n    step(x)\n    done()\n"
+    assert _missing_line("for x in data:\n    step(x)\n", script) is None
+    assert _missing_line("step(x)\ndone()\n", script) is None               # indented the same, deeper
+    assert _missing_line("import torch\ndone()\n", script) == "done()"     # not at the same depth
+    assert _missing_line("done()\nstep(x)\n", script) == "step(x)"          # out of order
+    assert _missing_line("step(x, lr=1)\n", script) == "step(x, lr=1)"      # changed
+
+
+_RUNS = re.compile(r"(?<![\w./-])(mpiexec|mpirun|python3?)\b")
+
+
+@pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_pages_that_run_commands_say_to_activate_the_venv(readme):
+    """After the two commands, mpiexec and the python that has adasum are in .venv/bin: a page whose
+    commands run them says to activate .venv, or writes them with .venv/bin/."""
+    text = readme.read_text()
+    bare = [line.strip() for block in _blocks(text, "bash") for line in block.splitlines()
+            if _RUNS.search(line.split("#", 1)[0]) and ".venv/bin/" not in line]
+    if bare:
+        assert ". .venv/bin/activate" in text, \
+            f"{readme.relative_to(ROOT)} runs {bare[0]!r} but never says to activate .venv (. .venv/bin/activate)"
+
+
+_SCRIPT_OPTIONS = re.compile(r"(examples/[\w.]+\.py)((?:\s+(?:--?[\w-]+(?:\s+(?!--)[^\s#]+)?))*)")
+
+
+@pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_option_a_command_passes_to_an_example_is_one_it_takes(readme):
+    """`mpiexec ... examples/train.py --op mean`: each --option after an example script is defined in it."""
+    unknown = []
+    for block in _blocks(readme.read_text(), "bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            for script, options in _SCRIPT_OPTIONS.findall(line.split("#", 1)[0]):
+                source = (ROOT / script).read_text() if (ROOT / script).exists() else ""
+                for option in re.findall(r"(?<!\S)(--[\w-]+)", options):
+                    if f'"{option}"' not in source:
+                        unknown.append(f"{script} {option} in: {line.strip()}")
+    assert not unknown, f"{readme.relative_to(ROOT)}: options the scripts do not define:\n" + "\n".join(unknown)

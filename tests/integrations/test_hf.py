@@ -121,3 +121,33 @@ def test_hf_trainer_recipe(comm, pg, shared_dir):
     for a, b in zip(mean_net.parameters(), ddp_net.parameters()):  # the hook's mean is DDP's own average
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
     assert any(not torch.equal(a, b) for a, b in zip(adasum_net.parameters(), mean_net.parameters()))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine without a GPU")
+def test_hf_trainer_without_use_cpu_names_the_cause(comm, pg, shared_dir):
+    """torch.distributed runs on every rank, but without use_cpu=True the Trainer on a host without a GPU
+    starts no distributed mode: the callback's error on every rank says so, not to start torch.distributed."""
+    from transformers import Trainer, TrainingArguments
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return N
+
+        def __getitem__(self, i):
+            _, x, y = data()[i]
+            return {"x": x, "labels": y}
+
+    args = TrainingArguments(output_dir=shared_dir, per_device_train_batch_size=2, max_steps=2, ddp_backend="gloo",
+                             report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = Trainer(model=Net(), args=args, train_dataset=Rows())
+        trainer.add_callback(AdasumCallback(trainer))
+        with pytest.raises(RuntimeError) as raised:
+            trainer.train()
+    message = str(raised.value)
+    assert f"rank {comm.Get_rank()}" in message
+    assert "the Trainer did not start distributed mode: pass use_cpu=True on a machine without a GPU" in message
+    assert "init_process_group" not in message and "launch with mpiexec" not in message
+    assert all(comm.allgather(True))  # every rank raised and goes on

@@ -49,6 +49,24 @@ def test_example_trains_and_writes_metrics(tmp_path):
     assert written["test_accuracy"] > 0.3 and written["train_loss"] < 1.5
 
 
+def test_example_rerun_on_a_finished_checkpoint_reports_its_metrics(tmp_path):
+    """Running the same --checkpoint command again after the run finished trains nothing and writes the
+    metrics of the checkpoint's last epoch, not a training loss of 0.0."""
+    train = _train_module()
+    ckpt, first, again = tmp_path / "run.pt", tmp_path / "first.json", tmp_path / "again.json"
+    common = SMALL + ["--epochs", "1", "--checkpoint", str(ckpt)]
+    want = train.main(common + ["--metrics-json", str(first)])
+    before = _model_bytes(ckpt)
+    got = train.main(common + ["--metrics-json", str(again)])
+    assert want["train_loss"] > 0.5  # one short epoch from random weights: about ln(10) = 2.3
+    written = json.loads(again.read_text())
+    assert written["train_loss"] == want["train_loss"], "the rerun reports a training loss it did not have"
+    untimed = {k: v for k, v in want.items() if "seconds" not in k}
+    assert {k: v for k, v in written.items() if "seconds" not in k} == untimed == \
+        {k: v for k, v in got.items() if "seconds" not in k}
+    assert _model_bytes(ckpt) == before  # nothing trained, nothing rewritten
+
+
 @pytest.mark.parametrize("op", ["adasum", "mean"])
 def test_example_resumes_bitwise_from_a_mid_window_checkpoint(tmp_path, op):
     train = _train_module()

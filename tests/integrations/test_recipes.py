@@ -1,0 +1,64 @@
+"""Every recipe script under examples/ that the docs show an excerpt of, run as a user runs it:
+``mpiexec -n 2 python -m mpi4py examples/SCRIPT.py``, from a serial test. Each script trains the small CNN of
+examples/model.py on MNIST-1D for a few seconds and prints, on every rank, its final test accuracy and a
+checksum of its parameters: it must exit 0, every rank must print the same line (one model), and the
+accuracy must be far above chance (ten classes: 10 %). tests/docs/test_readme.py checks that the docs'
+blocks are excerpts of these scripts."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# (script, the framework it needs)
+RECIPES = [
+    ("train_quickstart.py", None),
+    ("distributed_optimizer.py", None),
+    ("ddp_hook.py", None),
+    ("ddp_delta_hook.py", None),
+    ("ddp_local_steps.py", None),
+    ("horovod_style.py", None),
+    ("lightning_mnist1d.py", "lightning"),
+    ("accelerate_ddp.py", "accelerate"),
+    ("hf_trainer.py", "transformers"),
+]
+
+# The launcher may join the ranks' lines (one rank's line right after the other's, without a newline).
+_LINE = re.compile(r"rank (\d+): final test accuracy ([0-9]\.[0-9]{4}), parameter checksum (-?[0-9]+\.[0-9]+(?:e[-+][0-9]+)?)")
+
+
+def _mpiexec() -> str:
+    """The launcher next to this interpreter (.venv/bin/mpiexec), else the one on PATH."""
+    found = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    assert found, "no mpiexec next to the interpreter or on PATH"
+    return found
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("script, needs", [
+    pytest.param(script, needs, id=script, marks=[pytest.mark.frameworks] if needs else [])
+    for script, needs in RECIPES])
+def test_recipe_script_trains_under_mpiexec(script, needs, tmp_path):
+    if needs is not None and importlib.util.find_spec(needs) is None:
+        pytest.skip(f"{script} needs {needs} (the frameworks extra)")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MPIEXEC_TIMEOUT="540",
+               PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    # From a scratch directory: what the frameworks write (lightning_logs/, hf-out/) stays out of the checkout.
+    run = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(ROOT / "examples" / script)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=570)
+    out = f"{run.stdout}\n{run.stderr}"
+    assert run.returncode == 0, f"examples/{script} failed (exit {run.returncode}):\n{out[-6000:]}"
+    lines = {int(m[1]): (float(m[2]), m[3]) for m in _LINE.finditer(run.stdout)}
+    assert sorted(lines) == [0, 1], f"examples/{script}: want the final line of both ranks, got:\n{out[-6000:]}"
+    assert lines[0] == lines[1], f"examples/{script}: the ranks ended with different models: {lines}"
+    accuracy = lines[0][0]
+    assert accuracy > 0.25, f"examples/{script}: final test accuracy {accuracy:.1%}; chance is 10 %"
