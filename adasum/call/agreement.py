@@ -16,6 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..runtime import stall, waiting
+from ..runtime.stall import AdasumCollectiveError
 from ..adapters import Adapter, Adapters
 from ..rule.dtypes import FLOAT_DTYPES, INT_DTYPES, dtype_code, op_code
 from ..kernels.native import compiled, mpi_bound, request
@@ -24,10 +25,10 @@ __all__ = ["AdasumMismatchError", "TensorDesc", "agree", "agree_exchange", "agre
            "explain", "load", "resume", "signature"]
 
 
-class AdasumMismatchError(ValueError, RuntimeError):
+class AdasumMismatchError(ValueError, AdasumCollectiveError):
     """The ranks called a collective with inputs that do not match (op, tensor count, shape or dtype), or
-    different collectives. A ``ValueError`` (the inputs) and a ``RuntimeError`` (what Horovod raises for a
-    mismatch between ranks)."""
+    different collectives. A ``ValueError`` (the inputs) and an :class:`AdasumCollectiveError`, a
+    ``RuntimeError`` (what Horovod raises for a mismatch between ranks: ``HorovodInternalError``)."""
 
 
 # What to do where one of the calls that met is of this kind.

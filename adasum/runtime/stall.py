@@ -33,7 +33,7 @@ from .settings import current
 from .transport import TAG
 from .waiting import wait_all
 
-__all__ = ["AdasumStallError", "patience", "wait", "drain"]
+__all__ = ["AdasumCollectiveError", "AdasumStallError", "patience", "wait", "drain"]
 
 _log = logging.getLogger("adasum")
 
@@ -44,7 +44,13 @@ ANNOUNCE_AFTER = 1.0
 _FIELDS = 5  # call number, op, tensors, bytes, rank
 
 
-class AdasumStallError(RuntimeError):
+class AdasumCollectiveError(RuntimeError):
+    """A collective failed between the ranks: they called different things (:class:`AdasumMismatchError`) or
+    a rank did not arrive (:class:`AdasumStallError`). ``adasum.horovod.HorovodInternalError`` is this
+    class, so ``except hvd.HorovodInternalError`` catches both, as Horovod's scripts expect."""
+
+
+class AdasumStallError(AdasumCollectiveError):
     """A call waited ``stall_timeout`` seconds for ranks that did not enter it; the text names them."""
 
 
