@@ -21,6 +21,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -96,12 +97,15 @@ def run(folder: Path, name: str, args) -> tuple[str, str, float]:
     cmd = [args.mpiexec, "-n", str(args.ranks), args.python, "-m", "mpi4py", "-m", "pytest", "-q", "-p",
            "no:cacheprovider", f"test_torch.py::TorchTests::{name}"]
     start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        done = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=args.timeout,
-                              start_new_session=True)
-        rc, output = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc, output = -1, f"timed out after {args.timeout} s\n{exc.stdout or ''}{exc.stderr or ''}"
+        output, _ = proc.communicate(timeout=args.timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and its ranks: the session started for them
+        output, _ = proc.communicate()
+        rc, output = -1, f"timed out after {args.timeout} s\n{output}"
     return outcome(rc, output), output, time.monotonic() - start
 
 
