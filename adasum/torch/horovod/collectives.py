@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 from ...runtime import exchange, world
 from . import plans
+from .basics import HorovodInternalError
 from .negotiate import Call, execute, serve_joined
 from .process_sets import resolve, thread
 
@@ -143,6 +144,9 @@ def allgather_object(obj, name=None, process_set=None) -> list:
     return _simple("allgather_object", process_set, local=obj, run=lambda everyone: [c.local for c in everyone])
 
 
+_ABSORBED = [0]  # abandoned join()s on the handles' communicator that ended with the others' join()
+
+
 def join(device=-1) -> int:
     """Wait until every rank has called ``join()``, answering meanwhile the other ranks' calls of this
     module: their ``allreduce``/``grouped_allreduce`` (op ``Sum``, ``Average`` or ``Adasum``; synchronous or
@@ -154,6 +158,9 @@ def join(device=-1) -> int:
     Only the whole world's calls of :mod:`adasum.horovod` are answered: a joined rank takes no part in the
     library's own calls (``DistributedOptimizer``'s reductions, ``broadcast_parameters``) or in a process
     set's calls; against those every rank raises (a mismatch) or, for a process set, the others stall.
+    Where this rank's ``join()`` raised so, its part on the handles' communicator is still waiting there:
+    it answers the other ranks' next asynchronous allreduce with NaN (not zeros that would look valid) and
+    their next asynchronous call after that by raising the failure; a ``join()`` of theirs ends it.
     """
     ps = resolve(None)
     start = time.monotonic()
@@ -161,15 +168,33 @@ def join(device=-1) -> int:
     box: dict = {}
 
     def on_stream() -> None:
-        box["served"] = serve_joined(ps.comm(stream=True), ps.ranks, me, plans.answer_with_zeros)
+        if _ABSORBED[0]:  # an abandoned join() met the other ranks' next join() on this communicator
+            _ABSORBED[0] -= 1
+            box["served"] = 0
+            return
+        box["served"], last = serve_joined(ps.comm(stream=True), ps.ranks, me, plans.answer_with_zeros,
+                                           lambda: box.get("abandoned"))
+        if "abandoned" in box and all(c.kind == "join" for c in last):
+            _ABSORBED[0] += 1  # it used up the others' next join() here: this rank's next one skips it
     handle = thread().submit(_kept(on_stream, box))
-    served = serve_joined(ps.comm(), ps.ranks, me, plans.answer_with_zeros)
-    handle.wait()  # (where the main thread's part raised, the thread's part is left to end with the others')
-    if "error" in box:
-        raise box["error"]
+    try:
+        served, _ = serve_joined(ps.comm(), ps.ranks, me, plans.answer_with_zeros)
+    except BaseException as exc:
+        # The thread's part still waits for the others' asynchronous calls: it answers the next one by
+        # raising this on the other ranks (never with zeros), and ends.
+        box["abandoned"] = f"join() failed on this rank: {type(exc).__name__}: {exc}"
+        raise
+    handle.wait()
+    error = box.get("error")
     waited = time.monotonic() - start
-    everyone = exchange.allgather(MPI.COMM_WORLD, (served + box["served"], waited), what="join's order")
-    return min(range(len(everyone)), key=lambda r: everyone[r])
+    mine = (served + box.get("served", 0), waited, None if error is None else f"{type(error).__name__}: {error}")
+    everyone = exchange.allgather(MPI.COMM_WORLD, mine, what="join's order")
+    if error is not None:
+        raise error
+    failed = [f"rank {r}: {e}" for r, (_, _, e) in enumerate(everyone) if e is not None]
+    if failed:
+        raise HorovodInternalError(f"(raised on rank {me}) join() failed on other ranks: " + "; ".join(failed))
+    return min(range(len(everyone)), key=lambda r: everyone[r][:2])
 
 
 def _kept(fn, box: dict):

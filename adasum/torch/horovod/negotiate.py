@@ -66,7 +66,7 @@ def verdict(everyone: list[Call], ranks: list[int], me: int) -> tuple[str, Excep
     if not active:
         return DONE, None
     joined = [ranks[i] for i, c in enumerate(everyone) if c.kind == "join"]
-    failed = [(r, c.error) for r, c in active if c.error is not None]
+    failed = [(ranks[i], c.error) for i, c in enumerate(everyone) if c.error is not None]
     if failed:
         text = "; ".join(msg if msg.startswith(f"rank {r}:") else f"rank {r}: {msg}" for r, (_, msg) in failed)
         return RAISE, _build(failed[0][1][0], here + f"{active[0][1].kind}: " + text)
@@ -98,16 +98,25 @@ def execute(comm: MPI.Intracomm, ranks: list[int], me: int, call: Call,
 
 
 def serve_joined(comm: MPI.Intracomm, ranks: list[int], me: int,
-                 zeros: Callable[[Call, MPI.Intracomm], None]) -> int:
+                 zeros: Callable[[Call, MPI.Intracomm, float], None],
+                 abandoned: Callable[[], str | None] = lambda: None) -> tuple[int, list[Call]]:
     """This rank's side of ``join()`` on ``comm``: answer the other ranks' calls until every rank has
-    joined. ``zeros(call, comm)`` takes part in a joinable ``call`` with zeros. Returns the number of calls
-    answered."""
+    joined. ``zeros(call, comm, fill)`` takes part in a joinable ``call`` with tensors of ``fill``. Returns
+    the number of calls answered and the last negotiation's calls.
+
+    ``abandoned()`` says why this rank's ``join()`` failed elsewhere (its other communicator), or None: then
+    the call already negotiated is answered with NaN rather than zeros, and the next one raises that
+    reason on every other rank (a rank in ``join()`` too), which ends this loop."""
     served = 0
     while True:
-        everyone = negotiate(comm, Call("join", local=served))
-        action, _ = verdict(everyone, ranks, me)
-        if action == DONE:
-            return served
+        reason = abandoned()
+        error = None if reason is None else (HorovodInternalError, f"rank {me}: {reason}")
+        everyone = negotiate(comm, Call("join", local=served, error=error))
+        action, failure = verdict(everyone, ranks, me)
+        if action == DONE or error is not None:
+            return served, everyone
+        if action == RAISE and any(c.kind == "join" and c.error is not None for c in everyone):
+            raise failure
         if action == RUN:
-            zeros(next(c for c in everyone if c.kind != "join"), comm)
+            zeros(next(c for c in everyone if c.kind != "join"), comm, 0.0 if abandoned() is None else float("nan"))
         served += 1

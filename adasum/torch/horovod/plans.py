@@ -59,11 +59,11 @@ def _layout(tensors, trailing: bool = False) -> tuple:
 def _op(average, op, what: str) -> tuple[str | None, tuple | None]:
     if average is not None:
         if op is not None:
-            return None, (ValueError, f"rank {world.rank()}: {what}: pass either average= or op=, not both")
+            return None, (ValueError, f"rank {world.rank()}: pass either average= or op=, not both")
         op = Average if average else Sum
     op = Average if op is None else op
     if op not in OPS:
-        return None, (ValueError, f"rank {world.rank()}: {what}: op must be one of Average, Sum, Adasum, Min, "
+        return None, (ValueError, f"rank {world.rank()}: op must be one of Average, Sum, Adasum, Min, "
                                   f"Max, Product, got {op!r}")
     return op, None
 
@@ -116,10 +116,14 @@ def grouped_allreduce(tensors, average=None, compression=None, op=None, prescale
     return Plan(ps, call, go)
 
 
-def answer_with_zeros(call: Call, comm: MPI.Intracomm) -> None:
-    """A joined rank's part in a joinable ``call`` of the other ranks: zeros of their dtypes and shapes."""
+def answer_with_zeros(call: Call, comm: MPI.Intracomm, fill: float = 0.0) -> None:
+    """A joined rank's part in a joinable ``call`` of the other ranks: zeros (or ``fill`` where the dtype
+    holds it) of their dtypes and shapes."""
     a = dict(call.agree)
-    zeros = [torch.zeros(shape, dtype=getattr(torch, dtype.replace("torch.", ""))) for dtype, shape in a["tensors"]]
+    zeros = []
+    for dtype, shape in a["tensors"]:
+        dtype = getattr(torch, dtype.replace("torch.", ""))
+        zeros.append(torch.full(shape, fill if dtype.is_floating_point else 0, dtype=dtype))
     transfer.reduce_group(zeros, a["op"], a["compression"], 1.0, 1.0, comm)
 
 
