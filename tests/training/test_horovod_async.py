@@ -139,7 +139,7 @@ def test_join_against_another_call_raises_on_the_ranks_that_made_it(comm, stall_
     hvd.init()
     size, rank = comm.Get_size(), comm.Get_rank()
     calls = {"allgather": lambda: hvd.allgather(torch.ones(2, 3)),
-             "broadcast": lambda: hvd.broadcast(torch.ones(3), root_rank=rank),
+             "broadcast": lambda: hvd.broadcast(torch.ones(3), root_rank=1),
              "alltoall": lambda: hvd.alltoall(torch.ones(size)), "barrier": hvd.barrier,
              "allgather_object": lambda: hvd.allgather_object({"x": 1}),
              "allreduce_max": lambda: hvd.allreduce(torch.ones(3), op=hvd.Max)}
