@@ -35,7 +35,10 @@ class AdasumMismatchError(ValueError, AdasumCollectiveError):
 _HINTS = {"join": ("join() while other ranks still make collective calls (uneven data) is not supported: "
                    "there is no background thread to answer their calls. Give every rank the same number of "
                    "batches (for example DistributedSampler(..., drop_last=True)) so that every rank makes "
-                   "the same calls before join()")}
+                   "the same calls before join()"),
+          "adasum.horovod.join": ("a rank in adasum.horovod.join() answers only the other ranks' calls of "
+                                  "adasum.horovod, not the library's own (DistributedOptimizer's reductions, "
+                                  "broadcast_parameters): give every rank the same number of batches")}
 
 
 def _hint(kinds: set) -> str:
@@ -155,11 +158,13 @@ def exchange_digest(what: str, extra: tuple = ()) -> int:
     return hash((_EXCHANGE, zlib.crc32(what.encode()), tuple(int(v) for _, v in extra))) & _MASK
 
 
-def agree_exchange(ctx, what: str, error: Exception | None, vote: int = 0, extra: tuple = ()) -> int:
+def agree_exchange(ctx, what: str, error: Exception | None, vote: int = 0, extra: tuple = (),
+                   label: str | None = None) -> int:
     """The first collective of an exchange ``what`` of :mod:`adasum.runtime.exchange` inside a call in flight on
     ``ctx``: the agreement's four integers (so that it meets an allreduce's agreement, or another kind of
     exchange, as a difference that every rank explains), watched by the stall inspector. Returns the largest
-    ``vote``; raises on every rank where a rank has an ``error`` or is in another kind of call."""
+    ``vote``; raises on every rank where a rank has an ``error`` or is in another kind of call, naming this
+    call ``label`` (default ``what``)."""
     if ctx.size == 1:
         if error is not None:
             raise error
@@ -171,7 +176,7 @@ def agree_exchange(ctx, what: str, error: Exception | None, vote: int = 0, extra
                label=what)
     if agreed(scratch):
         return int(scratch[7])
-    raise explain(ctx, "exchange", None, error, extra, kind=what)
+    raise explain(ctx, "exchange", None, error, extra, kind=what if label is None else label)
 
 
 # The agreement's one encoding, which the compiled small call (adasum/kernels/_kernels_mpi.c) writes and reads the

@@ -271,6 +271,7 @@ def test_objects_barrier_join(comm):
     assert waited[1] < 0.3 and all(w > 0.15 for r, w in enumerate(waited) if r != 1), waited
     if rank == size - 1:
         time.sleep(0.3)
+    hvd.init()
     assert hvd.join() == size - 1
 
 

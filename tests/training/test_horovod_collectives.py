@@ -125,6 +125,7 @@ def test_grouped_calls_and_their_gradients(comm):
 
 @pytest.mark.mpi(min_size=2)
 def test_process_sets_are_sub_communicators(comm):
+    hvd.init()
     size, rank = comm.Get_size(), comm.Get_rank()
     evens, odds = [r for r in range(size) if r % 2 == 0], [r for r in range(size) if r % 2]
     even_set, odd_set = hvd.add_process_set(evens), hvd.add_process_set(hvd.ProcessSet(odds))
@@ -152,6 +153,7 @@ def test_process_sets_are_sub_communicators(comm):
 def test_distributed_optimizer_on_a_process_set(comm):
     """The ranks of the set average their gradients; a rank outside it steps on its own."""
     size, rank = comm.Get_size(), comm.Get_rank()
+    hvd.init()
     first = hvd.add_process_set([0, 1])
     model = torch.nn.Linear(3, 1, bias=False)
     torch.nn.init.zeros_(model.weight)

@@ -10,7 +10,8 @@ changing only its import::
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
 
-The world is ``MPI.COMM_WORLD``; ``init()`` is collective (a call before it initialises, collectively).
+The world is ``MPI.COMM_WORLD``. ``init()`` is collective; the synchronous calls work without it, the
+asynchronous calls, ``join()`` and process sets raise ``ValueError`` until it was called.
 Where the meaning differs from Horovod's:
 
 - ``Adasum`` runs at any number of ranks (Horovod's needs a power of two), combining with the size-weighted

@@ -92,7 +92,8 @@ def broadcast(tensor, root_rank: int, name=None, process_set=None) -> torch.Tens
 def broadcast_(tensor, root_rank: int, name=None, process_set=None) -> torch.Tensor:
     """In place: ``root_rank``'s ``tensor`` written into every rank's ``tensor``, which it returns."""
     with torch.no_grad():
-        tensor.copy_(plans.run(plans.broadcast(tensor, root_rank, process_set, grad=False)))
+        out = plans.run(plans.broadcast(tensor, root_rank, process_set, grad=False))  # refuses a non-tensor
+        tensor.copy_(out)
     return tensor
 
 

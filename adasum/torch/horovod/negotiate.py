@@ -43,7 +43,7 @@ class Call(NamedTuple):
 
 def negotiate(comm: MPI.Intracomm, call: Call) -> list[Call]:
     """Every rank's :class:`Call`, in the order of ``comm``'s ranks (collective over ``comm``)."""
-    return exchange.allgather(comm, call, what=WHAT)
+    return exchange.allgather(comm, call, what=WHAT, label=f"adasum.horovod.{call.kind}")
 
 
 def _build(kind: type, text: str) -> Exception:
@@ -72,8 +72,8 @@ def verdict(everyone: list[Call], ranks: list[int], me: int) -> tuple[str, Excep
         return RAISE, _build(failed[0][1][0], here + f"{active[0][1].kind}: " + text)
     r0, first = active[0]
     if any(c.kind != first.kind for _, c in active):
-        return RAISE, AdasumMismatchError(here + "the ranks are in different calls of adasum.horovod: " + ", ".join(
-            f"rank {r} is in {c.kind}" for r, c in active))
+        return RAISE, AdasumMismatchError(here + "the ranks are in different calls: " + ", ".join(
+            f"rank {r} is in adasum.horovod.{c.kind}" for r, c in active))
     differ = [(r, c) for r, c in active if c.agree != first.agree]
     if differ:
         return RAISE, AdasumMismatchError(

@@ -38,8 +38,8 @@ def _problem(tensors, what: str, dims: int = 0) -> tuple | None:
     dimensions, else None."""
     for t in tensors:
         if not isinstance(t, torch.Tensor):
-            return ValueError, (f"rank {world.rank()}: {what} takes torch tensors, got "
-                                f"{type(t).__module__}.{type(t).__qualname__}")
+            return ValueError, (f"rank {world.rank()}: the tensor argument is a "
+                                f"{type(t).__module__}.{type(t).__qualname__}, not a torch.Tensor")
         if t.dim() < dims:
             return ValueError, f"rank {world.rank()}: {what} needs tensors of at least {dims} dimension(s), got 0-d"
     return None

@@ -66,10 +66,9 @@ class ProcessSet:
         if not self.included():
             raise ValueError(f"rank {world.rank()} is not in the process set {self.ranks}: only its ranks "
                              "call collectives on it")
-        comm = self._stream if stream else self._main
-        if comm is None:
-            raise ValueError(f"rank {world.rank()}: hvd.init() was not called")
-        return comm
+        if stream:
+            ensure()
+        return self._stream if stream else self._main
 
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
@@ -103,9 +102,12 @@ def init(comm=None, process_sets=None) -> None:
 
 
 def ensure() -> None:
-    """``init()`` where it was not called (collective then, as every call of the façade is)."""
+    """Raise where ``init()`` was not called: the asynchronous calls, ``join()`` and process sets need the
+    handles' communicator, which ``init()`` makes (collectively: it cannot be made by the first such call,
+    which other ranks may not be making)."""
     if _State.stream is None:
-        init()
+        raise ValueError(f"rank {world.rank()}: adasum.horovod has not been initialized; call hvd.init() first "
+                         "(on every rank)")
 
 
 def _finish() -> None:
@@ -149,8 +151,7 @@ def on_thread(fn: Callable[[], object]) -> object:
 
 
 def resolve(process_set) -> ProcessSet:
-    """``process_set`` (None: the whole world) after ``ensure()``."""
-    ensure()
+    """``process_set`` (None: the whole world), checked."""
     if process_set is None:
         return global_process_set
     if not isinstance(process_set, ProcessSet):
