@@ -111,12 +111,12 @@ def local_rank() -> int:
 
 def cross_rank() -> int:
     """The index of this rank's node (nodes ordered by their lowest rank; a node is the ranks that share
-    memory, as for :func:`local_rank`). Collective the first time, as ``local_rank()``."""
+    memory, as for :func:`local_rank`). Local after ``init()``, which finds the node layout."""
     return world.node_rank()
 
 
 def cross_size() -> int:
-    """The number of nodes. Collective the first time, as ``local_rank()``."""
+    """The number of nodes. Local after ``init()``, which finds the node layout."""
     return world.node_count()
 
 

@@ -84,12 +84,15 @@ def initialized() -> bool:
 
 
 def init(comm=None, process_sets=None) -> None:
-    """Collective over the world: make the handles' communicator and thread (once), then register
-    ``process_sets`` (a list of :class:`ProcessSet`), as Horovod's ``init(process_sets=...)``."""
+    """Collective over the world: find the node layout (so that ``local_rank()``, ``local_size()``,
+    ``cross_rank()`` and ``cross_size()`` are local calls after it, as in Horovod), make the handles'
+    communicator and thread (once), then register ``process_sets`` (a list of :class:`ProcessSet`), as
+    Horovod's ``init(process_sets=...)``."""
     if comm is not None:
         raise ValueError("adasum.horovod.init supports only the whole world (comm=None); use "
                          "process_sets= or add_process_set() for subsets, or pass comm= to adasum's own API")
     if _State.stream is None:
+        world.local_rank()  # the node layout, found collectively here: local_rank() and the others are local after
         stream = MPI.COMM_WORLD.Dup()
         library_comm(stream)  # the library's duplicate, made here on the calling thread
         context_for(stream).beside_compute = True  # its waits nap (adasum.runtime.waiting)
