@@ -8,7 +8,7 @@ bandwidth-optimal allreduce. ``adasum.torch.DistributedOptimizer`` applies it to
 from .call.allreduce import Op, adasum_allreduce, adasum_allreduce_inplace
 from .adapters import kernels_backend, set_kernels_backend
 from .runtime.context import Traffic, count_traffic, release_buffers
-from .runtime.stall import AdasumStallError
+from .runtime.stall import AdasumCollectiveError, AdasumStallError
 from .runtime.settings import Settings, configure, get_small_message_bytes, set_small_message_bytes
 from .runtime.settings import current as current_settings
 from .runtime.transport import cuda_aware_mpi, get_gpu_transport, set_gpu_transport
@@ -27,6 +27,7 @@ __all__ = [
     "set_small_message_bytes",
     "kernels_backend",
     "set_kernels_backend",
+    "AdasumCollectiveError",
     "AdasumMismatchError",
     "AdasumStallError",
     "AdasumLaunchError",

@@ -16,6 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..runtime import stall, waiting
+from ..runtime.stall import AdasumCollectiveError
 from ..adapters import Adapter, Adapters
 from ..rule.dtypes import FLOAT_DTYPES, INT_DTYPES, dtype_code, op_code
 from ..kernels.native import compiled, mpi_bound, request
@@ -24,17 +25,20 @@ __all__ = ["AdasumMismatchError", "TensorDesc", "agree", "agree_exchange", "agre
            "explain", "load", "resume", "signature"]
 
 
-class AdasumMismatchError(ValueError, RuntimeError):
+class AdasumMismatchError(ValueError, AdasumCollectiveError):
     """The ranks called a collective with inputs that do not match (op, tensor count, shape or dtype), or
-    different collectives. A ``ValueError`` (the inputs) and a ``RuntimeError`` (what Horovod raises for a
-    mismatch between ranks)."""
+    different collectives. A ``ValueError`` (the inputs) and an :class:`AdasumCollectiveError`, a
+    ``RuntimeError`` (what Horovod raises for a mismatch between ranks: ``HorovodInternalError``)."""
 
 
 # What to do where one of the calls that met is of this kind.
 _HINTS = {"join": ("join() while other ranks still make collective calls (uneven data) is not supported: "
                    "there is no background thread to answer their calls. Give every rank the same number of "
                    "batches (for example DistributedSampler(..., drop_last=True)) so that every rank makes "
-                   "the same calls before join()")}
+                   "the same calls before join()"),
+          "adasum.horovod.join": ("a rank in adasum.horovod.join() answers only the other ranks' calls of "
+                                  "adasum.horovod, not the library's own (DistributedOptimizer's reductions, "
+                                  "broadcast_parameters): give every rank the same number of batches")}
 
 
 def _hint(kinds: set) -> str:
@@ -154,11 +158,13 @@ def exchange_digest(what: str, extra: tuple = ()) -> int:
     return hash((_EXCHANGE, zlib.crc32(what.encode()), tuple(int(v) for _, v in extra))) & _MASK
 
 
-def agree_exchange(ctx, what: str, error: Exception | None, vote: int = 0, extra: tuple = ()) -> int:
+def agree_exchange(ctx, what: str, error: Exception | None, vote: int = 0, extra: tuple = (),
+                   label: str | None = None) -> int:
     """The first collective of an exchange ``what`` of :mod:`adasum.runtime.exchange` inside a call in flight on
     ``ctx``: the agreement's four integers (so that it meets an allreduce's agreement, or another kind of
     exchange, as a difference that every rank explains), watched by the stall inspector. Returns the largest
-    ``vote``; raises on every rank where a rank has an ``error`` or is in another kind of call."""
+    ``vote``; raises on every rank where a rank has an ``error`` or is in another kind of call, naming this
+    call ``label`` (default ``what``)."""
     if ctx.size == 1:
         if error is not None:
             raise error
@@ -170,7 +176,7 @@ def agree_exchange(ctx, what: str, error: Exception | None, vote: int = 0, extra
                label=what)
     if agreed(scratch):
         return int(scratch[7])
-    raise explain(ctx, "exchange", None, error, extra, kind=what)
+    raise explain(ctx, "exchange", None, error, extra, kind=what if label is None else label)
 
 
 # The agreement's one encoding, which the compiled small call (adasum/kernels/_kernels_mpi.c) writes and reads the

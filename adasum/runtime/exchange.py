@@ -63,19 +63,20 @@ def max_of(comm: MPI.Intracomm | None, values: np.ndarray, what: str = "maximum"
         ctx.leave()
 
 
-def allgather(comm: MPI.Intracomm | None, obj: Any, what: str = "allgather") -> list:
-    """Every rank's ``obj``, in rank order, on every rank."""
+def allgather(comm: MPI.Intracomm | None, obj: Any, what: str = "allgather", label: str | None = None) -> list:
+    """Every rank's ``obj``, in rank order, on every rank. ``label`` (default ``what``) names this call where
+    the ranks turn out to be in different calls; the kind of call that must match is ``what``."""
     ctx = enter(comm, what)
     try:
-        return allgather_in(ctx, obj, what)
+        return allgather_in(ctx, obj, what, label)
     finally:
         ctx.leave()
 
 
-def allgather_in(ctx: Context, obj: Any, what: str) -> list:
+def allgather_in(ctx: Context, obj: Any, what: str, label: str | None = None) -> list:
     """:func:`allgather` inside a call already in flight on ``ctx`` (as :func:`failures_in`)."""
     data, error = _pickled(obj, ctx.rank, what)
-    width = agree_exchange(ctx, what, error, _SIZE + data.size)
+    width = agree_exchange(ctx, what, error, _SIZE + data.size, label=label)
     out = np.empty(width * ctx.size, dtype=np.uint8)
     wait(ctx, ctx.lcomm.Iallgather([_padded(data, width), MPI.BYTE], [out, MPI.BYTE]), what, width)
     return [_unpadded(out[r * width:(r + 1) * width]) for r in range(ctx.size)]

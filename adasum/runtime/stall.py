@@ -38,7 +38,7 @@ from .settings import current
 from .transport import TAG
 from .waiting import wait_all
 
-__all__ = ["AdasumStallError", "patience", "wait", "drain"]
+__all__ = ["AdasumCollectiveError", "AdasumStallError", "patience", "wait", "drain"]
 
 _log = logging.getLogger("adasum")
 
@@ -51,7 +51,13 @@ _FIELDS = 5  # call number, op, tensors, bytes, rank
 GIVE_UP_EVERY = 0.1
 
 
-class AdasumStallError(RuntimeError):
+class AdasumCollectiveError(RuntimeError):
+    """A collective failed between the ranks: they called different things (:class:`AdasumMismatchError`) or
+    a rank did not arrive (:class:`AdasumStallError`). ``adasum.horovod.HorovodInternalError`` is this
+    class, so ``except hvd.HorovodInternalError`` catches both, as Horovod's scripts expect."""
+
+
+class AdasumStallError(AdasumCollectiveError):
     """A call waited ``stall_timeout`` seconds for ranks that did not enter it; the text names them."""
 
 
