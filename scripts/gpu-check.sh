@@ -18,7 +18,9 @@ if [ -n "$wheels" ]; then
     $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/adasum-site \
         "$wheels"/*.whl || exit 1
     export PYTHONPATH=/tmp/adasum-site:${PYTHONPATH:-}
-    export PATH=/tmp/adasum-site/bin:$PATH
+    # the image's own mpi4py may hold another MPI: make mpi4py load the carried MPICH, whose mpiexec is first
+    export PATH=/tmp/adasum-site/bin:$PATH LD_LIBRARY_PATH=/tmp/adasum-site/lib:${LD_LIBRARY_PATH:-}
+    export MPI4PY_MPIABI=mpich MPI4PY_LIBMPI=/tmp/adasum-site/lib/libmpi.so.12
 fi
 export PYTHONPATH=$PWD:$PWD/tests:${PYTHONPATH:-} OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 MPIEXEC_TIMEOUT=400
 failed=0
@@ -35,6 +37,8 @@ step() {  # step NAME SECONDS COMMAND...
 nvidia-smi -L
 $py -c "import torch, cupy, triton, mpi4py, numpy; print('torch', torch.__version__, torch.cuda.get_device_name(),
       '| cupy', cupy.__version__, '| triton', triton.__version__, '| mpi4py', mpi4py.__version__, '| numpy', numpy.__version__)"
+$py -m mpi4py --mpi-lib-version | head -1
+mpiexec -n 2 $py -m mpi4py -c "from mpi4py import MPI; c = MPI.COMM_WORLD; print('rank', c.rank, 'of', c.size)"
 step build 120 $py setup.py -q build_ext --inplace
 $py -c "import adasum; print('kernels:', adasum.kernels_backend(), '| cuda-aware MPI:', adasum.cuda_aware_mpi())"
 pytest_mpi="-m mpi4py -m pytest -q -p no:cacheprovider --with-mpi -m mpi --timeout 150 -rs"
