@@ -19,8 +19,17 @@ if [ -n "$wheels" ]; then
         "$wheels"/*.whl || exit 1
     export PYTHONPATH=/tmp/adasum-site:${PYTHONPATH:-}
     # the image's own mpi4py may hold another MPI: make mpi4py load the carried MPICH, whose mpiexec is first
-    export PATH=/tmp/adasum-site/bin:$PATH LD_LIBRARY_PATH=/tmp/adasum-site/lib:${LD_LIBRARY_PATH:-}
-    export MPI4PY_MPIABI=mpich MPI4PY_LIBMPI=/tmp/adasum-site/lib/libmpi.so.12
+    # (pip's --target keeps a wheel's bin/ but drops its lib/, so the libraries are unpacked from it)
+    $py -c "import glob, zipfile
+for w in glob.glob('$wheels/mpich-*.whl'):
+    z = zipfile.ZipFile(w)
+    for n in z.namelist():
+        if '.data/data/lib/' in n:
+            z.extract(n, '/tmp/adasum-mpich')
+for d in glob.glob('/tmp/adasum-mpich/*.data/data/lib'):
+    print('MPICH libraries from', d)" || exit 1
+    export PATH=/tmp/adasum-site/bin:$PATH LD_LIBRARY_PATH=$(echo /tmp/adasum-mpich/*.data/data/lib):${LD_LIBRARY_PATH:-}
+    export MPI4PY_MPIABI=mpich MPI4PY_LIBMPI=$(echo /tmp/adasum-mpich/*.data/data/lib)/libmpi.so.12
 fi
 export PYTHONPATH=$PWD:$PWD/tests:${PYTHONPATH:-} OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 MPIEXEC_TIMEOUT=400
 failed=0
