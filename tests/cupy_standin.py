@@ -18,8 +18,18 @@ calls = {"synchronize": 0, "get": 0, "set": 0, "pinned": 0, "streams": 0, "event
 
 
 class _Device:
+    """As cupy's: equal by id, unhashable (cupy defines equality and no hash), a fresh object per access."""
+
     def __init__(self, id: int = 0):
         self.id = id
+
+    def __eq__(self, other):
+        return isinstance(other, _Device) and other.id == self.id
+
+    __hash__ = None
+
+    def __repr__(self):
+        return f"<CUDA Device {self.id}>"
 
     def __enter__(self):
         return self

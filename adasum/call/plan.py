@@ -135,12 +135,28 @@ def plan_for(ctx, items, op: str, extra: tuple, s: Settings) -> tuple[Plan, tupl
     succeeded (:meth:`Context.keep`; None where the call has no key)."""
     try:
         key = plan_key(items, op, extra)
-    except (AttributeError, TypeError, RuntimeError):  # not an array, unhashable, or without a shape
-        return Plan(ctx, items, op, extra, s), None  # (a nested tensor): describe() says what is wrong
-    plan = kept(ctx, key, items)
+        plan = kept(ctx, key, items)  # hashes the key: a TypeError where a device does not hash (cupy's)
+    except TypeError:
+        try:
+            key = _spelled_key(items, op, extra)
+            plan = kept(ctx, key, items)
+        except (AttributeError, TypeError, RuntimeError):  # not an array, or without a shape (a nested
+            return Plan(ctx, items, op, extra, s), None  # tensor): describe() says what is wrong
+    except (AttributeError, RuntimeError):
+        return Plan(ctx, items, op, extra, s), None
     if plan is not None:
         return plan, None
     return Plan(ctx, items, op, extra, s), key
+
+
+def _spelled_key(items, op: str, extra: tuple) -> tuple:
+    """:func:`plan_key` with each device given by its type and text: a cupy device defines equality but no
+    hash, and its text names its id."""
+    out = []
+    for t in items:
+        device = getattr(t, "device", None)
+        out.append((type(t), t.shape, t.dtype, type(device), str(device)))
+    return op, extra, tuple(out)
 
 
 def place(plan: Plan, members: Sequence[list], layouts: Sequence[TensorLayout | None] | None, inplace: bool,
