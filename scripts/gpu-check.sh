@@ -6,6 +6,9 @@
 #
 #   bash scripts/gpu-check.sh OUTDIR [WHEELDIR]
 #
+# STEPS (default "tests bench train") chooses the parts; train runs examples/train.py for 5 epochs at 4 ranks
+# on the GPU, with and without overlap and AMP, and on the CPU (it needs mnist1d).
+#
 # WHEELDIR, when given, holds wheels (mpich, mpi4py, pytest-mpi) installed first into a private folder, for
 # a machine whose Python lacks them and can reach no package index. Every step has its own time limit, and
 # the script goes on after a failing step; the exit status says whether any failed.
@@ -51,10 +54,22 @@ mpiexec -n 2 $py -m mpi4py -c "from mpi4py import MPI; c = MPI.COMM_WORLD; print
 step build 120 $py setup.py -q build_ext --inplace
 $py -c "import adasum; print('kernels:', adasum.kernels_backend(), '| cuda-aware MPI:', adasum.cuda_aware_mpi())"
 pytest_mpi="-m mpi4py -m pytest -q -p no:cacheprovider --with-mpi -m mpi --timeout 150 -rs"
+want() { [[ " ${STEPS:-tests bench train} " == *" $1 "* ]]; }
+if want tests; then
 step "gpu tests np=2" 150 mpiexec -n 2 $py $pytest_mpi tests/core/test_gpu.py tests/training/test_gpu_training.py
 step "core tests np=3" 200 mpiexec -n 3 $py $pytest_mpi tests/core tests/training/test_gpu_training.py
+fi
+if want bench; then
 step "device benchmark torch np=4" 100 mpiexec -n 4 $py benchmarks/device.py --kind torch \
     --sizes 1MiB,16MiB,64MiB --json "$out/device-torch-np4.json"
 step "device benchmark cupy np=4" 70 mpiexec -n 4 $py benchmarks/device.py --kind cupy \
     --sizes 1MiB,16MiB,64MiB --json "$out/device-cupy-np4.json"
+fi
+if want train; then  # the README's training example, 4 ranks on the one GPU, against the CPU run of the same seed
+    train="mpiexec -n 4 $py -m mpi4py examples/train.py --epochs 5 --no-progress"
+    step "train cuda" 120 $train --device cuda --metrics-json "$out/train-cuda.json"
+    step "train cuda overlap amp" 120 $train --device cuda --overlap --amp --metrics-json "$out/train-cuda-amp.json"
+    step "train cpu" 120 $train --metrics-json "$out/train-cpu.json"
+    for f in "$out"/train-*.json; do echo "$f: $(cat "$f")"; done
+fi
 exit $failed
