@@ -52,18 +52,20 @@ def _late_call(comm, n: int, call_comm=None, late: float = LATE) -> float:
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.world_size(2, 3)  # no more waiting ranks than cores: a spinning one would use about LATE
 @pytest.mark.parametrize("native", [True, False], ids=["compiled-wait", "python-wait"])
 @pytest.mark.parametrize("n", [16, 300_000], ids=["small-call", "large-call"])
 def test_a_napping_rank_leaves_its_core_while_it_waits(comm, setting, native, n):
     """With ``waiting="nap"`` the ranks that wait LATE seconds for the last one spend a small part of that
     time on the CPU, whether the compiled small call, the compiled agreement or the Python one waits. The
     CPU time of the same call with no late rank (its own arithmetic, longer on a loaded machine) is the
-    baseline: waiting adds less than a quarter of the wait to it."""
+    baseline: waiting adds less than 40 % of the wait to it (a nap of at most ``NAP_MAX`` costs a test and a
+    sleep, more on a loaded machine; spinning adds about all of it)."""
     setting(waiting="nap", native_mpi=native)
     # the first call also makes the library's duplicate communicator and buffers
     base = min(_late_call(comm, n, late=0.0) for _ in range(2))
     cpu = _late_call(comm, n)
-    assert cpu - base < 0.25 * LATE, \
+    assert cpu - base < 0.4 * LATE, \
         f"rank {comm.Get_rank()} used {cpu:.3f} s of CPU waiting {LATE} s ({base:.3f} s with no wait)"
 
 
