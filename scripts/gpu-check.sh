@@ -6,7 +6,7 @@
 #
 #   bash scripts/gpu-check.sh OUTDIR [WHEELDIR]
 #
-# STEPS (default "tests bench train") chooses the parts; train runs examples/train.py for 5 epochs at 4 ranks
+# STEPS (default "tests bench train"; also "kernels") chooses the parts; train runs examples/train.py for 5 epochs at 4 ranks
 # on the GPU, with and without overlap and AMP, and on the CPU (it needs mnist1d).
 #
 # WHEELDIR, when given, holds wheels (mpich, mpi4py, pytest-mpi) installed first into a private folder, for
@@ -64,6 +64,12 @@ step "device benchmark torch np=4" 100 mpiexec -n 4 $py benchmarks/device.py --k
     --sizes 1MiB,16MiB,64MiB --json "$out/device-torch-np4.json"
 step "device benchmark cupy np=4" 70 mpiexec -n 4 $py benchmarks/device.py --kind cupy \
     --sizes 1MiB,16MiB,64MiB --json "$out/device-cupy-np4.json"
+fi
+if want kernels; then  # the segmented Triton kernels against the per-layer ones, torch at 4 ranks
+    for k in triton per-layer; do
+        step "device benchmark torch np=4, $k kernels" 60 mpiexec -n 4 $py benchmarks/device.py --kind torch \
+            --sizes 4MiB,64MiB --methods host,staged --kernels $k --json "$out/device-torch-np4-$k.json"
+    done
 fi
 if want train; then  # the README's training example, 4 ranks on the one GPU, against the CPU run of the same seed
     train="mpiexec -n 4 $py -m mpi4py examples/train.py --epochs 5 --no-progress"
