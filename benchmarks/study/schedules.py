@@ -44,6 +44,9 @@ SCHEDULES = {s.name: s for s in [
     *[Schedule(f"{op}-x1-H{h}{'-diloco' if o else ''}", op, "1", False, h, (0.7, 0.9) if o else (1.0, 0.0))
       for op in ("adasum", "mean") for h in (4, 16) for o in (False, True)],
     *[Schedule(f"{op}-x1-H{h}-delay", op, "1", False, h, delay=1) for op in ("adasum", "mean") for h in (4, 16)],
+    # gentler outer optimizers, for an inner optimizer that has momentum of its own: -o{outer_lr}m{momentum}
+    *[Schedule(f"{op}-x1-H{h}-o{lr:g}m{mu:g}", op, "1", False, h, (lr, mu))
+      for op in ("adasum", "mean") for h in (4, 16) for lr, mu in ((0.7, 0.5), (1.0, 0.5), (0.5, 0.0))],
     SINGLE,
 ]}
 OPS = ("adasum", "adasum-grad", "mean", "sum")
