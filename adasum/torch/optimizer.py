@@ -11,9 +11,8 @@ so an error on one rank is an error on every rank. Every MPI call goes through t
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from mpi4py import MPI
@@ -21,22 +20,24 @@ from mpi4py import MPI
 from ..call.allreduce import Op
 from ..runtime.context import check_comm
 from ..runtime.launch import check_launch
-from .arguments import check_accumulated, check_agreement, check_arguments, check_buffers
+from .arguments import check_agreement, check_arguments, check_buffers
 from .accumulate import AccumulationWindow
 from .amp import LossScale
-from .boundary import Boundary, log_skip
+from .boundary import Boundary
 from .buffers import BufferSync, buffers_of
 from .compress import Wire
 from .delayed import DelayedCombine
 from .local import LocalSteps, OuterSGD, local_problem, uses_local_steps
 from .overlap import OverlapEngine
+from .state_dict import StateDicts
+from .stepping import WindowSteps
 from .strategy import AdasumDeltas, GradientReduce, trained_params
 from .tensors import StartCopy
 
 __all__ = ["DistributedOptimizer"]
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(WindowSteps, StateDicts, torch.optim.Optimizer):
     """Wraps ``optimizer`` (SGD, Adam, AdamW, anything with ``param_groups`` and ``step()``) for training on
     every rank of ``comm``. It holds the wrapped optimizer (``.optimizer``) rather than re-implementing it:
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own.
@@ -138,10 +139,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError("optimizer is already a DistributedOptimizer; wrap the torch optimizer only once")
         check_arguments(optimizer, bucket_bytes)
         check_buffers(module, buffers)
-        try:
-            self.op = Op(op).value
-        except ValueError:
-            raise ValueError(f"op must be one of 'adasum', 'sum', 'mean', got {op!r}") from None
+        self.op = _op_name(op)
         comm = check_comm(comm)
         check_launch()  # a job whose processes MPI does not see raises here
         if hierarchical and self.op != "adasum":
@@ -167,21 +165,36 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.step_was_skipped = False
         self.skipped_updates = 0
         self.boundaries = 0
-        # Overlap needs a second thread in MPI; without MPI_THREAD_MULTIPLE every boundary runs in step().
         self.buffers = buffers if module is not None else None
         kept = [] if self.buffers is None else buffers_of(module)
         local = {"local_steps": local_steps, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
                  "delay": delay, "overlap_requested": bool(overlap)}
         self.overlap_requested = bool(overlap)
-        overlap = bool(overlap) and comm.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
-        check_agreement(comm, {"op": self.op, "accumulation_steps": accumulation_steps, "start_copy": start_copy,
-                                "skip_nonfinite": self.skip_nonfinite, "hierarchical": self.hierarchical,
-                                "grad_scaler": self._loss.enabled, "overlap": overlap,
-                                "bucket_bytes": bucket_bytes, "compression": str(wire.dtype),
-                                "buffers": self.buffers, "buffer_count": len(kept), **local},
-                         self._params(), [(tuple(b.shape), str(b.dtype)) for b in kept], local_problem)
+        overlap = self._agree(accumulation_steps, overlap, wire, kept, local)
         self.local_steps, self.outer_lr, self.outer_momentum, self.delay = (
             int(local_steps), float(outer_lr), float(outer_momentum), int(delay))
+        self._assemble(module, kept, start, wire, overlap)
+
+    def _agree(self, accumulation_steps: int, overlap: bool, wire: Wire, kept: list[torch.Tensor],
+               local: dict[str, Any]) -> bool:
+        """Check every rank's settings, parameters and buffers against the others' (collective; a difference
+        raises on every rank); returns whether the boundaries may overlap with backward."""
+        # Overlap needs a second thread in MPI; without MPI_THREAD_MULTIPLE every boundary runs in step().
+        comm = self.comm
+        overlap = bool(overlap) and comm.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        check_agreement(comm, {"op": self.op, "accumulation_steps": accumulation_steps,
+                               "start_copy": self.start_copy, "skip_nonfinite": self.skip_nonfinite,
+                               "hierarchical": self.hierarchical, "grad_scaler": self._loss.enabled,
+                               "overlap": overlap, "bucket_bytes": self.bucket_bytes,
+                               "compression": str(wire.dtype), "buffers": self.buffers, "buffer_count": len(kept),
+                               **local},
+                        self._params(), [(tuple(b.shape), str(b.dtype)) for b in kept], local_problem)
+        return overlap
+
+    def _assemble(self, module, kept: list[torch.Tensor], start: StartCopy, wire: Wire, overlap: bool) -> None:
+        """Make the parts the settings ask for: local steps, the buffers' sync, the overlap engine (dropped,
+        never waited for, once this optimizer is collected) and the boundary procedure."""
+        optimizer, comm = self.optimizer, self.comm
         self._local: LocalSteps | None = None
         if uses_local_steps(self.local_steps, self.outer_lr, self.outer_momentum, self.delay):
             self._local = (DelayedCombine if self.delay else LocalSteps)(optimizer, comm, self.op, self.local_steps,
@@ -192,7 +205,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._engine: OverlapEngine | None = None
         if overlap:
             self._engine = OverlapEngine(optimizer, self._strategy, self._window, self._loss, comm,
-                                         bucket_bytes)
+                                         self.bucket_bytes)
             weakref.finalize(self, self._engine.drop)  # never waits for a collective (OverlapEngine.drop)
         self._boundary = Boundary(optimizer, comm, self._strategy, self._window, self._loss, self._engine)
 
@@ -273,207 +286,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"overlap={self.overlap}, compression={self.compression!r}, size={self.comm.Get_size()}, "
                 f"optimizer={self.optimizer!r})")
 
-    # --- accumulation ----------------------------------------------------------------------------------------
-
-    @property
-    def accumulation_steps(self) -> int:
-        return self._window.steps
-
-    @property
-    def micro_steps(self) -> int:
-        """Micro-batches recorded in the open window (0 right after a boundary)."""
-        return self._window.seen
-
-    @property
-    def sync_gradients(self) -> bool:
-        """Whether the next ``step()`` closes a window (the moment to clip, see :meth:`finalize_gradients`)."""
-        return self._window.closes_next
-
-    def force_boundary(self) -> None:
-        """Make the next ``step()`` close the window, however few micro-batches it holds (the end of the
-        data, before evaluating or saving). Every rank must force the same step."""
-        self._window.force()
-
-    def flush(self) -> bool:
-        """Close the open window now, without a new micro-batch, if it holds any; returns whether it did.
-
-        For loops that learn only after the last micro-batch that the data ended. Collective: every rank
-        must have the same number of micro-batches in its window.
-        """
-        self.is_boundary = self.step_was_skipped = False
-        self.took_local_step = False
-        if self._window.seen == 0:
-            if self._local is None or not (self._local.taken or self._local.pending):
-                return False
-            self._combine(drain=True)
-            return True
-        self._window.force()  # with local steps: the combine follows this local step
-        self._close_window(self._window.seen)
-        return True
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward passes inside do not close a window, whatever the count says: their gradients only
-        accumulate, and with ``overlap`` no bucket is reduced during them. For frameworks that count the
-        micro-batches themselves and call ``step()`` once per window (``accumulation_steps=1``)."""
-        if self._engine is None:
-            yield
-            return
-        self._engine.paused += 1
-        try:
-            yield
-        finally:
-            self._engine.paused -= 1
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients, unless a window is open (then the gradients are still accumulating)."""
-        if self._engine is not None:
-            self._engine.refuse_unfinished("zero_grad()")
-        if self._window.seen:
-            return
-        inner = getattr(self.optimizer, "zero_grad", None)
-        if callable(inner):
-            inner(set_to_none=set_to_none)
-            return
-        for p in self._params():
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_().zero_()
-
-    def finalize_gradients(self) -> bool:
-        """If the next ``step()`` closes a window, make ``.grad`` what the local step will use, now: divided
-        by the window's micro-batch count, unscaled by the ``grad_scaler``, and for ``op="sum"``/``"mean"``
-        reduced over the ranks (collective). Returns whether it did; off the boundary it does nothing.
-
-        Call it before clipping or inspecting gradients::
-
-            if optimizer.finalize_gradients():
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-        """
-        if not self._window.closes_next:
-            return False
-        if self._local is not None:
-            self._local.finalize(self._window.seen + 1)  # each rank's own, before its local step
-        else:
-            self._boundary.finalize()
-        return True
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs) -> torch.Tensor | None:
-        """At a boundary: :meth:`finalize_gradients`, then ``torch.nn.utils.clip_grad_norm_`` over the
-        parameters, returning the total norm; off the boundary nothing, returning None.
-
-        With ``op="sum"``/``"mean"`` this clips the reduced gradient (the same norm on every rank), with
-        ``op="adasum"`` each rank's own averaged gradient before its local step.
-        """
-        if not self.finalize_gradients():
-            return None
-        return torch.nn.utils.clip_grad_norm_(self._params(), max_norm, norm_type, **kwargs)
-
-    # --- the step --------------------------------------------------------------------------------------------
-
-    def step(self, closure: Callable[[], Any] | None = None):
-        """Record one micro-batch; where it closes a window, reduce and update (collective there).
-
-        ``closure`` (forward and backward of this micro-batch, as torch optimizers and Lightning pass it) is
-        evaluated first, once, at every call; its loss is returned. The wrapped optimizer then steps
-        without it, so optimizers that evaluate the closure several times (LBFGS) are not supported.
-        """
-        if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
-            self.__dict__.pop("grad_scale", None)
-            self.__dict__.pop("found_inf", None)
-            raise RuntimeError("DistributedOptimizer was passed to GradScaler.step(); instead give the scaler "
-                               "to the constructor (DistributedOptimizer(..., grad_scaler=scaler)) and call "
-                               "optimizer.step() directly: the scaler's own update would differ across ranks")
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.is_boundary = self.step_was_skipped = self.took_local_step = False
-        if self._window.record():
-            self._close_window(self._window.seen)
-        return loss
-
-    def _close_window(self, count: int) -> None:
-        if self._local is not None:
-            forced = self._window.forced
-            self._window.close()
-            self.took_local_step = True
-            if self._local.local_step(count, forced):
-                self._combine(drain=forced)
-            return
-        if not self._boundary.run(count):
-            self._record_skip()
-        self._after_boundary()
-
-    def _combine(self, drain: bool = False) -> None:
-        if not self._local.combine(drain):
-            self._record_skip()
-        self._after_boundary()
-
-    def _after_boundary(self) -> None:
-        self.boundaries += 1
-        self.is_boundary = True
-        if self._buffers is not None:
-            self._buffers.sync()
-
-    # --- non-finite updates -----------------------------------------------------------------------------------
-
-    def _record_skip(self) -> None:
-        self.skipped_updates += 1
-        self.step_was_skipped = True
-        if self._local is not None:
-            self._local.log_skip(self.boundaries + 1, self.skipped_updates)
-        else:
-            log_skip(self.comm, self._strategy, self.boundaries + 1, self.skipped_updates)
-
-    # --- state ------------------------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state dict plus one key, ``"adasum"``: the window's micro-batch count and
-        forced flag, the boundary and skip counters, the loss-scale growth tracker, and, while a window is
-        open, the accumulated gradients (one entry per parameter, None where there is none). Per rank: with
-        ``op="adasum"`` the wrapped optimizer's state differs between ranks."""
-        state = dict(self.optimizer.state_dict())
-        own: dict[str, Any] = {**self._window.state_dict(), "boundaries": self.boundaries,
-                               "skipped_updates": self.skipped_updates, "scaler_good_steps": self._loss.good_steps}
-        if self._local is not None:
-            own.update(self._local.state_dict())
-        if self._window.seen:
-            own["accumulated_grads"] = [None if p.grad is None else p.grad.detach() for p in self._params()]
-        state["adasum"] = own
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state from :meth:`state_dict`, or a plain state of the wrapped optimizer (the counters then
-        start from zero)."""
-        state = dict(state_dict)
-        own = state.pop("adasum", None) or {}
-        grads = own.get("accumulated_grads")
-        params = self._params()
-        check_accumulated(grads, params)
-        self.optimizer.load_state_dict(state)
-        self._window.load_state_dict(own)
-        self.boundaries = int(own.get("boundaries", 0))
-        self.skipped_updates = int(own.get("skipped_updates", 0))
-        self._loss.good_steps = int(own.get("scaler_good_steps", 0))
-        self.is_boundary = self.step_was_skipped = False
-        self._boundary.reset()
-        if self._local is not None:
-            self._local.load_state_dict(own)
-        if grads is not None:
-            for p, g in zip(params, grads):
-                p.grad = None if g is None else g.detach().to(device=p.device, dtype=p.dtype, copy=True)
-
-    def _restore_window(self) -> None:
-        """After a checkpoint's model (the root rank's parameters) was loaded over a loaded open window of
-        local steps: this rank's own parameters again."""
-        if self._local is not None:
-            self._local.restore_parameters()
-
     # --- helpers ----------------------------------------------------------------------------------------------
 
     def _params(self) -> list[torch.Tensor]:
         return trained_params(self.optimizer)
+
+
+def _op_name(op: str | Op) -> str:
+    try:
+        return Op(op).value
+    except ValueError:
+        raise ValueError(f"op must be one of 'adasum', 'sum', 'mean', got {op!r}") from None

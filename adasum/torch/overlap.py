@@ -23,6 +23,8 @@ at least one gradient of each of its parameters: a parameter that gets none in s
 over, so no bucket is reduced before a gradient it could still receive. A parameter that receives more
 accumulations than planned after its bucket went to the thread makes the boundary fail on every rank.
 
+The bucket plan and a backward's progress are in :mod:`.buckets`, the threads in :mod:`.threads`.
+
 Nothing here refers to the optimizer proxy: the hooks hold the engine weakly, the thread holds only its
 queue, and a job holds the strategy and its bucket. So an optimizer that is no longer referenced is
 collected, and its finalizer drops the engine (:meth:`OverlapEngine.drop`): it never waits for a
@@ -31,10 +33,7 @@ collective, since the other ranks may never enter the one a thread is in.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
-import traceback
 import weakref
 from typing import Callable
 
@@ -43,170 +42,11 @@ from mpi4py import MPI
 
 from ..runtime import exchange
 from ..runtime.context import context_for, library_comm
+from .buckets import FIRST_BUCKET_BYTES, Backward, BucketPlan, plan_from  # noqa: F401 (importable here)
 from .strategy import Bucket, trained_params
+from .threads import GIVE_UP_WAIT, CommThread, Job
 
 __all__ = ["BucketPlan", "CommThread", "Job", "OverlapEngine"]
-
-
-FIRST_BUCKET_BYTES = 1 << 20
-# drop() waits at most this long for a thread that was inside a collective to give it up (adasum.runtime.stall's
-# GIVE_UP_EVERY, and the collective's own end where every rank entered it).
-GIVE_UP_WAIT = 1.0
-
-
-class BucketPlan:
-    """The buckets (lists of parameter indices) and, per parameter, how many gradient accumulations one
-    closing backward produces (seen on this rank in the observed boundary, at least one), for the trained
-    parameters whose ids are ``ids`` (their positions: ``pos``).
-
-    The first bucket is cut at ``FIRST_BUCKET_BYTES`` (or ``bucket_bytes``, where smaller), so that the
-    wire starts with the first layers backward finishes rather than after a whole bucket of them; the
-    others at ``bucket_bytes``."""
-
-    def __init__(self, order: list[int], nbytes: list[int], expected: list[int], bucket_bytes: int,
-                 ids: list[int] | None = None):
-        self.ids = list(range(len(order))) if ids is None else list(ids)
-        self.pos = {pid: i for i, pid in enumerate(self.ids)}
-        self.buckets: list[list[int]] = []
-        cur: list[int] = []
-        size = 0
-        for i in order:
-            cur.append(i)
-            size += nbytes[i]
-            if size >= (bucket_bytes if self.buckets else min(bucket_bytes, FIRST_BUCKET_BYTES)):
-                self.buckets.append(cur)
-                cur, size = [], 0
-        if cur:
-            self.buckets.append(cur)
-        self.bucket_of = [0] * len(order)
-        for b, idx in enumerate(self.buckets):
-            for i in idx:
-                self.bucket_of[i] = b
-        self.expected = list(expected)
-        # Per bucket, how many of its parameters must report their last accumulation before it is ready.
-        self.waiting = [sum(1 for i in idx if self.expected[i] > 0) for idx in self.buckets]
-
-
-class Job:
-    """One bucket's work on the thread; :meth:`wait` returns once it ran. ``times``: when it was given to
-    the thread, began and ended (``time.perf_counter()``)."""
-
-    __slots__ = ("fn", "done", "error", "times")
-
-    def __init__(self, fn: Callable[[], None]):
-        self.fn: Callable[[], None] | None = fn
-        self.done = threading.Event()
-        self.error: str | None = None
-        self.times = [time.perf_counter(), 0.0, 0.0]
-
-    def wait(self) -> None:
-        self.done.wait()
-
-
-class _Serving:
-    """What a :class:`CommThread` and its owner share: whether the owner dropped it (jobs not begun are then
-    skipped), whether a job is running, and what the thread runs last once dropped (``at_end``)."""
-
-    __slots__ = ("dropped", "running", "at_end")
-
-    def __init__(self) -> None:
-        self.dropped = False
-        self.running = False
-        self.at_end: Callable[[], None] | None = None
-
-
-class CommThread:
-    """A daemon thread that runs the jobs it is given, one at a time, in the order given. An exception in
-    a job is kept on the job (:attr:`Job.error`, with its traceback) and the thread goes on. A job's function
-    is dropped once it ran, so the thread holds nothing of a finished job."""
-
-    def __init__(self, name: str):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._serving = _Serving()
-        self._thread = threading.Thread(target=_serve, args=(self._jobs, self._serving), name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], None]) -> Job:
-        job = Job(fn)
-        self._jobs.put(job)
-        return job
-
-    def close(self) -> None:
-        """Run the jobs already given, then end the thread (and wait for it, unless called from it)."""
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            if threading.current_thread() is not self._thread:
-                self._thread.join()
-
-    def join(self, timeout: float) -> None:
-        """Wait at most ``timeout`` seconds for the thread to end (unless called from it)."""
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-
-    def drop(self, at_end: Callable[[], None] | None = None) -> bool:
-        """End the thread without running the jobs it has not begun (they end with an error), and run
-        ``at_end`` on it last. Waits for the thread only where no job is running; a running job is left to
-        finish (or to fail) on its own. Returns whether the thread has ended."""
-        serving = self._serving
-        serving.at_end = at_end
-        serving.dropped = True  # before reading running: a job that starts after this sees it and is skipped
-        running = serving.running
-        self._jobs.put(None)
-        if running or threading.current_thread() is self._thread:
-            return False
-        self._thread.join()
-        return True
-
-
-def _serve(jobs: queue.SimpleQueue, serving: _Serving) -> None:
-    try:
-        while True:
-            job = jobs.get()
-            if job is None:
-                return
-            serving.running = True
-            job.times[1] = time.perf_counter()
-            try:
-                if serving.dropped:
-                    raise RuntimeError("the optimizer was dropped before this bucket's turn")
-                job.fn()
-            except BaseException as e:  # noqa: BLE001 - reported in step() on every rank
-                job.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-            finally:
-                job.times[2] = time.perf_counter()
-                job.fn = None
-                job.done.set()
-                del job
-                serving.running = False
-    finally:
-        at_end, serving.at_end = serving.at_end, None
-        if serving.dropped and at_end is not None:
-            at_end()
-
-
-class _Backward:
-    """The progress of one closing backward."""
-
-    __slots__ = ("params", "ids", "pos", "fired", "order", "observe", "count", "scale", "next", "buckets",
-                 "jobs", "local_jobs", "waiting", "began", "late")
-
-    def __init__(self, params: list[torch.Tensor], ids: list[int], pos: dict[int, int], plan: BucketPlan | None,
-                 count: int, scale: float):
-        self.params = params            # the trained parameters, in order
-        self.ids = ids                  # their ids
-        self.pos = pos                  # a parameter's id -> its position
-        self.fired = [0] * len(params)  # gradient accumulations seen per parameter
-        self.order: list[int] = []      # observed boundary: the order parameters first fired in
-        self.observe = plan is None
-        self.count = count              # micro-batches of the window
-        self.scale = scale              # the loss scale of its gradients
-        self.next = 0                   # the next bucket to hand to the thread
-        self.buckets: list[Bucket] = []
-        self.jobs: list[Job] = []        # the wire's, one per bucket
-        self.local_jobs: list[Job] = []  # the local parts'
-        self.waiting = None if plan is None else list(plan.waiting)
-        self.began = time.perf_counter()  # the first gradient of this backward
-        self.late: str | None = None    # a gradient that came after its bucket went to the thread
 
 
 class OverlapEngine:
@@ -232,7 +72,7 @@ class OverlapEngine:
         self._hooks: list = []
         self._hooked: list[int] = []
         self._plan: BucketPlan | None = None
-        self._bw: _Backward | None = None
+        self._bw: Backward | None = None
         self.disabled: str | None = None  # why overlap is off for good
         self.paused = 0  # inside DistributedOptimizer.no_sync(): backward passes that close no window
         self.closed = False
@@ -288,24 +128,24 @@ class OverlapEngine:
                 "backward alike; use overlap=False otherwise). The buckets are planned again at the next "
                 "boundary")
 
-    def _begin(self) -> _Backward:
+    def _begin(self) -> Backward:
         params = trained_params(self._optimizer)
         ids = [id(p) for p in params]
         plan = self._plan if self._plan is not None and self._plan.ids == ids else None
         pos = plan.pos if plan is not None else {pid: i for i, pid in enumerate(ids)}
-        bw = self._bw = _Backward(params, ids, pos, plan, self._window.seen + 1, self._loss_scale.current())
+        bw = self._bw = Backward(params, ids, pos, plan, self._window.seen + 1, self._loss_scale.current())
         if plan is not None:
             self._strategy.prepare(params)
             self._launch_ready(bw)
         return bw
 
-    def _launch_ready(self, bw: _Backward) -> None:
+    def _launch_ready(self, bw: Backward) -> None:
         """Hand every bucket that is complete, and has no incomplete bucket before it, to the thread."""
         waiting = bw.waiting
         while bw.next < len(waiting) and waiting[bw.next] <= 0:
             self._submit(bw)
 
-    def _submit(self, bw: _Backward) -> None:
+    def _submit(self, bw: Backward) -> None:
         idx = self._plan.buckets[bw.next]
         bw.next += 1
         bucket = Bucket([bw.params[i] for i in idx], idx, bw.count, bw.scale)
@@ -368,11 +208,7 @@ class OverlapEngine:
                                       what="the overlap's bucket plan")
         if everyone[0] is None or not all(everyone[1:]) or mine is None:
             return
-        order = list(everyone[0])
-        seen = set(order)
-        order += [i for i in reversed(range(len(params))) if i not in seen]
-        nbytes = [p.numel() * p.element_size() for p in params]
-        self._plan = BucketPlan(order, nbytes, [max(1, n) for n in bw.fired], self.bucket_bytes, ids)
+        self._plan = plan_from(everyone[0], bw, params, self.bucket_bytes)
 
     def replan(self) -> None:
         """Forget the plan (every rank alike: after a boundary that failed on every rank); the next closing

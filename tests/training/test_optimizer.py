@@ -6,6 +6,7 @@ Every rank builds every rank's data from shared seeds, so each rank can compute 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -251,16 +252,25 @@ def test_parameters_without_gradients_take_part_consistently(comm, op):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("op", OPS)
-def test_no_mpi_call_off_the_boundary(comm, op):
+def test_no_mpi_call_off_the_boundary(comm, op, overlap):
     """Rank 0 takes the first k-1 micro-steps alone, on a communicator of its own job: any collective there
-    would never complete (the test would time out). The traffic counter of that communicator must stay at
-    zero (any library call counts its agreement); then every rank joins and the window closes normally."""
-    rank, k = comm.Get_rank(), 4
+    would never complete (the test would time out). The traffic counters of that communicator and, with
+    overlap, of the overlap thread's must stay at zero (any library call counts its agreement); then every
+    rank joins and the window closes normally. With overlap the window follows an overlapped one (the
+    first window is observed, the second reduced during backward), and is overlapped itself."""
+    size, rank, k = comm.Get_size(), comm.Get_rank(), 4
     dup = comm.Dup()
     model = tiny_model()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=op, accumulation_steps=k,
-                               comm=dup)
+                               comm=dup, overlap=overlap, bucket_bytes=1)
+    overlapped = overlap and size > 1
+
+    def counted():
+        stack = contextlib.ExitStack()
+        counters = [stack.enter_context(adasum.count_traffic(c)) for c in (dup, opt.overlap_comm) if c is not None]
+        return stack, counters
 
     def micro_steps(n):
         for j in range(n):
@@ -272,21 +282,28 @@ def test_no_mpi_call_off_the_boundary(comm, op):
             assert not opt.is_boundary
             assert opt.state_dict()["adasum"]["micro_steps"] == j + 1
 
-    with adasum.count_traffic(dup) as traffic:
+    if overlap:
+        train(model, opt, rank, 2, k)
+        assert opt.boundaries == 2 and opt.overlapped_boundaries == (1 if overlapped else 0)
+    stack, counters = counted()
+    with stack:
         if rank == 0:
             micro_steps(k - 1)
         comm.Barrier()
         if rank != 0:
             micro_steps(k - 1)
-    assert traffic == adasum.Traffic()
+    assert all(t == adasum.Traffic() for t in counters)
     assert all(p.grad is not None for p in model.parameters())  # zero_grad kept the accumulating gradients
 
-    loss_of(model, *batch(rank, 0, k - 1)).backward()
-    with adasum.count_traffic(dup) as traffic:
+    stack, counters = counted()
+    with stack:
+        loss_of(model, *batch(rank, 0, k - 1)).backward()
         opt.step()
     assert opt.is_boundary
-    assert (traffic != adasum.Traffic()) == (comm.Get_size() > 1)  # the boundary reduces
+    assert any(t != adasum.Traffic() for t in counters) == (size > 1)  # the boundary reduces
+    assert opt.overlapped_boundaries == (2 if overlapped else 0)
     assert_identical_across_ranks(comm, list(model.parameters()))
+    opt.close()
     dup.Free()
 
 
