@@ -23,6 +23,14 @@ _COLORS = {"adasum-x1": "tab:blue", "adasum-x1-warmup": "tab:cyan", "adasum-x2":
            "adasum-x1-H16-delay": "midnightblue", "mean-x1-H4-delay": "chocolate", "mean-x1-H16-delay": "sienna"}
 
 
+def _color(name: str) -> str:
+    """The schedule's own colour; a schedule without one: the colour of its op's family (blues for
+    adasum, oranges for mean)."""
+    if name in _COLORS:
+        return _COLORS[name]
+    return "cornflowerblue" if name.startswith("adasum") else "sandybrown" if name.startswith("mean") else "gray"
+
+
 def _plt():
     import matplotlib
 
@@ -69,14 +77,14 @@ def plot_curves(results: list[dict], settings: dict, t: str, k: int, path: str) 
                 if not mine:
                     continue
                 e, m, lo, hi = _band(mine)
-                ax.fill_between(e, [scale * v for v in lo], [scale * v for v in hi], color=_COLORS[name], alpha=0.2,
+                ax.fill_between(e, [scale * v for v in lo], [scale * v for v in hi], color=_color(name), alpha=0.2,
                                 lw=0)
-                ax.plot(e, [scale * v for v in m], "-", color=_COLORS[name], lw=1.4, label=SCHEDULES[name].label)
+                ax.plot(e, [scale * v for v in m], "-", color=_color(name), lw=1.4, label=SCHEDULES[name].label)
                 for r in mine:
                     if r["diverged"]:
                         h = r["history"][-1]
                         if math.isfinite(h["metric"]):
-                            ax.plot([h["epoch"]], [scale * h["metric"]], "x", color=_COLORS[name], ms=7, mew=2)
+                            ax.plot([h["epoch"]], [scale * h["metric"]], "x", color=_color(name), ms=7, mew=2)
             ax.axhline(scale * s["target"], color="gray", ls=":", lw=1)
             ax.set_title(f"{p} ranks, {op}", fontsize=9)
             if task.higher:
@@ -114,7 +122,7 @@ def plot_epochs(results: list[dict], settings: dict, t: str, path: str) -> None:
                 ys = [min(top, r["epochs_to_target"]["median"]) for r in mine]
                 lo = [y - min(top, r["epochs_to_target"]["min"]) for y, r in zip(ys, mine)]
                 hi = [min(top, r["epochs_to_target"]["max"]) - y for y, r in zip(ys, mine)]
-                ax.errorbar(xs, ys, yerr=[lo, hi], fmt="-o", color=_COLORS[name], ms=4, lw=1.2, capsize=2,
+                ax.errorbar(xs, ys, yerr=[lo, hi], fmt="-o", color=_color(name), ms=4, lw=1.2, capsize=2,
                             label=sch.label)
             if not ax.lines:
                 ax.text(0.5, 0.5, "not in the grid", transform=ax.transAxes, ha="center", color="gray")
