@@ -46,9 +46,10 @@ def choose(op: str, hierarchical: bool, size: int, nbytes: int, s: Settings) -> 
     return Schedule.HALVING if nbytes > s.small_message_limit(size) else Schedule.DOUBLING
 
 
-def agreed_extras(ctx, s: Settings) -> dict:
+def agreed_extras(call) -> dict:
     """What the ranks must agree on besides the tensors, per kind of call (part of the digest), for the
-    settings ``s``; kept on the context while the settings stay the same."""
+    settings of ``call``; kept on the context while the settings stay the same."""
+    ctx, s = call.ctx, call.settings
     kept = ctx.extras
     if kept is None or kept[0] is not s:
         agreed = s.agreed()
@@ -68,7 +69,8 @@ class Plan:
     __slots__ = ("descs", "signature", "nbytes", "one_group", "groups", "schedule", "small", "torch",
                  "_transports")
 
-    def __init__(self, ctx, items, op: str, extra: tuple, s: Settings):
+    def __init__(self, call, items, op: str, extra: tuple):
+        ctx, s = call.ctx, call.settings
         adapters, self.descs = describe(items, op, ctx.rank, ctx.adapters)
         self.signature = signature(op, self.descs, extra)
         self.groups: list[Group] = make_groups(items, adapters, self.descs)
@@ -87,17 +89,18 @@ class Plan:
                 and (active[0].adapter.kind, active[0].device) in (("numpy", "cpu"), ("torch", "cpu"))):
             g = active[0]
             spans = layer_spans(g)
-            self.small = SmallCall(ctx, g, spans[0], spans[2], len(items))
+            self.small = SmallCall(call, g, spans[0], spans[2], len(items))
         self._transports: tuple = (None, [])
 
-    def transports(self, ctx, operands: Sequence[Operand]) -> list[Transport]:
-        """One :class:`Transport` per operand on the library's communicator, kept while the settings stay
-        the same (whether a group is staged depends on those and on its device only)."""
-        s = ctx.settings
-        if self._transports[0] is s and len(self._transports[1]) == len(operands):
-            return self._transports[1]
-        out = [transport_for(ctx, ctx.lcomm, g.adapter, g.device, g.buffer) for g in operands]
-        self._transports = (s, out)
+    def transports(self, call, operands: Sequence[Operand]) -> list[Transport]:
+        """One :class:`Transport` per operand on the library's communicator, kept while the settings and
+        the waiting mode stay the same (whether a group is staged depends on those and on its device only)."""
+        key = (call.settings, call.waiting)
+        kept_key, out = self._transports
+        if kept_key is not None and kept_key[0] is key[0] and kept_key[1] == key[1] and len(out) == len(operands):
+            return out
+        out = [transport_for(call, call.lcomm, g.adapter, g.device, g.buffer) for g in operands]
+        self._transports = (key, out)
         return out
 
 
@@ -130,17 +133,17 @@ def _dense(items) -> bool:
     return True
 
 
-def plan_for(ctx, items, op: str, extra: tuple, s: Settings) -> tuple[Plan, tuple | None]:
+def plan_for(call, items, op: str, extra: tuple) -> tuple[Plan, tuple | None]:
     """The kept plan of this call and None, or a new plan and the key to keep it under once the call
     succeeded (:meth:`Context.keep`; None where the call has no key)."""
     try:
         key = plan_key(items, op, extra)
     except (AttributeError, TypeError, RuntimeError):  # not an array, unhashable, or without a shape
-        return Plan(ctx, items, op, extra, s), None  # (a nested tensor): describe() says what is wrong
-    plan = kept(ctx, key, items)
+        return Plan(call, items, op, extra), None  # (a nested tensor): describe() says what is wrong
+    plan = kept(call.ctx, key, items)
     if plan is not None:
         return plan, None
-    return Plan(ctx, items, op, extra, s), key
+    return Plan(call, items, op, extra), key
 
 
 def place(plan: Plan, members: Sequence[list], layouts: Sequence[TensorLayout | None] | None, inplace: bool,
@@ -165,7 +168,7 @@ def place(plan: Plan, members: Sequence[list], layouts: Sequence[TensorLayout | 
         # out of place, doubling reads packed buffers only
         if direct and g.size > 0 and (halving or inplace) and (not inplace or where in (TensorLayout.APART,
                                                                                           TensorLayout.ADJACENT)):
-            parts = g.adapter.direct_parts(mine, g.dtype, contiguous=where is not None)
+            parts = g.adapter.direct_parts(mine, g.dtype, contiguous=where is not None, s=s)
         if parts is None:
             out.append((Placement.PACKED, None, None))
         elif inplace:

@@ -19,18 +19,19 @@ import operator
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
 
 from ..adapters import Adapters
+from .buffers import Buffers
 from ..kernels.native import handle
 from . import stall
 from .stall import AdasumStallError
 from .settings import Settings, current
 
-__all__ = ["Context", "Traffic", "check_comm", "check_root", "context_for", "count_traffic", "library_comm", "release_buffers"]
+__all__ = ["Call", "Context", "Traffic", "check_comm", "check_root", "context_for", "count_traffic", "library_comm", "release_buffers"]
 
 # Plans kept per communicator: a training loop reduces a few lists of the same shapes over and over.
 MAX_PLANS = 64
@@ -55,57 +56,37 @@ class Traffic:
     compiled_calls: int = 0
 
 
-class Buffers:
-    """The buffers a context keeps between calls, one per (slot, array kind, device, dtype), each grown to
-    the largest request and shared by all plans: the receive buffer of the schedules (half the largest fused
-    buffer for halving at a power-of-two number of ranks; all of it for doubling, and on the rank that takes
-    a folded-out partner's vector), the fused buffer of in-place calls that need one, the float32
-    buffers of the hierarchical mode's 16-bit sums, and the page-locked host buffers of staged transfers."""
+class Call(NamedTuple):
+    """One call in flight on a communicator, as :meth:`Context.call` starts it: what every function of the
+    call path takes. Immutable; what outlives the call lives in ``ctx``."""
 
-    def __init__(self) -> None:
-        self._kept: dict[tuple, list] = {}
+    ctx: "Context"  # the communicator's kept state: buffers, plans, adapters, counters, node layout
+    settings: Settings  # the call's snapshot of the settings
+    waiting: str  # "nap" or "spin" (adasum.runtime.waiting), resolved from the settings at the start
+    lcomm: MPI.Intracomm  # the library's duplicate of the user's communicator
+    number: int  # the call's number on this communicator, this rank (the stall inspector's call #N)
+    what: str  # what the call is, as errors name it
 
-    def entry(self, key: tuple) -> list:
-        """The kept ``[buffer, numpy view of it or None]`` of ``key``, ``[None, None]`` until first used. An
-        entry is updated in place when its buffer is replaced or released, so a holder of the entry never
-        keeps an old buffer alive."""
-        entry = self._kept.get(key)
-        if entry is None:
-            entry = self._kept[key] = [None, None]
-        return entry
+    def record(self, field: str, nbytes: int, messages: int = 0) -> None:
+        """Count ``nbytes`` (and ``messages``) in ``field`` of the active traffic counters."""
+        if self.ctx.counters:
+            self.ctx.record(field, nbytes, messages)
 
-    def get(self, adapters: Adapters, kind: str, device: str, dtype: str, n: int, slot: str):
-        """``n`` elements of a kept flat buffer of ``kind`` (as ``adapters`` make it), on ``device``."""
-        entry = self.entry((slot, kind, device, dtype))
-        if entry[0] is None or len(entry[0]) < n:
-            entry[1] = None
-            entry[0] = None  # the old buffer goes before the new one is made
-            entry[0] = adapters.of(kind).empty(max(n, 1), dtype, device)
-        buf = entry[0]
-        return buf if len(buf) == n else buf[:n]
 
-    def host(self, adapters: Adapters, kind: str, dtype: str, n: int, slot: str) -> np.ndarray:
-        """:meth:`get` of a host buffer, as a numpy array (the same memory, for torch CPU buffers)."""
-        entry = self.entry((slot, kind, "cpu", dtype))
-        view = entry[1]
-        if view is None or len(view) < n:
-            self.get(adapters, kind, "cpu", dtype, n, slot)
-            view = entry[1] = entry[0] if type(entry[0]) is np.ndarray else entry[0].numpy()
-        return view if len(view) == n else view[:n]
+class _Scope:
+    """What ``with ctx.call(what, settings) as call:`` enters: starts the call, yields it, ends it."""
 
-    def staging(self, adapters: Adapters, kind: str, device: str, which: int, nbytes: int) -> np.ndarray:
-        """Host bytes for staged transfers of ``kind``/``device`` buffers (``which``: 0 send, 1 receive),
-        page-locked where the device has such memory."""
-        entry = self.entry(("staging", kind, device, which))
-        if entry[0] is None or entry[0].nbytes < nbytes:
-            entry[0] = None
-            entry[0] = adapters.of(kind).host_bytes_empty(max(nbytes, 1 << 16), device)
-        return entry[0][:nbytes]
+    __slots__ = ("ctx", "what", "settings")
 
-    def clear(self) -> None:
-        for entry in self._kept.values():
-            entry[0] = entry[1] = None
-        self._kept.clear()
+    def __init__(self, ctx: "Context", what: str, settings: Settings | None):
+        self.ctx, self.what, self.settings = ctx, what, settings
+
+    def __enter__(self) -> Call:
+        s = self.settings
+        return self.ctx._begin(self.what, current() if s is None else s)
+
+    def __exit__(self, *exc) -> None:
+        self.ctx._end()
 
 
 class Context:
@@ -119,8 +100,8 @@ class Context:
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
         self.plans: collections.OrderedDict = collections.OrderedDict()
-        self.buffers = Buffers()
         self.adapters = Adapters()
+        self.buffers = Buffers(self.adapters)
         # the agreement: what this rank sends [0:4], what all saw [4:8], a request left waiting [8]
         self.agree_scratch = np.zeros(9, dtype=np.int64)
         self._agree_handles: tuple | None = None
@@ -128,7 +109,6 @@ class Context:
         self.broken: str | None = None  # why the library's communicator cannot be used any more
         self.counters: list[Traffic] = []
         self.calls = 0  # calls started on this communicator, this rank
-        self.settings: Settings | None = None  # the snapshot of the call in flight (None between calls)
         self.extras = None  # (settings, what the ranks agree on besides the tensors), made from those settings
         self.nodes = None  # the node layout (adasum.runtime.topology), made on first use
         self._busy = threading.Lock()
@@ -140,17 +120,20 @@ class Context:
     @property
     def lcomm(self) -> MPI.Intracomm:
         """The library's duplicate of the user's communicator, made (collectively) on first use: our messages
-        never match a receive the application posted on its own communicator."""
+        never match a receive the application posted on its own communicator. Made at the start of a call
+        (:meth:`call`) under its settings; outside a call under the current ones."""
         lcomm = self._lcomm
-        if lcomm is None:
-            with self._dup_lock:
-                if self._lcomm is None:
-                    # Nonblocking, so that the stall inspector can name a rank that does not come.
-                    lcomm, req = self._comm.Idup()
-                    stall.wait(self, req, None, None, via=self._comm)
-                    self._lcomm = lcomm
-                lcomm = self._lcomm
-        return lcomm
+        return lcomm if lcomm is not None else self._duplicate(current())
+
+    def _duplicate(self, s: Settings) -> MPI.Intracomm:
+        with self._dup_lock:
+            if self._lcomm is None:
+                # Nonblocking, so that the stall inspector can name a rank that does not come.
+                lcomm, req = self._comm.Idup()
+                making = Call(self, s, self._waiting(s), self._comm, self.calls, "making the library's duplicate")
+                stall.wait(making, req, None, None, via=self._comm)
+                self._lcomm = lcomm
+            return self._lcomm
 
     def has_lcomm(self) -> bool:
         return self._lcomm is not None
@@ -164,12 +147,21 @@ class Context:
         return self._agree_handles
 
     # --- calls ---------------------------------------------------------------------------------------------
-    def enter(self, what: str, settings: Settings | None = None) -> int:
-        """Start a call on this communicator (end it with :meth:`leave`, in a ``finally``): numbers it, and
-        raises RuntimeError at once if another thread has a call in flight here (two calls on one
-        communicator would mix their messages). ``settings`` (default: the current ones, read here) are the
-        call's snapshot: :attr:`settings` and the adapters hold it until :meth:`leave`, and nothing the
-        call runs reads the live settings again."""
+    def call(self, what: str, settings: Settings | None = None) -> "_Scope":
+        """``with ctx.call(what, settings) as call:`` a call on this communicator: numbered, the library's
+        duplicate made on the first one (collectively, stall-watched), and the :class:`Call` it yields made;
+        RuntimeError at once if another thread has a call in flight here (two calls on one communicator
+        would mix their messages). ``settings`` (default: the current ones, read here) are the
+        call's snapshot: nothing the call runs reads the live settings again. Every 64th call first drops
+        the stall inspector's messages of earlier calls."""
+        return _Scope(self, what, settings)
+
+    def _waiting(self, s: Settings) -> str:
+        """How a call under the settings ``s`` waits (``"nap"`` or ``"spin"``; :mod:`adasum.runtime.waiting`)."""
+        how = s.waiting
+        return ("nap" if self.beside_compute else "spin") if how == "auto" else how
+
+    def _begin(self, what: str, s: Settings) -> Call:
         if self.broken is not None:
             raise AdasumStallError(f"{what} on {self.name}: the library can no longer use this communicator, "
                                    f"an earlier call timed out there ({self.broken})")
@@ -179,20 +171,22 @@ class Context:
                 f"(call #{self._current[0]}, {self._current[1]}); calls on one communicator must not overlap: "
                 "give each thread its own "
                 "communicator (comm.Dup()) or serialise the calls")
-        self.calls += 1
-        self._current = (self.calls, what)
-        self.settings = settings if settings is not None else current()
-        self.adapters.use(self.settings)
-        return self.calls
+        self.calls = number = self.calls + 1
+        self._current = (number, what)
+        try:
+            lcomm = self._lcomm
+            if lcomm is None:
+                lcomm = self._duplicate(s)
+            call = Call(self, s, self._waiting(s), lcomm, number, what)
+            if number % 64 == 0:
+                stall.drain(call)
+        except BaseException:
+            self._end()
+            raise
+        return call
 
-    def waiting(self) -> str:
-        """How the call in flight waits (``"nap"`` or ``"spin"``; see :mod:`adasum.runtime.waiting`)."""
-        how = self.settings.waiting if self.settings is not None else current().waiting
-        return ("nap" if self.beside_compute else "spin") if how == "auto" else how
-
-    def leave(self) -> None:
+    def _end(self) -> None:
         self._current = None
-        self.settings = None
         self._busy.release()
 
     # --- kept state ------------------------------------------------------------------------------------------

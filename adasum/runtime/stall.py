@@ -29,7 +29,6 @@ from mpi4py import MPI
 
 
 from ..rule.dtypes import itemsize, op_code, op_name
-from .settings import current
 from .transport import TAG
 from .waiting import wait_all
 
@@ -94,34 +93,33 @@ def _collect(comm: MPI.Intracomm, seq: int, heard: dict) -> None:
             heard[int(buf[4])] = buf[1:4].copy()
 
 
-def drain(ctx) -> None:
+def drain(call) -> None:
     """Drop waiting messages of earlier calls (a rank that arrived late never looked for them)."""
-    if ctx.has_lcomm():
-        _collect(ctx.lcomm, -1, {})
+    _collect(call.lcomm, -1, {})
 
 
-def wait(ctx, req: MPI.Request, op: str | None, descs, waited: float = 0.0,
+def wait(call, req: MPI.Request, op: str | None, descs, waited: float = 0.0,
          via: MPI.Intracomm | None = None, label: str | None = None) -> None:
-    """Wait for ``req``, the first collective of the call in flight on ``ctx`` (``op`` and ``descs``: what
+    """Wait for ``req``, a collective of the call ``call`` (:class:`adasum.runtime.context.Call`; ``op`` and ``descs``: what
     this rank passed; ``op`` None: the duplicate of a first call; ``op`` "exchange": one of
     :mod:`adasum.runtime.exchange`'s calls, ``descs`` its bytes and ``label`` what it is for), ``waited`` seconds
     after it was posted,
     watching for ranks that do not arrive. The inspector's messages go over the library's communicator, or
     over ``via`` (the user's communicator, while the library's is being made)."""
-    # the snapshot of the call in flight; only a duplicate made outside a call (library_comm) reads the live ones
-    s = ctx.settings if ctx.settings is not None else current()
+    s = call.settings
     warn, timeout = s.stall_warning, s.stall_timeout
     if warn is None and timeout is None:
-        wait_all([req], ctx.waiting())
+        wait_all([req], call.waiting)
         return
-    comm = ctx.lcomm if via is None else via
+    ctx = call.ctx
+    comm = call.lcomm if via is None else via
     first = patience(s)
     start = time.monotonic() - waited
-    if wait_all([req], ctx.waiting(), until=start + first):  # as any wait of the library (adasum.runtime.waiting)
+    if wait_all([req], call.waiting, until=start + first):  # as any wait of the library (adasum.runtime.waiting)
         if via is not None:  # drop what an earlier stall left on the user's communicator
             _collect(via, -1, {})
         return
-    seq = ctx.calls
+    seq = call.number
     mine = np.array([seq, *_describe(op, descs), ctx.rank], dtype=np.int64)
     heard: dict[int, np.ndarray] = {ctx.rank: mine[1:4]}
     _announce(ctx, comm, mine)

@@ -40,26 +40,26 @@ class Transport:
     cut alike, since ``chunk_bytes`` is agreed.
     """
 
-    def __init__(self, ctx, comm: MPI.Intracomm, adapter: Adapter, device: str, staged: bool, chunk_bytes: int):
-        self.ctx = ctx
-        self.chunk_bytes = chunk_bytes  # the call's (agreed) setting: both sides cut their messages alike
+    def __init__(self, call, comm: MPI.Intracomm, adapter: Adapter, device: str, staged: bool):
+        ctx = self.ctx = call.ctx  # what outlives the call: its buffers, its counters
+        self.chunk_bytes = call.settings.chunk_bytes  # agreed: both sides cut their messages alike
         self.comm = comm
         self.adapter = adapter
         self.device = device
         self.staged = staged
         self._record = ctx.record
-        self.waiting = ctx.waiting()  # "nap" or "spin", from the call's setting (adasum.runtime.waiting)
+        self.waiting = call.waiting  # "nap" or "spin" (adasum.runtime.waiting)
 
     def _wait(self, reqs: list) -> None:
         wait_all(reqs, self.waiting)
 
     def kept(self, dtype: str, n: int, slot: str = "recv"):
         """``n`` elements of a buffer of this transport's kind and device, kept in the context between calls."""
-        return self.ctx.buffers.get(self.ctx.adapters, self.adapter.kind, self.device, dtype, n, slot)
+        return self.ctx.buffers.get(self.adapter.kind, self.device, dtype, n, slot)
 
     def stage(self, which: int, nbytes: int) -> np.ndarray:
         """Host bytes kept for staged transfers (``which``: 0 for what is sent, 1 for what is received)."""
-        return self.ctx.buffers.staging(self.ctx.adapters, self.adapter.kind, self.device, which, nbytes)
+        return self.ctx.buffers.staging(self.adapter.kind, self.device, which, nbytes)
 
     def nbytes(self, buf) -> int:
         if type(buf) is np.ndarray:
@@ -369,12 +369,11 @@ def narrow_16bit(values: np.ndarray, dtype: str) -> np.ndarray:
     return bits
 
 
-def transport_for(ctx, comm: MPI.Intracomm, adapter: Adapter, device: str, buf) -> Transport:
-    """The transport of ``buf`` (None: the caller's host tensors) on ``comm``, under the settings of the call
-    in flight on ``ctx``: staged or direct (:func:`use_staging`), cut at its ``chunk_bytes``."""
-    s = ctx.settings
-    staged = buf is not None and use_staging(s, adapter, buf)
-    return Transport(ctx, comm, adapter, device, staged=staged, chunk_bytes=s.chunk_bytes)
+def transport_for(call, comm: MPI.Intracomm, adapter: Adapter, device: str, buf) -> Transport:
+    """The transport of ``buf`` (None: the caller's host tensors) on ``comm``, under the settings of
+    ``call``: staged or direct (:func:`use_staging`), cut at its ``chunk_bytes``."""
+    staged = buf is not None and use_staging(call.settings, adapter, buf)
+    return Transport(call, comm, adapter, device, staged=staged)
 
 
 def _byte_chunks(nbytes: int, step: int) -> list[tuple[int, int]]:

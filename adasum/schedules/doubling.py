@@ -35,7 +35,7 @@ from ..kernels.native import handle
 __all__ = ["SmallCall", "adasum_reduce_doubling"]
 
 
-def _combine_pair(groups, spans, scratches, count_left: int, count_right: int, upper: bool, last: bool) -> None:
+def _combine_pair(s, groups, spans, scratches, count_left: int, count_right: int, upper: bool, last: bool) -> None:
     """``Adasum(left, right)`` into the buffer (or, at the ``last`` level, where the result goes), where this
     rank's buffer holds the right vector if ``upper``."""
     for g, (layers, sp, sp_array), scr in zip(groups, spans, scratches):
@@ -44,10 +44,10 @@ def _combine_pair(groups, spans, scratches, count_left: int, count_right: int, u
         left, right = (scr, g.buffer) if upper else (g.buffer, scr)
         # Both partners make the same call (left first), so they hold the same bits.
         dst = (g.buffer if not g.writes_parts else nonempty(g.parts, layers)) if last else g.buffer
-        g.adapter.pair(left, right, dst, sp, sp_array, count_left, count_right)
+        g.adapter.pair(left, right, dst, sp, sp_array, count_left, count_right, s=s)
 
 
-def adasum_reduce_doubling(comm: MPI.Intracomm, groups: Sequence[Operand], transports: Sequence[Transport], *,
+def adasum_reduce_doubling(call, comm: MPI.Intracomm, groups: Sequence[Operand], transports: Sequence[Transport], *,
                            counts: Sequence[int] | None = None) -> None:
     """Replace every group's buffer, in place and on every rank, by the Adasum of all ranks' buffers.
 
@@ -66,11 +66,11 @@ def adasum_reduce_doubling(comm: MPI.Intracomm, groups: Sequence[Operand], trans
     if r.fold is not None:
         for t, scr in zip(transports, scratches):
             t.recv(scr, r.fold[0])
-        _combine_pair(groups, spans, scratches, r.fold[1], r.fold[2], upper=False, last=False)
+        _combine_pair(call.settings, groups, spans, scratches, r.fold[1], r.fold[2], upper=False, last=False)
     for i, level in enumerate(r.levels):
         for g, t, scr in zip(groups, transports, scratches):
             t.sendrecv(g.buffer, level.partner, scr, level.partner)
-        _combine_pair(groups, spans, scratches, level.count_left, level.count_right, level.upper,
+        _combine_pair(call.settings, groups, spans, scratches, level.count_left, level.count_right, level.upper,
                       last=i == len(r.levels) - 1)
     if r.fold is not None:
         for g, t, (layers, _, _) in zip(groups, transports, spans):
@@ -82,13 +82,14 @@ class SmallCall:
     on one context's communicator, as one compiled call: everything that stays the same between calls (the
     program derived from the tree, the layers) is worked out once."""
 
-    def __init__(self, ctx, group, layers: list[int], span_array, count: int):
+    def __init__(self, call, group, layers: list[int], span_array, count: int):
+        ctx = call.ctx
         self.ctx, self.group = ctx, group
         self.layers, self.span_array, self.count = layers, span_array, count
         self.role = tree.role(ctx.size, ctx.rank)
         self.n = group.size
         self.nbytes = self.n * itemsize(group.dtype)
-        self.program = self._program(ctx.lcomm) if self.nbytes < 1 << 31 else None
+        self.program = self._program(call.lcomm) if self.nbytes < 1 << 31 else None
         fold, levels = self.role.fold, self.role.levels
         self.messages = 1 if self.role.out_of is not None else len(levels) + (fold is not None)
         self._keys = [(slot, group.adapter.kind, "cpu", group.dtype) for slot in ("fused", "recv")]
@@ -101,7 +102,7 @@ class SmallCall:
         (_, buf), (_, scr) = self._entries
         if buf is None or scr is None or len(buf) < n or len(scr) < n:
             ctx, g = self.ctx, self.group
-            buf, scr = (ctx.buffers.host(ctx.adapters, g.adapter.kind, g.dtype, n, key[0]) for key in self._keys)
+            buf, scr = (ctx.buffers.host(g.adapter.kind, g.dtype, n, key[0]) for key in self._keys)
             self._entries = [ctx.buffers.entry(key) for key in self._keys]
         return (buf if len(buf) == n else buf[:n]), (scr if len(scr) == n else scr[:n])
 
@@ -115,7 +116,7 @@ class SmallCall:
         body = [x for level in r.levels for x in (level.partner, level.count_left, level.count_right, int(level.upper))]
         return np.array(head + body, dtype=np.int64)
 
-    def __call__(self, live: list, dst, digest: int, descs, patience: float) -> int:
+    def __call__(self, call, live: list, dst, digest: int, descs, patience: float) -> int:
         """The whole call, agreement on ``digest`` included, in one ``_kernels.small_doubling``: 0, -1 if
         the ranks disagree (nothing was sent; every rank must then explain), or MPI's error code. An
         agreement still waiting after ``patience`` seconds (the stall inspector's) goes on in
@@ -127,11 +128,11 @@ class SmallCall:
         if ctx.counters:
             ctx.record("compiled_calls", 1)
             ctx.record("scalar_bytes", AGREE_BYTES)
-        wait = waiting.policy(ctx.waiting())
+        wait = waiting.policy(call.waiting)
         rc = _kernels.small_doubling(buf, scr, live, dst, self.span_array, self.program, digest, scratch, patience,
                                      *wait)
         if rc == -2:
-            resume(ctx, "adasum", descs, patience)
+            resume(call, "adasum", descs, patience)
             rc = _kernels.small_doubling(buf, scr, live, dst, self.span_array, self.program, digest, scratch, -1.0,
                                          *wait)
         if rc == 0 and ctx.counters:

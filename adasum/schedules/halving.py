@@ -125,7 +125,7 @@ def widths(groups) -> list[tuple[int, int]]:
     return [(len(g.bounds) - 1, partial_width(g.dtype)) for g in groups]
 
 
-def _layer_partials(groups, scratches, los, his, swap: bool):
+def _layer_partials(s, groups, scratches, los, his, swap: bool):
     """Per-layer [left·right, ‖left‖², ‖right‖²] (and the scale, for float64) over this rank's segments, for
     all groups, flattened."""
     out, spans_by_group = [], []
@@ -136,7 +136,7 @@ def _layer_partials(groups, scratches, los, his, swap: bool):
             full[:, 3] = NO_SCALE  # layers this rank holds nothing of
         layers, spans = group_pieces(g, lo, hi)
         if spans:
-            part = g.adapter.partial_dots(own(g, lo, hi, layers, spans), scr, spans)
+            part = g.adapter.partial_dots(own(g, lo, hi, layers, spans), scr, spans, s=s)
             if swap:  # this rank holds the right-hand vector
                 part = part[:, [0, 2, 1, 3][:width]]
             full[layers] = part
@@ -145,7 +145,7 @@ def _layer_partials(groups, scratches, los, his, swap: bool):
     return np.concatenate([o.ravel() for o in out]) if out else np.zeros(0), spans_by_group
 
 
-def _combine(groups, scratches, los, his, spans_by_group, sums, count_left, count_right, upper: bool):
+def _combine(s, groups, scratches, los, his, spans_by_group, sums, count_left, count_right, upper: bool):
     """Apply the coefficients of the summed partials to this rank's piece of every layer."""
     rows = []
     at = 0
@@ -161,7 +161,7 @@ def _combine(groups, scratches, los, his, spans_by_group, sums, count_left, coun
         if spans:
             idx = np.asarray(layers) + offset
             dst = home(g, lo, hi, layers, spans) if g.writes_parts or g.in_parts else None  # None: in place
-            g.adapter.scaled_add(own(g, lo, hi, layers, spans), scr, spans, mine[idx], theirs[idx], dst=dst)
+            g.adapter.scaled_add(own(g, lo, hi, layers, spans), scr, spans, mine[idx], theirs[idx], dst=dst, s=s)
         g.in_parts = g.writes_parts  # from here on the values are where the result goes
         offset += len(g.bounds) - 1
 
@@ -178,7 +178,7 @@ def _fold_out(groups: Sequence[_Cursor], transports: Sequence[Transport], partne
         t.exchange([], partner, [home(g, a, b) for a, b in chunks(g, 0, g.size, split)], partner)
 
 
-def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Operand], transports: Sequence[Transport], *,
+def adasum_reduce(call, comm: MPI.Intracomm, groups: Sequence[Operand], transports: Sequence[Transport], *,
                   counts: Sequence[int] | None = None, split: int = 0,
                   local_sum: Callable[[np.ndarray, list], np.ndarray] | None = None) -> None:
     """Replace every group's buffer, in place and on every rank, by the Adasum of all ranks' buffers.
@@ -206,6 +206,7 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Operand], transports: Se
         return v if local_sum is None else local_sum(v, layout)
 
     scalars = transports[0]
+    s = call.settings
 
     # --- fold the first adjacent pairs ------------------------------------------------------------------
     if r.out_of is not None:
@@ -217,8 +218,8 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Operand], transports: Se
         for g, t, scr in zip(groups, transports, scratches):
             t.exchange([], partner, [scr[a:b] for a, b in chunks(g, 0, g.size, split)], partner)
         los, his = [0] * len(groups), [g.size for g in groups]
-        partials, spans = _layer_partials(groups, scratches, los, his, swap=False)
-        _combine(groups, scratches, los, his, spans, sum_local(partials), count_self, count_partner, upper=False)
+        partials, spans = _layer_partials(s, groups, scratches, los, his, swap=False)
+        _combine(s, groups, scratches, los, his, spans, sum_local(partials), count_self, count_partner, upper=False)
 
     # --- reduce-scatter with the combine at every level ----------------------------------------------------
     ranges = [tree.kept_ranges(g.size, r) for g in groups]
@@ -232,14 +233,14 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Operand], transports: Se
             sc, rc = exchange_chunks(g, slo, shi, klo, khi, split)
             t.exchange([own(g, a, b) for a, b in sc], level.partner, [scr[a - klo:b - klo] for a, b in rc], level.partner)
             scratches.append(scr)
-        partials, spans = _layer_partials(groups, scratches, los, his, swap=level.upper)
+        partials, spans = _layer_partials(s, groups, scratches, los, his, swap=level.upper)
         sums = sum_local(partials)
         # Sum over the ranks of this level's subtree by recursive doubling, always lower half + upper half,
         # so that every rank of the subtree gets bitwise the same sums, hence the same coefficients.
         for j, other_rank in enumerate(level.sum_partners):
             other = scalars.swap_scalars(sums, other_rank)
             sums = merge_partials(other, sums, layout) if r.virtual & (1 << j) else merge_partials(sums, other, layout)
-        _combine(groups, scratches, los, his, spans, sums, level.count_left, level.count_right, level.upper)
+        _combine(s, groups, scratches, los, his, spans, sums, level.count_left, level.count_right, level.upper)
 
     # --- allgather by recursive doubling -------------------------------------------------------------------
     for i in range(len(r.levels) - 1, -1, -1):

@@ -441,12 +441,9 @@ def _mpi_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
     wide = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.bool: torch.uint8}
     send = tensor.detach().to("cpu", wide.get(tensor.dtype, tensor.dtype)).contiguous().numpy()
     recv = np.empty_like(send)
-    ctx = exchange.enter(MPI.COMM_WORLD, f"allreduce ({op})")
-    try:
-        req = ctx.lcomm.Iallreduce(send, recv, op=_MPI_OPS[op])
-        exchange.wait(ctx, req, f"allreduce ({op})", send.nbytes, field="allreduce_bytes")
-    finally:
-        ctx.leave()
+    with exchange.call_on(MPI.COMM_WORLD, f"allreduce ({op})") as call:
+        req = call.lcomm.Iallreduce(send, recv, op=_MPI_OPS[op])
+        exchange.wait(call, req, f"allreduce ({op})", send.nbytes, field="allreduce_bytes")
     return torch.from_numpy(recv).to(tensor.device, tensor.dtype)
 
 

@@ -170,10 +170,10 @@ def test_numpy_fallback_agrees(dtype):
     adapter = adapters.NumpyAdapter()
     results = {}
     for backend in ("c", "numpy"):
-        adapter.settings = adasum.Settings(kernels=backend)
+        s = adasum.Settings(kernels=backend)
         x = a.copy()
-        dots = adapter.partial_dots(x, b, pieces)
-        adapter.scaled_add(x, b.copy(), pieces, ca, cb)
+        dots = adapter.partial_dots(x, b, pieces, s=s)
+        adapter.scaled_add(x, b.copy(), pieces, ca, cb, s=s)
         results[backend] = dots, x
     np.testing.assert_allclose(results["c"][0], results["numpy"][0], rtol=1e-12, atol=1e-9)
     rtol = 4 * np.finfo(dtype).eps  # numpy's float32 combine rounds twice, the kernel once
@@ -267,9 +267,9 @@ def test_compiled_rule_is_the_python_rule(dtype, scale, counts):
     adapter = adapters.NumpyAdapter()
     results = {}
     for backend in ("c", "numpy"):
-        adapter.settings = adasum.Settings(kernels=backend)
+        s = adasum.Settings(kernels=backend)
         dst = np.empty_like(left)
-        adapter.pair(left.copy(), right.copy(), dst, spans, span_array, *counts)
+        adapter.pair(left.copy(), right.copy(), dst, spans, span_array, *counts, s=s)
         results[backend] = dst
     assert results["c"].tobytes() == results["numpy"].tobytes()
     if scale:
