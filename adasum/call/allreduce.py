@@ -26,6 +26,7 @@ from ..runtime.launch import check_launch
 from ..kernels.native import compiled as _kernels  # None where the install could not build them
 from ..kernels.native import mpi_bound, use_isa
 from .plan import Plan, Schedule, agreed_extras, kept, place, plan_for, plan_key
+from ..runtime.collectives import Collectives
 from ..runtime.transport import transport_for
 
 __all__ = ["Op", "adasum_allreduce", "adasum_allreduce_inplace"]
@@ -276,10 +277,10 @@ def _hierarchical(call: Call, plan: Plan, operands: Sequence[Operand], split: in
 
 def _plain_reduce(call: Call, groups: Sequence[Operand], mean: bool) -> None:
     """``sum`` and ``mean``: MPI's allreduce on each fused buffer; 16-bit floats travel as 16 bits, summed
-    in float32 (:meth:`Transport.allreduce_16bit`)."""
+    in float32 (:meth:`~adasum.runtime.collectives.Collectives.allreduce_16bit`)."""
     size = call.ctx.size
     for g in groups:
-        t = transport_for(call, call.lcomm, g.adapter, g.device, g.buffer)
+        t = Collectives(call, transport_for(call, call.lcomm, g.adapter, g.device, g.buffer))
         if g.dtype in ("float16", "bfloat16"):
             t.allreduce_16bit(g.buffer, g.dtype, mean)
         else:

@@ -70,7 +70,7 @@ def _what(fields, label: str | None = None) -> str:
     op, n, nbytes = (int(v) for v in fields)
     name = op_name(op)
     if name == "exchange":
-        return f"an exchange of the training layer ({label + ', ' if label else ''}{nbytes} bytes)"
+        return f"an exchange ({label + ', ' if label else ''}{nbytes} bytes)"
     if n < 0:
         return "making the library's duplicate of it" if op == -2 else "inputs it could not describe"
     return f"op '{name or '?'}', {n} tensor{'s' * (n != 1)}, {nbytes} bytes"
@@ -98,24 +98,25 @@ def drain(call) -> None:
     _collect(call.lcomm, -1, {})
 
 
-def wait(call, req: MPI.Request, op: str | None, descs, waited: float = 0.0,
+def wait(call, req: MPI.Request | list, op: str | None, descs, waited: float = 0.0,
          via: MPI.Intracomm | None = None, label: str | None = None) -> None:
-    """Wait for ``req``, a collective of the call ``call`` (:class:`adasum.runtime.context.Call`; ``op`` and ``descs``: what
+    """Wait for ``req`` (a request or a list of them), a collective of the call ``call`` (:class:`adasum.runtime.context.Call`; ``op`` and ``descs``: what
     this rank passed; ``op`` None: the duplicate of a first call; ``op`` "exchange": one of
     :mod:`adasum.runtime.exchange`'s calls, ``descs`` its bytes and ``label`` what it is for), ``waited`` seconds
     after it was posted,
     watching for ranks that do not arrive. The inspector's messages go over the library's communicator, or
     over ``via`` (the user's communicator, while the library's is being made)."""
     s = call.settings
+    reqs = req if type(req) is list else [req]
     warn, timeout = s.stall_warning, s.stall_timeout
     if warn is None and timeout is None:
-        wait_all([req], call.waiting)
+        wait_all(reqs, call.waiting)
         return
     ctx = call.ctx
     comm = call.lcomm if via is None else via
     first = patience(s)
     start = time.monotonic() - waited
-    if wait_all([req], call.waiting, until=start + first):  # as any wait of the library (adasum.runtime.waiting)
+    if wait_all(reqs, call.waiting, until=start + first):  # as any wait of the library (adasum.runtime.waiting)
         if via is not None:  # drop what an earlier stall left on the user's communicator
             _collect(via, -1, {})
         return
@@ -124,7 +125,7 @@ def wait(call, req: MPI.Request, op: str | None, descs, waited: float = 0.0,
     heard: dict[int, np.ndarray] = {ctx.rank: mine[1:4]}
     _announce(ctx, comm, mine)
     reported, delay = False, 1e-4
-    while not req.Test():
+    while not MPI.Request.Testall(reqs):
         _collect(comm, seq, heard)
         elapsed = time.monotonic() - start
         if warn is not None and not reported and elapsed >= warn + first:

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from mpi4py import MPI
+
+from . import stall
 
 from .context import Call
 from .exchange import allgather_in, failures_in, raise_found
@@ -54,7 +57,9 @@ def build_node_layout(call: Call) -> NodeLayout:
     node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank = node_comm.Get_rank()
     # Local rank 0 is the node's lowest rank (key = rank), which names the node.
-    lowest = node_comm.bcast(rank, root=0)
+    lowest = np.array([rank], dtype=np.int64)
+    stall.wait(call, node_comm.Ibcast([lowest, MPI.INT64_T], root=0), "exchange", 8, label="finding the node layout")
+    lowest = int(lowest[0])
     firsts = allgather_in(call, lowest, "finding the node layout")
     leaders = sorted(set(firsts))
     nodes = [[r for r, f in enumerate(firsts) if f == leader] for leader in leaders]

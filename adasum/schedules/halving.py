@@ -24,6 +24,7 @@ from ..rule import tree
 from ..rule.combine import NO_SCALE, coefficients, merge_partials, partial_width
 from ..rule.dtypes import itemsize
 from ..call.fusion import Operand, Placement, group_pieces
+from ..runtime.collectives import Collectives
 from ..runtime.transport import Transport
 
 __all__ = ["adasum_reduce", "fold_out"]
@@ -205,7 +206,7 @@ def adasum_reduce(call, comm: MPI.Intracomm, groups: Sequence[Operand], transpor
     def sum_local(v: np.ndarray) -> np.ndarray:
         return v if local_sum is None else local_sum(v, layout)
 
-    scalars = transports[0]
+    scalars = Collectives(call, transports[0])  # the per-level sums, on the first group's communicator
     s = call.settings
 
     # --- fold the first adjacent pairs ------------------------------------------------------------------

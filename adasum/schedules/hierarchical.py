@@ -36,6 +36,7 @@ from mpi4py import MPI
 from ..rule.combine import merge_partials
 from ..call.fusion import Group, Operand
 from ..runtime.topology import node_layout
+from ..runtime.collectives import Collectives
 from ..runtime.transport import Transport, transport_for
 from .halving import adasum_reduce
 
@@ -67,7 +68,7 @@ class _NodeCollectives:
         self.comm = layout.node_comm
         self.local_size = self.comm.Get_size()
         self.g = g
-        self.transport = transport_for(call, self.comm, g.adapter, g.device, g.buffer)
+        self.transport = Collectives(call, transport_for(call, self.comm, g.adapter, g.device, g.buffer))
         edges = _slice_bounds(g.size, layout.slices)
         self.counts = [edges[j + 1] - edges[j] if j < layout.slices else 0 for j in range(self.local_size)]
         self.displs = [edges[min(j, layout.slices)] for j in range(self.local_size)]
@@ -97,7 +98,7 @@ def _slice_sum(call, comm: MPI.Intracomm) -> Callable[[np.ndarray, list], np.nda
     """Sums a partial-dot-product vector over the node's slice holders, bitwise alike on each of them."""
     if comm.Get_size() == 1:
         return None
-    t = Transport(call, comm, call.ctx.adapters.numpy, "cpu", staged=False)
+    t = Collectives(call, Transport(call, comm, call.ctx.adapters.numpy, "cpu", staged=False))
 
     def local_sum(vec: np.ndarray, widths) -> np.ndarray:
         rows = t.allgather_scalars(vec)
