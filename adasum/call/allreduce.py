@@ -12,20 +12,19 @@ from __future__ import annotations
 import enum
 from typing import Any, Sequence
 
-import numpy as np
 from mpi4py import MPI
 
-from .agreement import agree, explain
+from .agreement import agree
 from ..adapters import array_kind
 from ..runtime.context import Call, Context, context_for
+from ..schedules import small_call
 from ..schedules.doubling import adasum_reduce_doubling
 from .fusion import Operand, Placement, TensorLayout
 from ..schedules.halving import adasum_reduce
 from ..schedules.hierarchical import hierarchical_reduce
 from ..runtime.launch import check_launch
-from ..kernels.native import compiled as _kernels  # None where the install could not build them
-from ..kernels.native import mpi_bound, use_isa
-from .plan import Plan, Schedule, agreed_extras, kept, place, plan_for, plan_key
+from ..kernels.native import use_isa
+from .plan import Plan, Schedule, agreed_extras, kept_plan, place, plan_for
 from ..runtime.collectives import Collectives
 from ..runtime.transport import transport_for
 
@@ -108,10 +107,13 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
         use_isa(call.settings.kernels_isa)
         extras = agreed_extras(call)
         known = None
-        if op == "adasum" and not hierarchical and type(tensors) is list and call.ctx.size > 1:
-            done, known = _small_adasum(call, tensors, inplace, extras)
-            if done is not None:
-                return done
+        if op == "adasum" and not hierarchical and type(tensors) is list and call.ctx.size > 1 \
+                and small_call.allowed(call.settings):
+            known = kept_plan(call.ctx, tensors, extras["adasum"])
+            if known is not None and known.small is not None:
+                done = small_call.run_small(call, known, tensors, inplace, extras)
+                if done is not None:
+                    return done
         return _general(call, extras, tensors, op, hierarchical, inplace, known)
 
 
@@ -130,7 +132,7 @@ class _State:
 
 
 def _general(call: Call, extras: dict, tensors, op, hierarchical: bool, inplace: bool, known: Plan | None):
-    """Every call that :func:`_small_adasum` does not take. ``known``: the call's plan, where it was found."""
+    """Every call that the compiled small call (:mod:`adasum.schedules.small_call`) does not take. ``known``: the call's plan, where it was found."""
     check_launch()  # a job whose processes MPI does not see raises here, on the first call
     ctx, s = call.ctx, call.settings
     state, error = _State(str(op)), None
@@ -219,45 +221,6 @@ def _on_rank(exc: Exception, rank: int) -> Exception:
 
 def _layout(where: int | None) -> TensorLayout | None:
     return None if where is None else TensorLayout(where)
-
-
-def _small_adasum(call: Call, items: list, inplace: bool, extras: dict):
-    """Adasum of a doubling call on contiguous float32/float64 host arrays (numpy, or torch CPU tensors
-    through numpy views of their memory) as one compiled call (:class:`~adasum.schedules.doubling.SmallCall`): the
-    same collective, messages and kernels as the general path, so ranks may take either. Returns
-    ``(result, plan)``: the result None when the call is not one of those (or some check fails: the general
-    path then reports it), with the call's kept plan if it found one."""
-    ctx, s = call.ctx, call.settings
-    if s.gpu_transport == "staged" or _kernels is None or s.kernels != "c" or not (s.native_mpi and mpi_bound()):
-        return None, None
-    try:
-        plan = kept(ctx, plan_key(items, "adasum", extras["adasum"]), items)
-    except (AttributeError, TypeError, RuntimeError):  # the general path describes what is wrong
-        return None, None
-    if plan is None or plan.small is None or plan.small.program is None:
-        return None, plan
-    small = plan.small
-    live = small.live(items)
-    g = small.group
-    host = live if g.adapter.kind == "numpy" else g.adapter.host_views(live)  # torch: the same memory
-    try:
-        where = _kernels.layout(host, inplace)  # contiguous (and writable, in place), or it raises
-    except (BufferError, ValueError):
-        return None, plan
-    if where == TensorLayout.OVERLAPPING:
-        return None, plan  # the general path writes each result back in turn
-    out = None if inplace else g.adapter.empty(g.size, g.dtype, g.device)
-    dst = host if inplace else out if type(out) is np.ndarray else out.numpy()
-    rc = small(call, host, dst, plan.signature, plan.descs, extras["patience"])
-    if rc == -1:
-        raise explain(call, "adasum", plan.descs, None, extras["adasum"])
-    if rc:
-        raise MPI.Exception(rc)
-    if inplace:
-        if host is not live:
-            g.adapter.wrote_parts(items)
-        return items, plan
-    return g.adapter.views(out, g.bounds, g.shapes), plan
 
 
 _OP_NAMES = frozenset(o.value for o in Op)

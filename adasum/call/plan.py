@@ -14,14 +14,14 @@ from typing import Any, Sequence
 
 from ..runtime import stall
 from .agreement import describe, signature
-from ..schedules.doubling import SmallCall
+from ..schedules.small_call import small_call_for
 from ..rule.dtypes import itemsize
 from .fusion import Group, Operand, Placement, TensorLayout, layer_spans, make_groups
 from ..kernels.native import compiled
 from ..runtime.settings import Settings
 from ..runtime.transport import Transport, transport_for
 
-__all__ = ["Plan", "Schedule", "agreed_extras", "kept", "place", "plan_for", "plan_key"]
+__all__ = ["Plan", "Schedule", "agreed_extras", "kept", "kept_plan", "place", "plan_for", "plan_key"]
 
 
 class Schedule(enum.Enum):
@@ -82,14 +82,8 @@ class Plan:
         self.one_group = len(self.groups) == 1 and self.groups[0].indices == list(range(len(items)))
         # the agreed settings are part of the plan's key, so the schedule is the plan's
         self.schedule = choose(op, dict(extra)["hierarchical"], ctx.size, self.nbytes, s)
-        active = [g for g in self.groups if g.size > 0]
-        self.small = None
-        if (self.schedule is Schedule.DOUBLING and self.one_group and compiled is not None
-                and len(active) == 1 and active[0].dtype in ("float32", "float64")
-                and (active[0].adapter.kind, active[0].device) in (("numpy", "cpu"), ("torch", "cpu"))):
-            g = active[0]
-            spans = layer_spans(g)
-            self.small = SmallCall(call, g, spans[0], spans[2], len(items))
+        self.small = small_call_for(call, self.schedule is Schedule.DOUBLING, self.one_group, self.groups,
+                                    len(items))  # the compiled small call, where the plan's calls may take it
         self._transports: tuple = (None, [])
 
     def transports(self, call, operands: Sequence[Operand]) -> list[Transport]:
@@ -112,6 +106,16 @@ def plan_key(items, op: str, extra: tuple) -> tuple:
     if compiled is not None:
         return op, extra, compiled.key(items)
     return op, extra, tuple([(type(t), t.shape, t.dtype, getattr(t, "device", None)) for t in items])
+
+
+def kept_plan(ctx, items, extra: tuple) -> "Plan | None":
+    """The plan kept for an Adasum call of ``items`` with ``extra``, or None (also where ``items`` have no
+    key: the general path describes what is wrong with them)."""
+    try:
+        key = plan_key(items, "adasum", extra)
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+    return kept(ctx, key, items)
 
 
 def kept(ctx, key, items) -> "Plan | None":

@@ -20,10 +20,8 @@ class Buffers:
         self._adapters = adapters  # the context's: they make the buffers
         self._kept: dict[tuple, list] = {}
 
-    def entry(self, key: tuple) -> list:
-        """The kept ``[buffer, numpy view of it or None]`` of ``key``, ``[None, None]`` until first used. An
-        entry is updated in place when its buffer is replaced or released, so a holder of the entry never
-        keeps an old buffer alive."""
+    def _entry(self, key: tuple) -> list:
+        """The kept ``[buffer, numpy view of it or None]`` of ``key``, ``[None, None]`` until first used."""
         entry = self._kept.get(key)
         if entry is None:
             entry = self._kept[key] = [None, None]
@@ -31,7 +29,7 @@ class Buffers:
 
     def get(self, kind: str, device: str, dtype: str, n: int, slot: str):
         """``n`` elements of a kept flat buffer of ``kind`` (as the context's adapters make it), on ``device``."""
-        entry = self.entry((slot, kind, device, dtype))
+        entry = self._entry((slot, kind, device, dtype))
         if entry[0] is None or len(entry[0]) < n:
             entry[1] = None
             entry[0] = None  # the old buffer goes before the new one is made
@@ -41,7 +39,7 @@ class Buffers:
 
     def host(self, kind: str, dtype: str, n: int, slot: str) -> np.ndarray:
         """:meth:`get` of a host buffer, as a numpy array (the same memory, for torch CPU buffers)."""
-        entry = self.entry((slot, kind, "cpu", dtype))
+        entry = self._entry((slot, kind, "cpu", dtype))
         view = entry[1]
         if view is None or len(view) < n:
             self.get(kind, "cpu", dtype, n, slot)
@@ -51,7 +49,7 @@ class Buffers:
     def staging(self, kind: str, device: str, which: int, nbytes: int) -> np.ndarray:
         """Host bytes for staged transfers of ``kind``/``device`` buffers (``which``: 0 send, 1 receive),
         page-locked where the device has such memory."""
-        entry = self.entry(("staging", kind, device, which))
+        entry = self._entry(("staging", kind, device, which))
         if entry[0] is None or entry[0].nbytes < nbytes:
             entry[0] = None
             entry[0] = self._adapters.of(kind).host_bytes_empty(max(nbytes, 1 << 16), device)

@@ -45,7 +45,7 @@ class Traffic:
     agreement check; ``allreduce_bytes`` the buffers given to ``MPI_Allreduce`` (sum, mean);
     ``node_bytes`` the buffers given to the collectives inside a node (hierarchical mode: the
     reduce-scatter's input and the slice this rank broadcasts); ``compiled_calls`` the calls that went
-    into the compiled small call (:class:`adasum.schedules.doubling.SmallCall`), however they ended.
+    into the compiled small call (:class:`adasum.schedules.small_call.SmallCall`), however they ended.
     """
 
     sent_bytes: int = 0

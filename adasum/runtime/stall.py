@@ -110,13 +110,13 @@ def wait(call, req: MPI.Request | list, op: str | None, descs, waited: float = 0
     reqs = req if type(req) is list else [req]
     warn, timeout = s.stall_warning, s.stall_timeout
     if warn is None and timeout is None:
-        wait_all(reqs, call.waiting)
+        wait_all(reqs, call.waiting, native=s.native_mpi)
         return
     ctx = call.ctx
     comm = call.lcomm if via is None else via
     first = patience(s)
     start = time.monotonic() - waited
-    if wait_all(reqs, call.waiting, until=start + first):  # as any wait of the library (adasum.runtime.waiting)
+    if wait_all(reqs, call.waiting, until=start + first, native=s.native_mpi):  # as any wait of the library (adasum.runtime.waiting)
         if via is not None:  # drop what an earlier stall left on the user's communicator
             _collect(via, -1, {})
         return

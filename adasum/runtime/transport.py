@@ -46,11 +46,12 @@ class Transport:
         self.staged = staged
         self._record = ctx.record
         self.waiting = call.waiting  # "nap" or "spin" (adasum.runtime.waiting)
+        self.native = call.settings.native_mpi  # the compiled waiting rule where it is bound
         scratch = Scratch(ctx.buffers, adapter.kind, device)
         self.kept, self.stage = scratch.kept, scratch.stage  # the kept buffers (Scratch.kept, Scratch.stage)
 
     def _wait(self, reqs: list) -> None:
-        wait_all(reqs, self.waiting)
+        wait_all(reqs, self.waiting, native=self.native)
 
     def nbytes(self, buf) -> int:
         if type(buf) is np.ndarray:

@@ -27,7 +27,6 @@ about ``(N-1)/N`` of its slice in each phase, so the bytes between nodes are tho
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -35,7 +34,7 @@ from mpi4py import MPI
 
 from ..rule.combine import merge_partials
 from ..call.fusion import Group, Operand
-from ..runtime.topology import node_layout
+from ..runtime.topology import NodeLayout, node_layout
 from ..runtime.collectives import Collectives
 from ..runtime.transport import Transport, transport_for
 from .halving import adasum_reduce
