@@ -225,33 +225,45 @@ def adasum_reduce(call, comm: MPI.Intracomm, groups: Sequence[Operand], transpor
     # --- reduce-scatter with the combine at every level ----------------------------------------------------
     ranges = [tree.kept_ranges(g.size, r) for g in groups]
     for i, level in enumerate(r.levels):
-        los, his = [rg[i + 1][0] for rg in ranges], [rg[i + 1][1] for rg in ranges]
-        scratches = []
-        for g, t, rg in zip(groups, transports, ranges):
-            (lo, hi), (klo, khi) = rg[i], rg[i + 1]
-            slo, shi = (lo, klo) if level.upper else (khi, hi)  # the half the partner keeps
-            scr = t.kept(g.dtype, khi - klo)
-            sc, rc = exchange_chunks(g, slo, shi, klo, khi, split)
-            t.exchange([own(g, a, b) for a, b in sc], level.partner, [scr[a - klo:b - klo] for a, b in rc], level.partner)
-            scratches.append(scr)
-        partials, spans = _layer_partials(s, groups, scratches, los, his, swap=level.upper)
-        sums = sum_local(partials)
-        # Sum over the ranks of this level's subtree by recursive doubling, always lower half + upper half,
-        # so that every rank of the subtree gets bitwise the same sums, hence the same coefficients.
-        for j, other_rank in enumerate(level.sum_partners):
-            other = scalars.swap_scalars(sums, other_rank)
-            sums = merge_partials(other, sums, layout) if r.virtual & (1 << j) else merge_partials(sums, other, layout)
-        _combine(s, groups, scratches, los, his, spans, sums, level.count_left, level.count_right, level.upper)
+        _reduce_level(s, scalars, groups, transports, ranges, i, level, r.virtual, split, sum_local, layout)
 
     # --- allgather by recursive doubling -------------------------------------------------------------------
-    for i in range(len(r.levels) - 1, -1, -1):
-        level = r.levels[i]
+    _allgather(groups, transports, ranges, r.levels, split)
+
+    if r.fold is not None:
+        for g, t in zip(groups, transports):
+            t.exchange([own(g, a, b) for a, b in chunks(g, 0, g.size, split)], r.fold[0], [], r.fold[0])
+
+
+def _reduce_level(s, scalars: Collectives, groups, transports, ranges, i: int, level, virtual: int, split: int,
+                  sum_local, layout) -> None:
+    """Level ``i`` of :func:`adasum_reduce`'s reduce-scatter: swap the halves with the level's partner,
+    sum the partial dot products over the level's subtree, combine this rank's kept half."""
+    los, his = [rg[i + 1][0] for rg in ranges], [rg[i + 1][1] for rg in ranges]
+    scratches = []
+    for g, t, rg in zip(groups, transports, ranges):
+        (lo, hi), (klo, khi) = rg[i], rg[i + 1]
+        slo, shi = (lo, klo) if level.upper else (khi, hi)  # the half the partner keeps
+        scr = t.kept(g.dtype, khi - klo)
+        sc, rc = exchange_chunks(g, slo, shi, klo, khi, split)
+        t.exchange([own(g, a, b) for a, b in sc], level.partner, [scr[a - klo:b - klo] for a, b in rc], level.partner)
+        scratches.append(scr)
+    partials, spans = _layer_partials(s, groups, scratches, los, his, swap=level.upper)
+    sums = sum_local(partials)
+    # Sum over the ranks of this level's subtree by recursive doubling, always lower half + upper half,
+    # so that every rank of the subtree gets bitwise the same sums, hence the same coefficients.
+    for j, other_rank in enumerate(level.sum_partners):
+        other = scalars.swap_scalars(sums, other_rank)
+        sums = merge_partials(other, sums, layout) if virtual & (1 << j) else merge_partials(sums, other, layout)
+    _combine(s, groups, scratches, los, his, spans, sums, level.count_left, level.count_right, level.upper)
+
+
+def _allgather(groups, transports, ranges, levels, split: int) -> None:
+    """:func:`adasum_reduce`'s allgather by recursive doubling, the levels in reverse."""
+    for i in range(len(levels) - 1, -1, -1):
+        level = levels[i]
         for g, t, rg in zip(groups, transports, ranges):
             (plo, phi), (lo, hi) = rg[i], rg[i + 1]
             olo, ohi = (plo, lo) if level.upper else (hi, phi)
             sc, rc = exchange_chunks(g, lo, hi, olo, ohi, split)
             t.exchange([own(g, a, b) for a, b in sc], level.partner, [own(g, a, b) for a, b in rc], level.partner)
-
-    if r.fold is not None:
-        for g, t in zip(groups, transports):
-            t.exchange([own(g, a, b) for a, b in chunks(g, 0, g.size, split)], r.fold[0], [], r.fold[0])
