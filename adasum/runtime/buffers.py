@@ -19,6 +19,7 @@ class Buffers:
     def __init__(self, adapters: Adapters) -> None:
         self._adapters = adapters  # the context's: they make the buffers
         self._kept: dict[tuple, list] = {}
+        self.generation = 0  # changes whenever a kept buffer is replaced or released
 
     def _entry(self, key: tuple) -> list:
         """The kept ``[buffer, numpy view of it or None]`` of ``key``, ``[None, None]`` until first used."""
@@ -31,6 +32,7 @@ class Buffers:
         """``n`` elements of a kept flat buffer of ``kind`` (as the context's adapters make it), on ``device``."""
         entry = self._entry((slot, kind, device, dtype))
         if entry[0] is None or len(entry[0]) < n:
+            self.generation += 1
             entry[1] = None
             entry[0] = None  # the old buffer goes before the new one is made
             entry[0] = self._adapters.of(kind).empty(max(n, 1), dtype, device)
@@ -39,23 +41,32 @@ class Buffers:
 
     def host(self, kind: str, dtype: str, n: int, slot: str) -> np.ndarray:
         """:meth:`get` of a host buffer, as a numpy array (the same memory, for torch CPU buffers)."""
+        view = self.host_whole(kind, dtype, n, slot)
+        return view if len(view) == n else view[:n]
+
+    def host_whole(self, kind: str, dtype: str, n: int, slot: str) -> np.ndarray:
+        """The whole kept host buffer of :meth:`host` (at least ``n`` elements), as a numpy array: a holder
+        keeps it only as long as :attr:`generation` stays the same (and only weakly, so as not to keep a
+        released buffer alive)."""
         entry = self._entry((slot, kind, "cpu", dtype))
         view = entry[1]
         if view is None or len(view) < n:
             self.get(kind, "cpu", dtype, n, slot)
             view = entry[1] = entry[0] if type(entry[0]) is np.ndarray else entry[0].numpy()
-        return view if len(view) == n else view[:n]
+        return view
 
     def staging(self, kind: str, device: str, which: int, nbytes: int) -> np.ndarray:
         """Host bytes for staged transfers of ``kind``/``device`` buffers (``which``: 0 send, 1 receive),
         page-locked where the device has such memory."""
         entry = self._entry(("staging", kind, device, which))
         if entry[0] is None or entry[0].nbytes < nbytes:
+            self.generation += 1
             entry[0] = None
             entry[0] = self._adapters.of(kind).host_bytes_empty(max(nbytes, 1 << 16), device)
         return entry[0][:nbytes]
 
     def clear(self) -> None:
+        self.generation += 1
         for entry in self._kept.values():
             entry[0] = entry[1] = None
         self._kept.clear()

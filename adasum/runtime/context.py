@@ -72,21 +72,16 @@ class Call(NamedTuple):
         if self.ctx.counters:
             self.ctx.record(field, nbytes, messages)
 
-
-class _Scope:
-    """What ``with ctx.call(what, settings) as call:`` enters: starts the call, yields it, ends it."""
-
-    __slots__ = ("ctx", "what", "settings")
-
-    def __init__(self, ctx: "Context", what: str, settings: Settings | None):
-        self.ctx, self.what, self.settings = ctx, what, settings
-
-    def __enter__(self) -> Call:
-        s = self.settings
-        return self.ctx._begin(self.what, current() if s is None else s)
+    def __enter__(self) -> "Call":
+        return self
 
     def __exit__(self, *exc) -> None:
-        self.ctx._end()
+        ctx = self[0]  # the call is over: the communicator takes the next one (Context._end)
+        ctx._current = None
+        ctx._busy.release()
+
+
+_new_call = tuple.__new__  # Call(...) without its Python-level __new__: a call's start is on the fast path
 
 
 class Context:
@@ -147,21 +142,14 @@ class Context:
         return self._agree_handles
 
     # --- calls ---------------------------------------------------------------------------------------------
-    def call(self, what: str, settings: Settings | None = None) -> "_Scope":
-        """``with ctx.call(what, settings) as call:`` a call on this communicator: numbered, the library's
-        duplicate made on the first one (collectively, stall-watched), and the :class:`Call` it yields made;
-        RuntimeError at once if another thread has a call in flight here (two calls on one communicator
-        would mix their messages). ``settings`` (default: the current ones, read here) are the
-        call's snapshot: nothing the call runs reads the live settings again. Every 64th call first drops
-        the stall inspector's messages of earlier calls."""
-        return _Scope(self, what, settings)
-
-    def _waiting(self, s: Settings) -> str:
-        """How a call under the settings ``s`` waits (``"nap"`` or ``"spin"``; :mod:`adasum.runtime.waiting`)."""
-        how = s.waiting
-        return ("nap" if self.beside_compute else "spin") if how == "auto" else how
-
-    def _begin(self, what: str, s: Settings) -> Call:
+    def call(self, what: str, settings: Settings | None = None) -> Call:
+        """A call on this communicator, for a ``with`` statement (``with ctx.call(what, settings) as call:``,
+        which ends it): numbered, the library's duplicate made on the first one (collectively,
+        stall-watched), and returned as the immutable :class:`Call` that the call path takes. RuntimeError
+        at once if another thread has a call in flight here (two calls on one communicator would mix their
+        messages). ``settings`` (default: the current ones, read here) are the call's snapshot: nothing the
+        call runs reads the live settings again. Every 64th call first drops the stall inspector's messages
+        of earlier calls."""
         if self.broken is not None:
             raise AdasumStallError(f"{what} on {self.name}: the library can no longer use this communicator, "
                                    f"an earlier call timed out there ({self.broken})")
@@ -174,16 +162,24 @@ class Context:
         self.calls = number = self.calls + 1
         self._current = (number, what)
         try:
+            s = current() if settings is None else settings
             lcomm = self._lcomm
             if lcomm is None:
                 lcomm = self._duplicate(s)
-            call = Call(self, s, self._waiting(s), lcomm, number, what)
+            how = s.waiting
+            call = _new_call(Call, (self, s, ("nap" if self.beside_compute else "spin") if how == "auto" else how,
+                                    lcomm, number, what))
             if number % 64 == 0:
                 stall.drain(call)
         except BaseException:
             self._end()
             raise
         return call
+
+    def _waiting(self, s: Settings) -> str:
+        """How a call under the settings ``s`` waits (``"nap"`` or ``"spin"``; :mod:`adasum.runtime.waiting`)."""
+        how = s.waiting
+        return ("nap" if self.beside_compute else "spin") if how == "auto" else how
 
     def _end(self) -> None:
         self._current = None

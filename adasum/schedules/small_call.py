@@ -12,6 +12,8 @@ same collective, messages and kernel calls as the general doubling schedule
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 from mpi4py import MPI
 
@@ -92,12 +94,21 @@ class SmallCall:
         self.program = self._program(call.lcomm) if self.nbytes < 1 << 31 else None
         fold, levels = self.role.fold, self.role.levels
         self.messages = 1 if self.role.out_of is not None else len(levels) + (fold is not None)
+        self._kept: tuple = (-1, None, None)  # (generation, weak references to the buffers) of the last call
 
     def _buffers(self) -> tuple:
-        """The context's fused and receive buffers as numpy arrays of the group's size (asked for on every
-        call, so that this holds none of its own)."""
-        buffers, kind, dtype, n = self.ctx.buffers, self.group.adapter.kind, self.group.dtype, self.n
-        return buffers.host(kind, dtype, n, "fused"), buffers.host(kind, dtype, n, "recv")
+        """The context's fused and receive buffers as numpy arrays of the group's size. Held weakly between
+        calls, and only while the context's buffers stay the same (:attr:`Buffers.generation`), so that
+        this keeps no buffer alive."""
+        buffers, n, kept = self.ctx.buffers, self.n, self._kept
+        if kept[0] == buffers.generation:
+            buf, scr = kept[1](), kept[2]()
+            if buf is not None and scr is not None:
+                return (buf if len(buf) == n else buf[:n]), (scr if len(scr) == n else scr[:n])
+        kind, dtype = self.group.adapter.kind, self.group.dtype
+        buf, scr = buffers.host_whole(kind, dtype, n, "fused"), buffers.host_whole(kind, dtype, n, "recv")
+        self._kept = (buffers.generation, weakref.ref(buf), weakref.ref(scr))
+        return (buf if len(buf) == n else buf[:n]), (scr if len(scr) == n else scr[:n])
 
     def _program(self, lcomm) -> np.ndarray:
         """The schedule as ``_kernels.small_doubling`` takes it (int64 fields, then 4 per level)."""
