@@ -3,9 +3,14 @@
 Everything the library keeps between calls on a communicator lives in its context: the library's own
 duplicate of the communicator, the kept plans (layer tables of recent calls), the kept buffers, the
 agreement scratch, the array adapters with their scratch and kept views, the node layout of the hierarchical
-mode and the active traffic counters. A context is made on the first call on a communicator (its duplicate then, collectively),
+mode and the active traffic counters. A context is made on the first call on a communicator (its duplicate
+then, collectively),
 hangs on that communicator as an MPI attribute, and is freed when the communicator is freed (the attribute's
 delete callback) or, its buffers and plans, by :func:`release_buffers`.
+
+A call in flight is a :class:`Call` (``with ctx.call(what) as call:``): the immutable part of one call
+(its settings snapshot, waiting mode, the library's communicator, its number) that every function of the
+call path takes; the context keeps only what outlives a call.
 
 Calls on different communicators share nothing but the immutable settings, so they may run in different
 threads at the same time. Calls on one communicator must not overlap: the context says so at once.
@@ -129,9 +134,6 @@ class Context:
                 stall.wait(making, req, None, None, via=self._comm)
                 self._lcomm = lcomm
             return self._lcomm
-
-    def has_lcomm(self) -> bool:
-        return self._lcomm is not None
 
     @property
     def agree_handles(self) -> tuple[int, int, int]:
