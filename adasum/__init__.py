@@ -11,7 +11,7 @@ from .runtime.context import Traffic, count_traffic, release_buffers
 from .runtime.stall import AdasumCollectiveError, AdasumStallError
 from .runtime.settings import Settings, configure, get_small_message_bytes, set_small_message_bytes
 from .runtime.settings import current as current_settings
-from .runtime.transport import cuda_aware_mpi, get_gpu_transport, set_gpu_transport
+from .runtime.gpu import cuda_aware_mpi, get_gpu_transport, set_gpu_transport
 from .call.agreement import AdasumMismatchError
 from .runtime.launch import AdasumLaunchError
 from .runtime.world import local_rank, local_size, rank, size

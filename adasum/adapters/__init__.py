@@ -7,7 +7,8 @@ host, where :mod:`adasum.rule.combine` turns them into coefficients.
 
 :class:`NumpyAdapter` (:mod:`.host`) serves numpy arrays, :class:`CupyAdapter` (:mod:`.cupy_arrays`) cupy
 arrays and :class:`TorchAdapter` (:mod:`.torch_tensors`) torch tensors on the CPU or a CUDA device. Each
-communicator's context holds one :class:`Adapters`, which binds the settings of the call in flight.
+communicator's context holds one :class:`Adapters`. The methods whose kernels a setting chooses take the
+settings of the call (``s``) as an argument.
 """
 
 from __future__ import annotations
@@ -63,14 +64,8 @@ class Adapters:
                 adapter = CupyAdapter(cupy)
             else:
                 raise ValueError(f"no adapter for arrays of kind {kind!r}")
-            adapter.settings = self.numpy.settings
             self._made[kind] = adapter
         return adapter
-
-    def use(self, s: _settings.Settings) -> None:
-        """Bind the settings ``s`` of the call that starts to every adapter."""
-        for adapter in self._made.values():
-            adapter.settings = s
 
     def for_array(self, t) -> Adapter | None:
         """The adapter for array ``t``, or None if ``t`` is of no supported kind."""

@@ -31,8 +31,6 @@ class Adapter:
     """What the algorithm needs from one kind of array. Subclasses implement it for numpy/cupy and torch."""
 
     kind: str
-    # The settings of the call in flight (:meth:`Adapters.use`); an adapter made on its own has the defaults.
-    settings: _settings.Settings = _settings.Settings()
 
     def clear(self) -> None:
         """Drop kept scratch buffers and views."""
@@ -77,17 +75,17 @@ class Adapter:
         raise NotImplementedError
 
     # --- arithmetic on flat buffers -------------------------------------------------------------------------
-    def partial_dots(self, a, b, pieces: Sequence[tuple[int, int]]) -> np.ndarray:
+    def partial_dots(self, a, b, pieces: Sequence[tuple[int, int]], *, s: _settings.Settings) -> np.ndarray:
         """``[a·b, a·a, b·b]`` over ``a[s:e]``, ``b[s:e]`` for each piece, as a host float64 (n, 3) array;
         for float64 data an (n, 4) array ``[a·b, a·a, b·b, k]`` of partials scaled by ``4**-k``
         (:func:`extend_range`), so that no float64 input overflows or underflows them.
 
         ``a`` or ``b`` may also be a list with one flat buffer per piece, where :meth:`direct_parts` gave
-        such buffers."""
+        such buffers. ``s``: the settings of the call (which kernels)."""
         raise NotImplementedError
 
     def scaled_add(self, a, b, pieces: Sequence[tuple[int, int]], ca: np.ndarray, cb: np.ndarray,
-                   dst=None) -> None:
+                   dst=None, *, s: _settings.Settings) -> None:
         """``dst[s:e] ← ca[i]·a[s:e] + cb[i]·b[s:e]`` per piece (``dst`` defaults to ``a``), in float64,
         rounded once to the dtype. ``dst`` may be ``a`` or ``b``.
 
@@ -95,15 +93,17 @@ class Adapter:
         buffers are taken where :meth:`partial_dots` takes them."""
         raise NotImplementedError
 
-    def pair(self, left, right, dst, pieces, span_array: np.ndarray, count_left: int, count_right: int) -> None:
+    def pair(self, left, right, dst, pieces, span_array: np.ndarray, count_left: int, count_right: int, *,
+             s: _settings.Settings) -> None:
         """``dst[s:e] ← Adasum(left[s:e], right[s:e])`` per piece (the size-weighted rule), ``left`` standing for
         ``count_left`` ranks and ``right`` for ``count_right``. ``span_array`` is ``pieces`` as an int64
         (n, 2) array. ``dst`` may be ``left`` or ``right``; the other operand is scratch."""
-        d = self.partial_dots(left, right, pieces)
+        d = self.partial_dots(left, right, pieces, s=s)
         c_left, c_right = coefficients(d[:, 0], d[:, 1], d[:, 2], count_left, count_right)
-        self.scaled_add(left, right, pieces, c_left, c_right, dst=dst)
+        self.scaled_add(left, right, pieces, c_left, c_right, dst=dst, s=s)
 
-    def direct_parts(self, tensors: Sequence[Any], dtype: str, contiguous: bool = False):
+    def direct_parts(self, tensors: Sequence[Any], dtype: str, contiguous: bool = False, *,
+                     s: _settings.Settings):
         """``tensors`` (as a list) where the arithmetic and the transport can use them in place of a
         packed buffer, or None where this adapter (or this dtype, or a non-contiguous tensor) needs them
         packed. ``contiguous``: the caller has checked that every tensor is C-contiguous."""

@@ -32,10 +32,10 @@ class CupyAdapter(_NumpyLike):
         if self._segmented is not None:
             self._segmented.clear()
 
-    def _torch_views(self, *operands):
+    def _torch_views(self, s, *operands):
         """Zero-copy torch views (DLPack) of flat cupy buffers where they take the segmented Triton
         kernels under the setting ``device_kernels``, else None (the per-layer cupy kernels)."""
-        setting = self.settings.device_kernels
+        setting = s.device_kernels
         if setting == "per-layer" or not _segmented.wanted(setting, True):  # raises for "triton" without it
             return None
         torch = sys.modules["torch"]
@@ -71,8 +71,8 @@ class CupyAdapter(_NumpyLike):
             buf = self._scratch[key] = self.empty(DEVICE_BLOCK, dtype, f"cuda:{like.device.id}")
         return buf
 
-    def partial_dots(self, a, b, pieces):
-        views = self._torch_views(a, b)
+    def partial_dots(self, a, b, pieces, *, s):
+        views = self._torch_views(s, a, b)
         if views is not None:
             out = self._segmented.dots(*views, pieces)
             return extend_range(out, *views, pieces) if a.dtype == self.xp.float64 else out
@@ -84,13 +84,13 @@ class CupyAdapter(_NumpyLike):
         out = xp.asnumpy(out)
         return extend_range(out, a, b, pieces) if native else out
 
-    def scaled_add(self, a, b, pieces, ca, cb, dst=None):
-        views = self._torch_views(a, b, a if dst is None else dst)
+    def scaled_add(self, a, b, pieces, ca, cb, dst=None, *, s):
+        views = self._torch_views(s, a, b, a if dst is None else dst)
         if views is not None:
             self._segmented.combine(*views, pieces, ca, cb)
             return
         if dst is not None and dst is not a:
-            self.scaled_add(a, b, pieces, ca, cb)
+            self.scaled_add(a, b, pieces, ca, cb, s=s)
             dst[...] = a
             return
         xp = self.xp

@@ -119,21 +119,21 @@ class NumpyAdapter(_NumpyLike):
             buf = self._scratch[name] = np.empty((2, BLOCK), dtype=dtype)
         return buf
 
-    def _compiled(self, *operands) -> bool:
-        return use_c(self.settings) and all(type(x) is list or (x.dtype.char in _KERNEL_TYPES and x.flags.c_contiguous)
+    def _compiled(self, s, *operands) -> bool:
+        return use_c(s) and all(type(x) is list or (x.dtype.char in _KERNEL_TYPES and x.flags.c_contiguous)
                               for x in operands)
 
-    def partial_dots(self, a, b, pieces):
-        if self._compiled(a, b):
+    def partial_dots(self, a, b, pieces, *, s):
+        if self._compiled(s, a, b):
             out = np.empty((len(pieces), 3))
             _c_kernels.dots(a, b, np.asarray(pieces, dtype=np.int64).reshape(-1, 2), out)
         else:
             out = _numpy_partial_dots(a, b, pieces, self._block_scratch("wide64", np.float64))
         return extend_range(out, a, b, pieces) if dtype_of(a) == np.float64 else out
 
-    def scaled_add(self, a, b, pieces, ca, cb, dst=None):
+    def scaled_add(self, a, b, pieces, ca, cb, dst=None, *, s):
         dst = a if dst is None else dst
-        if self._compiled(dst, a, b):
+        if self._compiled(s, dst, a, b):
             _c_kernels.scaled_add(dst, a, b, np.asarray(pieces, dtype=np.int64).reshape(-1, 2),
                                   np.ascontiguousarray(ca, dtype=np.float64),
                                   np.ascontiguousarray(cb, dtype=np.float64))
@@ -147,14 +147,14 @@ class NumpyAdapter(_NumpyLike):
         if dst is not a:
             dst[...] = a
 
-    def pair(self, left, right, dst, pieces, span_array, count_left, count_right):
-        if self._compiled(left, right, dst):
+    def pair(self, left, right, dst, pieces, span_array, count_left, count_right, *, s):
+        if self._compiled(s, left, right, dst):
             _c_kernels.pair(left, right, dst, span_array, count_left, count_right)
             return
-        super().pair(left, right, dst, pieces, span_array, count_left, count_right)
+        super().pair(left, right, dst, pieces, span_array, count_left, count_right, s=s)
 
-    def direct_parts(self, tensors, dtype, contiguous=False):
-        if not use_c(self.settings) or dtype not in _DIRECT_DTYPES:
+    def direct_parts(self, tensors, dtype, contiguous=False, *, s):
+        if not use_c(s) or dtype not in _DIRECT_DTYPES:
             return None
         if not contiguous and not all(t.flags.c_contiguous for t in tensors):
             return None

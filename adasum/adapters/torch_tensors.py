@@ -32,10 +32,10 @@ class TorchAdapter(Adapter):
         if self._segmented is not None:
             self._segmented.clear()
 
-    def _segmented_for(self, *operands) -> _segmented.SegmentedKernels | None:
+    def _segmented_for(self, s, *operands) -> _segmented.SegmentedKernels | None:
         """The segmented Triton kernels where flat tensor ``operands`` take them under the setting
-        ``device_kernels``, else None (lists of host pieces never do)."""
-        setting = self.settings.device_kernels
+        ``device_kernels`` of ``s``, else None (lists of host pieces never do)."""
+        setting = s.device_kernels
         if setting == "per-layer" or any(type(x) is list for x in operands):
             return None
         if not _segmented.wanted(setting, operands[0].device.type == "cuda"):
@@ -118,11 +118,11 @@ class TorchAdapter(Adapter):
         views = self._host_views(tensors)
         return None if views is None else self._numpy.layout(views, indices, rank)
 
-    def direct_parts(self, tensors, dtype, contiguous=False):
+    def direct_parts(self, tensors, dtype, contiguous=False, *, s):
         if not contiguous and not all(t.is_contiguous() for t in tensors):
             return None
         views = self._host_views(tensors)
-        return None if views is None else self._numpy.direct_parts(views, dtype, contiguous=True)
+        return None if views is None else self._numpy.direct_parts(views, dtype, contiguous=True, s=s)
 
     def _host_views(self, tensors):
         """numpy views of CPU float tensors (their own memory; bfloat16 as its uint16 bits), else None."""
@@ -169,15 +169,15 @@ class TorchAdapter(Adapter):
         # The result went into the tensors' memory through numpy: tell autograd they changed in place.
         self.torch.autograd.graph.increment_version(tensors)
 
-    def partial_dots(self, a, b, pieces):
+    def partial_dots(self, a, b, pieces, *, s):
         torch = self.torch
-        fast = self._segmented_for(a, b)
+        fast = self._segmented_for(s, a, b)
         if fast is not None:
             out = fast.dots(a, b, pieces)
             return extend_range(out, a, b, pieces) if a.dtype == torch.float64 else out
         if self._numpy_path(a):
             # numpy's kernels, on the same memory: they vectorise over many small layers
-            return self._numpy.partial_dots(_host(a), _host(b), pieces)
+            return self._numpy.partial_dots(_host(a), _host(b), pieces, s=s)
         out = torch.zeros((len(pieces), 3), dtype=torch.float64, device=a.device)
         native = a.dtype == torch.float64
         wide = None if native else (self._wide(a, 0, torch.float64), self._wide(a, 1, torch.float64))
@@ -185,23 +185,23 @@ class TorchAdapter(Adapter):
         out = out.cpu().numpy()
         return extend_range(out, a, b, pieces) if native else out
 
-    def pair(self, left, right, dst, pieces, span_array, count_left, count_right):
-        if self._numpy_path(left) and self._segmented_for(left, right, dst) is None:
-            self._numpy.pair(_host(left), _host(right), _host(dst), pieces, span_array, count_left, count_right)
+    def pair(self, left, right, dst, pieces, span_array, count_left, count_right, *, s):
+        if self._numpy_path(left) and self._segmented_for(s, left, right, dst) is None:
+            self._numpy.pair(_host(left), _host(right), _host(dst), pieces, span_array, count_left, count_right, s=s)
             return
-        super().pair(left, right, dst, pieces, span_array, count_left, count_right)
+        super().pair(left, right, dst, pieces, span_array, count_left, count_right, s=s)
 
-    def scaled_add(self, a, b, pieces, ca, cb, dst=None):
+    def scaled_add(self, a, b, pieces, ca, cb, dst=None, *, s):
         torch = self.torch
-        fast = self._segmented_for(a, b, a if dst is None else dst)
+        fast = self._segmented_for(s, a, b, a if dst is None else dst)
         if fast is not None:
             fast.combine(a, b, a if dst is None else dst, pieces, ca, cb)
             return
         if self._numpy_path(a):
-            self._numpy.scaled_add(_host(a), _host(b), pieces, ca, cb, None if dst is None else _host(dst))
+            self._numpy.scaled_add(_host(a), _host(b), pieces, ca, cb, None if dst is None else _host(dst), s=s)
             return
         if dst is not None and dst is not a:
-            self.scaled_add(a, b, pieces, ca, cb)
+            self.scaled_add(a, b, pieces, ca, cb, s=s)
             dst.copy_(a)
             return
         if a.dtype in (torch.float32, torch.float64):

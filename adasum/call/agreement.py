@@ -107,9 +107,9 @@ def signature(op: str, descs: Sequence[TensorDesc], extra: tuple) -> int:
 AGREE_BYTES = 4 * 8  # what one rank hands to the agreement allreduce: four int64
 
 
-def agree(ctx, op: str, descs: Sequence[TensorDesc] | None, error: Exception | None,
+def agree(call, op: str, descs: Sequence[TensorDesc] | None, error: Exception | None,
           extra: tuple = (), digest: int | None = None, vote: int = 0, kind: str = "adasum_allreduce") -> int:
-    """Meet the other ranks of ``ctx``'s communicator once; raise the same exception on every rank if any
+    """Meet the other ranks of the call ``call`` (:class:`adasum.runtime.context.Call`) once; raise the same exception on every rank if any
     rank failed or differs.
 
     ``descs`` is this rank's description of its tensors (None if ``error`` is set). ``extra`` holds further
@@ -119,6 +119,7 @@ def agree(ctx, op: str, descs: Sequence[TensorDesc] | None, error: Exception | N
     ``kind`` names the call for the explanation of a difference (the digest of an allreduce differs from
     that of every other kind of call: :func:`exchange_digest`).
     """
+    ctx = call.ctx
     if ctx.size == 1:
         if error is not None:
             raise error
@@ -129,20 +130,20 @@ def agree(ctx, op: str, descs: Sequence[TensorDesc] | None, error: Exception | N
         sig = signature(op, descs, extra) if digest is None else digest
     scratch = ctx.agree_scratch
     load(scratch, sig, error is not None, vote)
-    ctx.record("scalar_bytes", AGREE_BYTES)
-    s = ctx.settings
+    call.record("scalar_bytes", AGREE_BYTES)
+    s = call.settings
     patience = stall.patience(s, ctx)
     if s.native_mpi and mpi_bound():  # the wait without the GIL, as the compiled small call makes it
-        rc = compiled.agree(scratch, *ctx.agree_handles, patience, *waiting.policy(ctx.waiting()))
+        rc = compiled.agree(scratch, *ctx.agree_handles, patience, *waiting.policy(call.waiting))
         if rc == 1:
-            resume(ctx, op, descs, patience)
+            resume(call, op, descs, patience)
         elif rc:
             raise MPI.Exception(rc)
     else:
-        stall.wait(ctx, ctx.lcomm.Iallreduce(scratch[0:4], scratch[4:8], op=MPI.MAX), op, descs)
+        stall.wait(call, call.lcomm.Iallreduce(scratch[0:4], scratch[4:8], op=MPI.MAX), op, descs)
     if agreed(scratch):
         return int(scratch[7])
-    raise explain(ctx, op, descs, error, extra, kind)
+    raise explain(call, op, descs, error, extra, kind)
 
 
 # The kinds of call that are not reductions of tensors (adasum.runtime.exchange's calls) digest as tuples that start
@@ -158,25 +159,25 @@ def exchange_digest(what: str, extra: tuple = ()) -> int:
     return hash((_EXCHANGE, zlib.crc32(what.encode()), tuple(int(v) for _, v in extra))) & _MASK
 
 
-def agree_exchange(ctx, what: str, error: Exception | None, vote: int = 0, extra: tuple = (),
+def agree_exchange(call, what: str, error: Exception | None, vote: int = 0, extra: tuple = (),
                    label: str | None = None) -> int:
-    """The first collective of an exchange ``what`` of :mod:`adasum.runtime.exchange` inside a call in flight on
-    ``ctx``: the agreement's four integers (so that it meets an allreduce's agreement, or another kind of
+    """The first collective of an exchange ``what`` of :mod:`adasum.runtime.exchange` inside the call
+    ``call``: the agreement's four integers (so that it meets an allreduce's agreement, or another kind of
     exchange, as a difference that every rank explains), watched by the stall inspector. Returns the largest
     ``vote``; raises on every rank where a rank has an ``error`` or is in another kind of call, naming this
     call ``label`` (default ``what``)."""
-    if ctx.size == 1:
+    if call.ctx.size == 1:
         if error is not None:
             raise error
         return vote
     scratch = np.zeros(8, dtype=np.int64)
     load(scratch, 0 if error is not None else exchange_digest(what, extra), error is not None, vote)
-    ctx.record("scalar_bytes", AGREE_BYTES)
-    stall.wait(ctx, ctx.lcomm.Iallreduce(scratch[0:4], scratch[4:8], op=MPI.MAX), "exchange", AGREE_BYTES,
+    call.record("scalar_bytes", AGREE_BYTES)
+    stall.wait(call, call.lcomm.Iallreduce(scratch[0:4], scratch[4:8], op=MPI.MAX), "exchange", AGREE_BYTES,
                label=what)
     if agreed(scratch):
         return int(scratch[7])
-    raise explain(ctx, "exchange", None, error, extra, kind=what if label is None else label)
+    raise explain(call, "exchange", None, error, extra, kind=what if label is None else label)
 
 
 # The agreement's one encoding, which the compiled small call (adasum/kernels/_kernels_mpi.c) writes and reads the
@@ -193,28 +194,29 @@ def agreed(scratch) -> bool:
     return scratch[6] == 0 and scratch[4] == -scratch[5]
 
 
-def resume(ctx, op: str, descs, waited: float) -> None:
-    """Go on waiting, through the stall inspector, for the agreement the compiled kernels left waiting
-    after ``waited`` seconds (its request in ``ctx.agree_scratch[8]``)."""
-    stall.wait(ctx, request(int(ctx.agree_scratch[8])), op, descs, waited=waited)
+def resume(call, op: str, descs, waited: float) -> None:
+    """Go on waiting, through the stall inspector, for the agreement of ``call`` the compiled kernels left
+    waiting after ``waited`` seconds (its request in ``call.ctx.agree_scratch[8]``)."""
+    stall.wait(call, request(int(call.ctx.agree_scratch[8])), op, descs, waited=waited)
 
 
-def explain(ctx, op: str, descs: Sequence[TensorDesc] | None, error: Exception | None, extra: tuple = (),
+def explain(call, op: str, descs: Sequence[TensorDesc] | None, error: Exception | None, extra: tuple = (),
             kind: str = "adasum_allreduce") -> Exception:
     """The exception every rank raises once the agreement found a failure or a difference (collective:
     every rank calls it after the same agreement): gathers everyone's view to say exactly what. Its two
     collectives are another agreement (of the reports' size) and a gather, both watched by the stall
     inspector, so a rank that does not come makes the others raise a stall error naming it."""
     report = (kind, op, extra, descs, None if error is None else (type(error), str(error)))
-    everyone = _gather_reports(ctx, report)
+    everyone = _gather_reports(call, report)
+    rank = call.ctx.rank
     if everyone is None:
         return AdasumMismatchError(
-            f"(raised on rank {ctx.rank}) the ranks are not in the same call: rank {ctx.rank} is in {kind}"
+            f"(raised on rank {rank}) the ranks are not in the same call: rank {rank} is in {kind}"
             f"{_call_text(report)}, and some rank is neither in it nor explaining the difference")
-    return _explain(everyone, ctx.rank)
+    return _explain(everyone, rank)
 
 
-def _gather_reports(ctx, report) -> list | None:
+def _gather_reports(call, report) -> list | None:
     """Every rank's ``report`` on every rank, or None where some rank is not explaining the same
     agreement (it is in another call)."""
     try:
@@ -225,19 +227,20 @@ def _gather_reports(ctx, report) -> list | None:
     scratch = np.zeros(8, dtype=np.int64)
     load(scratch, hash((_EXPLAIN,)) & _MASK, False, len(data))
     what = "explaining a difference between the ranks"
-    stall.wait(ctx, ctx.lcomm.Iallreduce(scratch[0:4], scratch[4:8], op=MPI.MAX), "exchange", AGREE_BYTES,
+    stall.wait(call, call.lcomm.Iallreduce(scratch[0:4], scratch[4:8], op=MPI.MAX), "exchange", AGREE_BYTES,
                label=what)
     if not agreed(scratch):
         return None
+    size = call.ctx.size
     width = 8 + int(scratch[7])
     send = np.zeros(width, dtype=np.uint8)
     send[:8] = np.frombuffer(np.int64(len(data)).tobytes(), dtype=np.uint8)
     send[8:8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
-    out = np.empty(width * ctx.size, dtype=np.uint8)
-    ctx.record("scalar_bytes", width)
-    stall.wait(ctx, ctx.lcomm.Iallgather([send, MPI.BYTE], [out, MPI.BYTE]), "exchange", width, label=what)
+    out = np.empty(width * size, dtype=np.uint8)
+    call.record("scalar_bytes", width)
+    stall.wait(call, call.lcomm.Iallgather([send, MPI.BYTE], [out, MPI.BYTE]), "exchange", width, label=what)
     reports = []
-    for r in range(ctx.size):
+    for r in range(size):
         row = out[r * width:(r + 1) * width]
         n = int(row[:8].view(np.int64)[0])
         reports.append(pickle.loads(row[8:8 + n].tobytes()))

@@ -12,23 +12,20 @@ from __future__ import annotations
 import enum
 from typing import Any, Sequence
 
-import numpy as np
 from mpi4py import MPI
 
-from ..runtime import stall
-from .agreement import agree, explain
+from .agreement import agree
 from ..adapters import array_kind
-from ..adapters.base import host_numpy
-from ..runtime.context import Context, context_for
+from ..runtime.context import Call, Context, context_for
+from ..schedules import small_call
 from ..schedules.doubling import adasum_reduce_doubling
 from .fusion import Operand, Placement, TensorLayout
 from ..schedules.halving import adasum_reduce
 from ..schedules.hierarchical import hierarchical_reduce
 from ..runtime.launch import check_launch
-from ..kernels.native import compiled as _kernels  # None where the install could not build them
-from ..kernels.native import mpi_bound, use_isa
-from .plan import Plan, Schedule, agreed_extras, kept, place, plan_for, plan_key
-from ..runtime.settings import Settings
+from ..kernels.native import use_isa
+from .plan import Plan, Schedule, agreed_extras, kept_plan, place, plan_for
+from ..runtime.collectives import Collectives
 from ..runtime.transport import transport_for
 
 __all__ = ["Op", "adasum_allreduce", "adasum_allreduce_inplace"]
@@ -106,24 +103,21 @@ def _parse_op(op) -> str:
 
 
 def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
-    ctx = context_for(comm)
-    if ctx.enter("adasum_allreduce_inplace" if inplace else "adasum_allreduce") % 64 == 0:
-        stall.drain(ctx)
-    try:
-        s = ctx.settings  # the call's snapshot: nothing below reads the live settings
-        use_isa(s.kernels_isa)
-        extras = agreed_extras(ctx, s)
+    with context_for(comm).call("adasum_allreduce_inplace" if inplace else "adasum_allreduce") as call:
+        use_isa(call.settings.kernels_isa)
+        extras = agreed_extras(call)
         known = None
-        if op == "adasum" and not hierarchical and type(tensors) is list and ctx.size > 1:
-            done, known = _small_adasum(ctx, s, tensors, inplace, extras)
-            if done is not None:
-                return done
-        return _general(ctx, s, extras, tensors, op, hierarchical, inplace, known)
-    finally:
-        ctx.leave()
+        if op == "adasum" and not hierarchical and type(tensors) is list and call.ctx.size > 1 \
+                and small_call.allowed(call.settings):
+            known = kept_plan(call.ctx, tensors, extras["adasum"])
+            if known is not None and known.small is not None:
+                done = small_call.run_small(call, known, tensors, inplace, extras)
+                if done is not None:
+                    return done
+        return _general(call, extras, tensors, op, hierarchical, inplace, known)
 
 
-class _Call:
+class _State:
     """One call's own state on the general path: its tensors, its plan and, per group, the operand (the
     placement and buffers of :func:`adasum.call.plan.place`) and the caller's tensors of that group."""
 
@@ -137,50 +131,51 @@ class _Call:
         self.members: list[list] = []
 
 
-def _general(ctx: Context, s: Settings, extras: dict, tensors, op, hierarchical: bool, inplace: bool,
-             known: Plan | None):
-    """Every call that :func:`_small_adasum` does not take. ``known``: the call's plan, where it was found."""
+def _general(call: Call, extras: dict, tensors, op, hierarchical: bool, inplace: bool, known: Plan | None):
+    """Every call that the compiled small call (:mod:`adasum.schedules.small_call`) does not take. ``known``: the call's plan, where it was found."""
     check_launch()  # a job whose processes MPI does not see raises here, on the first call
-    call, error = _Call(str(op)), None
+    ctx, s = call.ctx, call.settings
+    state, error = _State(str(op)), None
     extra = (("hierarchical", bool(hierarchical)),)
     try:
-        extra = _prepare(ctx, s, extras, call, tensors, op, hierarchical, inplace, known)
+        extra = _prepare(call, extras, state, tensors, op, hierarchical, inplace, known)
     except Exception as exc:  # whatever this rank cannot take, every rank raises (after the agreement)
         error = exc if str(exc).startswith("rank ") else _on_rank(exc, ctx.rank)
-        call.operands, call.members = [], []
-    plan = call.plan if error is None else None
+        state.operands, state.members = [], []
+    plan = state.plan if error is None else None
     # Halves sent straight from the caller's tensors go as one message per large layer piece (MPI's
     # fast path needs a contiguous send buffer): every rank must then cut its messages the same way.
-    split = agree(ctx, call.op, None if plan is None else plan.descs, error, extra=extra,
+    split = agree(call, state.op, None if plan is None else plan.descs, error, extra=extra,
                   digest=None if plan is None else plan.signature,
                   vote=int(plan is not None and plan.nbytes >= s.split_min_bytes
                            and any(g.placement in (Placement.READS_PARTS, Placement.IN_PARTS)
-                                   for g in call.operands)))
-    active = [g for g in call.operands if g.size > 0]
+                                   for g in state.operands)))
+    active = [g for g in state.operands if g.size > 0]
     if active:
-        _SCHEDULES[plan.schedule](ctx, plan, active, s.chunk_bytes if split else 0)
-    out = _finish(ctx, call, tensors, inplace)
-    if call.key is not None:
-        ctx.keep(call.key, plan)
+        _SCHEDULES[plan.schedule](call, plan, active, s.chunk_bytes if split else 0)
+    out = _finish(ctx, state, tensors, inplace)
+    if state.key is not None:
+        ctx.keep(state.key, plan)
     return out
 
 
-def _prepare(ctx: Context, s: Settings, extras: dict, call: _Call, tensors, op, hierarchical: bool, inplace: bool,
+def _prepare(call: Call, extras: dict, state: _State, tensors, op, hierarchical: bool, inplace: bool,
              known: Plan | None) -> tuple:
     """This rank's part of the call before the agreement: parse, plan, place and pack (so that anything
     this rank cannot do is known before any data moves). Returns what the ranks agree on besides the
     tensors."""
-    call.single, call.items = _as_list(tensors)
-    call.op = _parse_op(op)
-    if hierarchical and call.op != "adasum":
-        raise ValueError(f"hierarchical=True needs op 'adasum', got '{call.op}'")
-    extra = extras["hierarchical" if hierarchical else call.op]
+    ctx, s = call.ctx, call.settings
+    state.single, state.items = _as_list(tensors)
+    state.op = _parse_op(op)
+    if hierarchical and state.op != "adasum":
+        raise ValueError(f"hierarchical=True needs op 'adasum', got '{state.op}'")
+    extra = extras["hierarchical" if hierarchical else state.op]
     if known is not None:
-        plan = call.plan = known
+        plan = state.plan = known
     else:
-        plan, call.key = plan_for(ctx, call.items, call.op, extra, s)
-        call.plan = plan
-    items = call.items
+        plan, state.key = plan_for(call, state.items, state.op, extra)
+        state.plan = plan
+    items = state.items
     members = [items] if plan.one_group else [[items[i] for i in g.indices] for g in plan.groups]
     # where the tensors lie decides how the result gets into them; read-only ones fail here
     layouts = [_layout(g.adapter.layout(mine, g.indices, ctx.rank)) for g, mine in zip(plan.groups, members)] \
@@ -190,30 +185,30 @@ def _prepare(ctx: Context, s: Settings, extras: dict, call: _Call, tensors, op, 
         buffer = aliased
         if placement not in (Placement.ALIASED, Placement.IN_PARTS):
             if inplace:
-                buffer = ctx.buffers.get(ctx.adapters, g.adapter.kind, g.device, g.dtype, g.size, "fused")
+                buffer = ctx.buffers.get(g.adapter.kind, g.device, g.dtype, g.size, "fused")
             else:
                 buffer = g.adapter.empty(g.size, g.dtype, g.device)
             if placement.packs:
                 g.adapter.pack(mine, buffer, g.bounds, g.spans)
         operands.append(Operand(g, buffer, placement, parts))
-    call.operands, call.members = operands, members
+    state.operands, state.members = operands, members
     return extra
 
 
-def _finish(ctx: Context, call: _Call, tensors, inplace: bool):
+def _finish(ctx: Context, state: _State, tensors, inplace: bool):
     """Write the result into the caller's tensors (in place) or return views of it."""
     if inplace:
-        for g, mine in zip(call.operands, call.members):
+        for g, mine in zip(state.operands, state.members):
             if g.writes_parts or (g.placement is Placement.ALIASED and ctx.size > 1):
                 g.adapter.wrote_parts(mine)  # written through other views of their memory
             elif g.size > 0 and g.placement is not Placement.ALIASED:
                 g.adapter.write_back(mine, g.buffer, g.bounds, g.spans)
         return tensors
-    out: list[Any] = [None] * len(call.items)
-    for g in call.operands:
+    out: list[Any] = [None] * len(state.items)
+    for g in state.operands:
         for i, view in zip(g.indices, g.adapter.views(g.buffer, g.bounds, g.shapes)):
             out[i] = view
-    return out[0] if call.single else out
+    return out[0] if state.single else out
 
 
 def _on_rank(exc: Exception, rank: int) -> Exception:
@@ -228,65 +223,27 @@ def _layout(where: int | None) -> TensorLayout | None:
     return None if where is None else TensorLayout(where)
 
 
-def _small_adasum(ctx: Context, s: Settings, items: list, inplace: bool, extras: dict):
-    """Adasum of a doubling call on contiguous float host arrays (numpy, or torch CPU tensors through numpy
-    views of their memory, bfloat16 as its uint16 bits) as one compiled call (:class:`~adasum.schedules.doubling.SmallCall`): the
-    same collective, messages and kernels as the general path, so ranks may take either. Returns
-    ``(result, plan)``: the result None when the call is not one of those (or some check fails: the general
-    path then reports it), with the call's kept plan if it found one."""
-    if s.gpu_transport == "staged" or _kernels is None or s.kernels != "c" or not (s.native_mpi and mpi_bound()):
-        return None, None
-    try:
-        plan = kept(ctx, plan_key(items, "adasum", extras["adasum"]), items)
-    except (AttributeError, TypeError, RuntimeError):  # the general path describes what is wrong
-        return None, None
-    if plan is None or plan.small is None or plan.small.program is None:
-        return None, plan
-    call = plan.small
-    live = call.live(items)
-    g = call.group
-    host = live if g.adapter.kind == "numpy" else g.adapter.host_views(live)  # torch: the same memory
-    try:
-        where = _kernels.layout(host, inplace)  # contiguous (and writable, in place), or it raises
-    except (BufferError, ValueError):
-        return None, plan
-    if where == TensorLayout.OVERLAPPING:
-        return None, plan  # the general path writes each result back in turn
-    out = None if inplace else g.adapter.empty(g.size, g.dtype, g.device)
-    dst = host if inplace else host_numpy(out)
-    rc = call(host, dst, plan.signature, plan.descs, extras["patience"])
-    if rc == -1:
-        raise explain(ctx, "adasum", plan.descs, None, extras["adasum"])
-    if rc:
-        raise MPI.Exception(rc)
-    if inplace:
-        if host is not live:
-            g.adapter.wrote_parts(items)
-        return items, plan
-    return g.adapter.views(out, g.bounds, g.shapes), plan
-
-
 _OP_NAMES = frozenset(o.value for o in Op)
 
 
-def _halving(ctx: Context, plan: Plan, operands: Sequence[Operand], split: int) -> None:
-    adasum_reduce(ctx.lcomm, operands, plan.transports(ctx, operands), split=split)
+def _halving(call: Call, plan: Plan, operands: Sequence[Operand], split: int) -> None:
+    adasum_reduce(call, call.lcomm, operands, plan.transports(call, operands), split=split)
 
 
-def _doubling(ctx: Context, plan: Plan, operands: Sequence[Operand], split: int) -> None:
-    adasum_reduce_doubling(ctx.lcomm, operands, plan.transports(ctx, operands))
+def _doubling(call: Call, plan: Plan, operands: Sequence[Operand], split: int) -> None:
+    adasum_reduce_doubling(call, call.lcomm, operands, plan.transports(call, operands))
 
 
-def _hierarchical(ctx: Context, plan: Plan, operands: Sequence[Operand], split: int) -> None:
-    hierarchical_reduce(ctx, operands)
+def _hierarchical(call: Call, plan: Plan, operands: Sequence[Operand], split: int) -> None:
+    hierarchical_reduce(call, operands)
 
 
-def _plain_reduce(ctx: Context, groups: Sequence[Operand], mean: bool) -> None:
+def _plain_reduce(call: Call, groups: Sequence[Operand], mean: bool) -> None:
     """``sum`` and ``mean``: MPI's allreduce on each fused buffer; 16-bit floats travel as 16 bits, summed
-    in float32 (:meth:`Transport.allreduce_16bit`)."""
-    size = ctx.size
+    in float32 (:meth:`~adasum.runtime.collectives.Collectives.allreduce_16bit`)."""
+    size = call.ctx.size
     for g in groups:
-        t = transport_for(ctx, ctx.lcomm, g.adapter, g.device, g.buffer)
+        t = Collectives(call, transport_for(call, call.lcomm, g.adapter, g.device, g.buffer))
         if g.dtype in ("float16", "bfloat16"):
             t.allreduce_16bit(g.buffer, g.dtype, mean)
         else:
@@ -295,12 +252,12 @@ def _plain_reduce(ctx: Context, groups: Sequence[Operand], mean: bool) -> None:
                 g.adapter.divide(g.buffer, size)
 
 
-# The schedules, each run the same way: (context, plan, the operands with data, the agreed message split).
+# The schedules, each run the same way: (the call, plan, the operands with data, the agreed message split).
 _SCHEDULES = {
-    Schedule.NONE: lambda ctx, plan, operands, split: None,
+    Schedule.NONE: lambda call, plan, operands, split: None,
     Schedule.DOUBLING: _doubling,
     Schedule.HALVING: _halving,
     Schedule.HIERARCHICAL: _hierarchical,
-    Schedule.SUM: lambda ctx, plan, operands, split: _plain_reduce(ctx, operands, mean=False),
-    Schedule.MEAN: lambda ctx, plan, operands, split: _plain_reduce(ctx, operands, mean=True),
+    Schedule.SUM: lambda call, plan, operands, split: _plain_reduce(call, operands, mean=False),
+    Schedule.MEAN: lambda call, plan, operands, split: _plain_reduce(call, operands, mean=True),
 }

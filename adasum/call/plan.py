@@ -14,14 +14,14 @@ from typing import Any, Sequence
 
 from ..runtime import stall
 from .agreement import describe, signature
-from ..schedules.doubling import SmallCall
+from ..schedules.small_call import small_call_for
 from ..rule.dtypes import itemsize
 from .fusion import Group, Operand, Placement, TensorLayout, layer_spans, make_groups
 from ..kernels.native import compiled
 from ..runtime.settings import Settings
 from ..runtime.transport import Transport, transport_for
 
-__all__ = ["Plan", "Schedule", "agreed_extras", "kept", "place", "plan_for", "plan_key"]
+__all__ = ["Plan", "Schedule", "agreed_extras", "kept", "kept_plan", "place", "plan_for", "plan_key"]
 
 
 class Schedule(enum.Enum):
@@ -46,9 +46,10 @@ def choose(op: str, hierarchical: bool, size: int, nbytes: int, s: Settings) -> 
     return Schedule.HALVING if nbytes > s.small_message_limit(size) else Schedule.DOUBLING
 
 
-def agreed_extras(ctx, s: Settings) -> dict:
+def agreed_extras(call) -> dict:
     """What the ranks must agree on besides the tensors, per kind of call (part of the digest), for the
-    settings ``s``; kept on the context while the settings stay the same."""
+    settings of ``call``; kept on the context while the settings stay the same."""
+    ctx, s = call.ctx, call.settings
     kept = ctx.extras
     if kept is None or kept[0] is not s:
         agreed = s.agreed()
@@ -68,7 +69,8 @@ class Plan:
     __slots__ = ("descs", "signature", "nbytes", "one_group", "groups", "schedule", "small", "torch",
                  "_transports")
 
-    def __init__(self, ctx, items, op: str, extra: tuple, s: Settings):
+    def __init__(self, call, items, op: str, extra: tuple):
+        ctx, s = call.ctx, call.settings
         adapters, self.descs = describe(items, op, ctx.rank, ctx.adapters)
         self.signature = signature(op, self.descs, extra)
         self.groups: list[Group] = make_groups(items, adapters, self.descs)
@@ -80,24 +82,19 @@ class Plan:
         self.one_group = len(self.groups) == 1 and self.groups[0].indices == list(range(len(items)))
         # the agreed settings are part of the plan's key, so the schedule is the plan's
         self.schedule = choose(op, dict(extra)["hierarchical"], ctx.size, self.nbytes, s)
-        active = [g for g in self.groups if g.size > 0]
-        self.small = None
-        if (self.schedule is Schedule.DOUBLING and self.one_group and compiled is not None
-                and len(active) == 1 and active[0].dtype in ("float32", "float64", "float16", "bfloat16")
-                and (active[0].adapter.kind, active[0].device) in (("numpy", "cpu"), ("torch", "cpu"))):
-            g = active[0]
-            spans = layer_spans(g)
-            self.small = SmallCall(ctx, g, spans[0], spans[2], len(items))
+        self.small = small_call_for(call, self.schedule is Schedule.DOUBLING, self.one_group, self.groups,
+                                    len(items))  # the compiled small call, where the plan's calls may take it
         self._transports: tuple = (None, [])
 
-    def transports(self, ctx, operands: Sequence[Operand]) -> list[Transport]:
-        """One :class:`Transport` per operand on the library's communicator, kept while the settings stay
-        the same (whether a group is staged depends on those and on its device only)."""
-        s = ctx.settings
-        if self._transports[0] is s and len(self._transports[1]) == len(operands):
-            return self._transports[1]
-        out = [transport_for(ctx, ctx.lcomm, g.adapter, g.device, g.buffer) for g in operands]
-        self._transports = (s, out)
+    def transports(self, call, operands: Sequence[Operand]) -> list[Transport]:
+        """One :class:`Transport` per operand on the library's communicator, kept while the settings and
+        the waiting mode stay the same (whether a group is staged depends on those and on its device only)."""
+        key = (call.settings, call.waiting)
+        kept_key, out = self._transports
+        if kept_key is not None and kept_key[0] is key[0] and kept_key[1] == key[1] and len(out) == len(operands):
+            return out
+        out = [transport_for(call, call.lcomm, g.adapter, g.device, g.buffer) for g in operands]
+        self._transports = (key, out)
         return out
 
 
@@ -109,6 +106,15 @@ def plan_key(items, op: str, extra: tuple) -> tuple:
     if compiled is not None:
         return op, extra, compiled.key(items)
     return op, extra, tuple([(type(t), t.shape, t.dtype, getattr(t, "device", None)) for t in items])
+
+
+def kept_plan(ctx, items, extra: tuple) -> "Plan | None":
+    """The plan kept for an Adasum call of ``items`` with ``extra``, or None (also where ``items`` have no
+    key: the general path describes what is wrong with them)."""
+    try:
+        return kept(ctx, plan_key(items, "adasum", extra), items)  # hashing the key may raise (cupy's device)
+    except (AttributeError, TypeError, RuntimeError):
+        return None
 
 
 def kept(ctx, key, items) -> "Plan | None":
@@ -130,23 +136,23 @@ def _dense(items) -> bool:
     return True
 
 
-def plan_for(ctx, items, op: str, extra: tuple, s: Settings) -> tuple[Plan, tuple | None]:
+def plan_for(call, items, op: str, extra: tuple) -> tuple[Plan, tuple | None]:
     """The kept plan of this call and None, or a new plan and the key to keep it under once the call
     succeeded (:meth:`Context.keep`; None where the call has no key)."""
     try:
         key = plan_key(items, op, extra)
-        plan = kept(ctx, key, items)  # hashes the key: a TypeError where a device does not hash (cupy's)
+        plan = kept(call.ctx, key, items)  # hashes the key: a TypeError where a device does not hash (cupy's)
     except TypeError:
         try:
             key = _spelled_key(items, op, extra)
-            plan = kept(ctx, key, items)
+            plan = kept(call.ctx, key, items)
         except (AttributeError, TypeError, RuntimeError):  # not an array, or without a shape (a nested
-            return Plan(ctx, items, op, extra, s), None  # tensor): describe() says what is wrong
+            return Plan(call, items, op, extra), None  # tensor): describe() says what is wrong
     except (AttributeError, RuntimeError):
-        return Plan(ctx, items, op, extra, s), None
+        return Plan(call, items, op, extra), None
     if plan is not None:
         return plan, None
-    return Plan(ctx, items, op, extra, s), key
+    return Plan(call, items, op, extra), key
 
 
 def _spelled_key(items, op: str, extra: tuple) -> tuple:
@@ -181,7 +187,7 @@ def place(plan: Plan, members: Sequence[list], layouts: Sequence[TensorLayout | 
         # out of place, doubling reads packed buffers only
         if direct and g.size > 0 and (halving or inplace) and (not inplace or where in (TensorLayout.APART,
                                                                                           TensorLayout.ADJACENT)):
-            parts = g.adapter.direct_parts(mine, g.dtype, contiguous=where is not None)
+            parts = g.adapter.direct_parts(mine, g.dtype, contiguous=where is not None, s=s)
         if parts is None:
             out.append((Placement.PACKED, None, None))
         elif inplace:

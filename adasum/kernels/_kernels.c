@@ -4,7 +4,8 @@
  *
  *   dots, scaled_add, pair, copy   the passes over every span of every layer (_kernels_pair.c, with the
  *                                  loops of _kernels_loops.c)
- *   bind_mpi, agree                the MPI library, bound at run time, and the agreement's wait (_kernels_mpi.c)
+ *   bind_mpi, agree, wait_requests the MPI library, bound at run time, the waiting rule and the agreement's
+ *                                  wait (_kernels_mpi.c)
  *   small_doubling                 a whole small Adasum call in one call (_kernels_small.c)
  *   layout, address, key, use_isa  small helpers of the Python side (here)
  *
@@ -164,6 +165,11 @@ static PyMethodDef methods[] = {
      "MPI_Iallreduce(MAX) of scratch[0:4] into scratch[4:8], waited for without the GIL by the rule of "
      "adasum.runtime.waiting (nap_max 0: without sleeping); 1 if it is still waiting after patience seconds (> 0; 0 "
      "waits for ever), its request handle in scratch[8]."},
+    {"wait_requests", k_wait_requests, METH_VARARGS,
+     "wait_requests(addresses, patience, spin, nap, nap_max) -> 0, 1 or an MPI error code: the requests whose "
+     "handles lie at the int64 addresses (MPI._addressof of mpi4py's Requests) tested until all are complete, "
+     "without the GIL, by the rule of adasum.runtime.waiting; 1 if some is still waiting after patience "
+     "seconds (> 0; 0 waits for ever)."},
     {"small_doubling", k_small_doubling, METH_VARARGS,
      "small_doubling(buf, scr, src, dst, spans, program, digest, scratch, patience, spin, nap, nap_max) -> 0, "
      "-1 (the ranks "

@@ -127,11 +127,13 @@ enum { AGREE_SCRATCH = 9 };
 
 INTERNAL int mpi_ready(const char *caller);
 INTERNAL int get_scratch(PyObject *obj, Py_buffer *view, const char *caller);
+INTERNAL int wait_rule(void *const *reqs, Py_ssize_t n, double patience, const double *wait);
 INTERNAL int agree_spin(int64_t *scratch, intptr_t int64, intptr_t max, intptr_t comm, double patience,
                         const double *wait);
 
 INTERNAL PyObject *k_bind_mpi(PyObject *self, PyObject *args);
 INTERNAL PyObject *k_agree(PyObject *self, PyObject *args);
+INTERNAL PyObject *k_wait_requests(PyObject *self, PyObject *args);
 
 /* --- _kernels_small.c --------------------------------------------------------------------------------- */
 

@@ -1,12 +1,14 @@
 /*
  * The MPI library of the process (the one mpi4py loaded), bound at run time by bind_mpi() (its function
- * types are in _kernels.h), and the agreement's wait.
+ * types are in _kernels.h), the waiting rule (wait_rule(), which adasum.runtime.waiting.wait_all calls) and
+ * the agreement's wait.
  *
  * The agreement is the first collective of every call: an MPI_Iallreduce(MAX) of four int64 (their meaning
  * is adasum/call/agreement.py's), waited for here without the GIL, as a blocking allreduce would wait, for a
  * patience the stall inspector (adasum/runtime/stall.py) sets; a wait that runs out of patience hands its request
- * to the inspector, which goes on waiting and names the ranks that have not arrived. The Python side waits
- * the same way through mpi4py where MPI cannot be bound (tests/core/test_stall.py pins the two alike).
+ * to the inspector, which goes on waiting and names the ranks that have not arrived. Python's waits go
+ * through the same rule (wait_requests()); where MPI cannot be bound they wait through mpi4py by a copy
+ * of it (tests/core/test_stall.py pins the two alike).
  */
 #include "_kernels.h"
 
@@ -43,29 +45,31 @@ seconds_since(const struct timespec *t0)
 }
 
 /*
- * The agreement of a call: MPI_Iallreduce(MAX) of scratch[0:4] into scratch[4:8] on comm, then MPI_Test
- * until it completes, without holding the GIL, by the rule of adasum.runtime.waiting: `wait` is (spin, first nap,
- * longest nap) in seconds. It tests without pause for `spin` seconds, then between sleeps that double
- * from the first nap to the longest, so that a thread computing beside this one keeps the core; a longest
- * nap of 0 tests without sleeping. After `patience` seconds (> 0) it stops waiting: 1 is returned and the
- * request's handle is left in scratch[8] for the caller to go on waiting and tell who has not arrived. 0
- * when complete, or MPI's error code (> 1). scratch must outlive the request.
+ * The waiting rule of adasum.runtime.waiting, the one implementation of it: test the `n` requests whose
+ * handles lie at `reqs[i]` (MPI_Test sets a completed one to MPI_REQUEST_NULL there) until all are complete,
+ * without the GIL. `wait` is (spin, first nap, longest nap) in seconds: it tests without pause for `spin`
+ * seconds, then between sleeps that double from the first nap to the longest, so that a thread computing
+ * beside this one keeps the core; a longest nap of 0 tests without sleeping. After `patience` seconds (> 0)
+ * it stops waiting and returns 1; 0 when all are complete, or MPI's error code (> 1).
  */
 int
-agree_spin(int64_t *scratch, intptr_t int64, intptr_t max, intptr_t comm, double patience, const double *wait)
+wait_rule(void *const *reqs, Py_ssize_t n, double patience, const double *wait)
 {
     long long status[16] = {0};
-    intptr_t req = 0; /* MPICH's handle is an int: its upper half stays 0 */
-    int flag = 0, rc = mpi.iallreduce(scratch, scratch + 4, 4, int64, max, comm, &req);
-    if (rc)
-        return rc;
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     double nap = wait[1];
+    Py_ssize_t first = 0; /* requests before it are complete */
     for (unsigned long spins = 1;; spins++) {
-        if ((rc = mpi.test(&req, &flag, status)))
-            return rc;
-        if (flag)
+        int flag = 1, rc;
+        while (first < n) {
+            if ((rc = mpi.test(reqs[first], &flag, status)))
+                return rc;
+            if (!flag)
+                break;
+            first++;
+        }
+        if (first == n)
             return 0;
         double waited = (spins & 15) == 0 || wait[2] > 0 ? seconds_since(&t0) : 0.0;
         if (wait[2] > 0 && waited >= wait[0]) {
@@ -78,11 +82,69 @@ agree_spin(int64_t *scratch, intptr_t int64, intptr_t max, intptr_t comm, double
              * took a 4 ms agreement, against 13-20 us with this and 31-44 us for a blocking MPI_Allreduce. */
             sched_yield();
         }
-        if (patience > 0 && ((spins & 1023) == 0 || wait[2] > 0) && waited >= patience) {
-            scratch[8] = (int64_t)req;
+        if (patience > 0 && ((spins & 1023) == 0 || wait[2] > 0) && waited >= patience)
             return 1;
-        }
     }
+}
+
+/*
+ * The agreement of a call: MPI_Iallreduce(MAX) of scratch[0:4] into scratch[4:8] on comm, waited for by
+ * wait_rule(). After `patience` seconds (> 0) it stops waiting: 1 is returned and the request's handle is
+ * left in scratch[8] for the caller to go on waiting and tell who has not arrived. 0 when complete, or
+ * MPI's error code (> 1). scratch must outlive the request.
+ */
+int
+agree_spin(int64_t *scratch, intptr_t int64, intptr_t max, intptr_t comm, double patience, const double *wait)
+{
+    intptr_t req = 0; /* MPICH's handle is an int: its upper half stays 0 */
+    int rc = mpi.iallreduce(scratch, scratch + 4, 4, int64, max, comm, &req);
+    if (rc)
+        return rc;
+    void *reqs[1] = {&req};
+    rc = wait_rule(reqs, 1, patience, wait);
+    if (rc == 1)
+        scratch[8] = (int64_t)req;
+    return rc;
+}
+
+/*
+ * wait_requests(addresses, patience, spin, nap, nap_max) -> 0 (all complete), 1 (still waiting after
+ * patience seconds, > 0; 0 waits for ever) or MPI's error code: wait_rule() on the requests whose handles
+ * lie at the int64 `addresses` (mpi4py's MPI._addressof of its Request objects, which then read as
+ * complete), without the GIL. adasum.runtime.waiting.wait_all waits through it.
+ */
+PyObject *
+k_wait_requests(PyObject *self, PyObject *args)
+{
+    PyObject *oaddr;
+    double patience, wait[3];
+    if (!PyArg_ParseTuple(args, "Odddd:wait_requests", &oaddr, &patience, &wait[0], &wait[1], &wait[2]))
+        return NULL;
+    Py_buffer b;
+    if (!mpi_ready("wait_requests") || PyObject_GetBuffer(oaddr, &b, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (b.len % (Py_ssize_t)sizeof(int64_t) || b.itemsize != (Py_ssize_t)sizeof(int64_t)) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_ValueError, "wait_requests: addresses must be int64");
+        return NULL;
+    }
+    Py_ssize_t n = b.len / (Py_ssize_t)sizeof(int64_t);
+    const int64_t *addr = (const int64_t *)b.buf;
+    void *small[8], **reqs = n <= 8 ? small : PyMem_Malloc((size_t)n * sizeof(void *));
+    if (reqs == NULL) {
+        PyBuffer_Release(&b);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        reqs[i] = (void *)(intptr_t)addr[i];
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = wait_rule(reqs, n, patience, wait);
+    Py_END_ALLOW_THREADS
+    if (reqs != small)
+        PyMem_Free(reqs);
+    PyBuffer_Release(&b);
+    return PyLong_FromLong(rc);
 }
 
 /* 1 if bind_mpi() bound the MPI library; else 0 with RuntimeError naming the `caller`. */

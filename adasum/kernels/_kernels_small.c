@@ -1,5 +1,5 @@
 /*
- * The compiled small call: a whole small Adasum call by recursive doubling, as adasum.schedules.doubling.SmallCall
+ * The compiled small call: a whole small Adasum call by recursive doubling, as adasum.schedules.small_call.SmallCall
  * makes it, with no Python between its steps. It executes a program SmallCall derives from adasum/rule/tree.py
  * (the fold partner, and per level the partner, the two sides' rank counts and which side this rank
  * holds), so it sends the messages and makes the kernel calls of the general doubling schedule
@@ -67,7 +67,7 @@ run_small(const int64_t *prog, long long digest, int64_t *scratch, double patien
 
 /*
  * small_doubling(buf, scr, src, dst, spans, program, digest, scratch, patience, spin, nap, nap_max): a small
- * Adasum call, whole, by recursive doubling, as adasum.schedules.doubling.SmallCall makes it (the same collective, messages
+ * Adasum call, whole, by recursive doubling, as adasum.schedules.small_call.SmallCall makes it (the same collective, messages
  * and kernel calls as the general schedule, so ranks may mix the two), with no Python in between: the
  * agreement allreduce of [digest, -digest, 0, 0] (agree_spin(), in scratch), packing src into buf, the
  * fold, one exchange and pair() per level, the result into dst. Returns 0, -1 if the ranks disagree

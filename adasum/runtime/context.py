@@ -3,9 +3,14 @@
 Everything the library keeps between calls on a communicator lives in its context: the library's own
 duplicate of the communicator, the kept plans (layer tables of recent calls), the kept buffers, the
 agreement scratch, the array adapters with their scratch and kept views, the node layout of the hierarchical
-mode and the active traffic counters. A context is made on the first call on a communicator (its duplicate then, collectively),
+mode and the active traffic counters. A context is made on the first call on a communicator (its duplicate
+then, collectively),
 hangs on that communicator as an MPI attribute, and is freed when the communicator is freed (the attribute's
 delete callback) or, its buffers and plans, by :func:`release_buffers`.
+
+A call in flight is a :class:`Call` (``with ctx.call(what) as call:``): the immutable part of one call
+(its settings snapshot, waiting mode, the library's communicator, its number) that every function of the
+call path takes; the context keeps only what outlives a call.
 
 Calls on different communicators share nothing but the immutable settings, so they may run in different
 threads at the same time. Calls on one communicator must not overlap: the context says so at once.
@@ -19,19 +24,19 @@ import operator
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
 
 from ..adapters import Adapters
-from ..adapters.base import host_numpy
+from .buffers import Buffers
 from ..kernels.native import handle
 from . import stall
 from .stall import AdasumStallError
 from .settings import Settings, current
 
-__all__ = ["Context", "Traffic", "check_comm", "check_root", "context_for", "count_traffic", "library_comm", "release_buffers"]
+__all__ = ["Call", "Context", "Traffic", "check_comm", "check_root", "context_for", "count_traffic", "library_comm", "release_buffers"]
 
 # Plans kept per communicator: a training loop reduces a few lists of the same shapes over and over.
 MAX_PLANS = 64
@@ -45,7 +50,7 @@ class Traffic:
     agreement check; ``allreduce_bytes`` the buffers given to ``MPI_Allreduce`` (sum, mean);
     ``node_bytes`` the buffers given to the collectives inside a node (hierarchical mode: the
     reduce-scatter's input and the slice this rank broadcasts); ``compiled_calls`` the calls that went
-    into the compiled small call (:class:`adasum.schedules.doubling.SmallCall`), however they ended.
+    into the compiled small call (:class:`adasum.schedules.small_call.SmallCall`), however they ended.
     """
 
     sent_bytes: int = 0
@@ -56,57 +61,32 @@ class Traffic:
     compiled_calls: int = 0
 
 
-class Buffers:
-    """The buffers a context keeps between calls, one per (slot, array kind, device, dtype), each grown to
-    the largest request and shared by all plans: the receive buffer of the schedules (half the largest fused
-    buffer for halving at a power-of-two number of ranks; all of it for doubling, and on the rank that takes
-    a folded-out partner's vector), the fused buffer of in-place calls that need one, the float32
-    buffers of the hierarchical mode's 16-bit sums, and the page-locked host buffers of staged transfers."""
+class Call(NamedTuple):
+    """One call in flight on a communicator, as :meth:`Context.call` starts it: what every function of the
+    call path takes. Immutable; what outlives the call lives in ``ctx``."""
 
-    def __init__(self) -> None:
-        self._kept: dict[tuple, list] = {}
+    ctx: "Context"  # the communicator's kept state: buffers, plans, adapters, counters, node layout
+    settings: Settings  # the call's snapshot of the settings
+    waiting: str  # "nap" or "spin" (adasum.runtime.waiting), resolved from the settings at the start
+    lcomm: MPI.Intracomm  # the library's duplicate of the user's communicator
+    number: int  # the call's number on this communicator, this rank (the stall inspector's call #N)
+    what: str  # what the call is, as errors name it
 
-    def entry(self, key: tuple) -> list:
-        """The kept ``[buffer, numpy view of it or None]`` of ``key``, ``[None, None]`` until first used. An
-        entry is updated in place when its buffer is replaced or released, so a holder of the entry never
-        keeps an old buffer alive."""
-        entry = self._kept.get(key)
-        if entry is None:
-            entry = self._kept[key] = [None, None]
-        return entry
+    def record(self, field: str, nbytes: int, messages: int = 0) -> None:
+        """Count ``nbytes`` (and ``messages``) in ``field`` of the active traffic counters."""
+        if self.ctx.counters:
+            self.ctx.record(field, nbytes, messages)
 
-    def get(self, adapters: Adapters, kind: str, device: str, dtype: str, n: int, slot: str):
-        """``n`` elements of a kept flat buffer of ``kind`` (as ``adapters`` make it), on ``device``."""
-        entry = self.entry((slot, kind, device, dtype))
-        if entry[0] is None or len(entry[0]) < n:
-            entry[1] = None
-            entry[0] = None  # the old buffer goes before the new one is made
-            entry[0] = adapters.of(kind).empty(max(n, 1), dtype, device)
-        buf = entry[0]
-        return buf if len(buf) == n else buf[:n]
+    def __enter__(self) -> "Call":
+        return self
 
-    def host(self, adapters: Adapters, kind: str, dtype: str, n: int, slot: str) -> np.ndarray:
-        """:meth:`get` of a host buffer, as a numpy array (the same memory, for torch CPU buffers)."""
-        entry = self.entry((slot, kind, "cpu", dtype))
-        view = entry[1]
-        if view is None or len(view) < n:
-            self.get(adapters, kind, "cpu", dtype, n, slot)
-            view = entry[1] = host_numpy(entry[0])
-        return view if len(view) == n else view[:n]
+    def __exit__(self, *exc) -> None:
+        ctx = self[0]  # the call is over: the communicator takes the next one (Context._end)
+        ctx._current = None
+        ctx._busy.release()
 
-    def staging(self, adapters: Adapters, kind: str, device: str, which: int, nbytes: int) -> np.ndarray:
-        """Host bytes for staged transfers of ``kind``/``device`` buffers (``which``: 0 send, 1 receive),
-        page-locked where the device has such memory."""
-        entry = self.entry(("staging", kind, device, which))
-        if entry[0] is None or entry[0].nbytes < nbytes:
-            entry[0] = None
-            entry[0] = adapters.of(kind).host_bytes_empty(max(nbytes, 1 << 16), device)
-        return entry[0][:nbytes]
 
-    def clear(self) -> None:
-        for entry in self._kept.values():
-            entry[0] = entry[1] = None
-        self._kept.clear()
+_new_call = tuple.__new__  # Call(...) without its Python-level __new__: a call's start is on the fast path
 
 
 class Context:
@@ -120,8 +100,8 @@ class Context:
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
         self.plans: collections.OrderedDict = collections.OrderedDict()
-        self.buffers = Buffers()
         self.adapters = Adapters()
+        self.buffers = Buffers(self.adapters)
         # the agreement: what this rank sends [0:4], what all saw [4:8], a request left waiting [8]
         self.agree_scratch = np.zeros(9, dtype=np.int64)
         self._agree_handles: tuple | None = None
@@ -129,7 +109,6 @@ class Context:
         self.broken: str | None = None  # why the library's communicator cannot be used any more
         self.counters: list[Traffic] = []
         self.calls = 0  # calls started on this communicator, this rank
-        self.settings: Settings | None = None  # the snapshot of the call in flight (None between calls)
         self.extras = None  # (settings, what the ranks agree on besides the tensors), made from those settings
         self.nodes = None  # the node layout (adasum.runtime.topology), made on first use
         self._busy = threading.Lock()
@@ -143,20 +122,20 @@ class Context:
     @property
     def lcomm(self) -> MPI.Intracomm:
         """The library's duplicate of the user's communicator, made (collectively) on first use: our messages
-        never match a receive the application posted on its own communicator."""
+        never match a receive the application posted on its own communicator. Made at the start of a call
+        (:meth:`call`) under its settings; outside a call under the current ones."""
         lcomm = self._lcomm
-        if lcomm is None:
-            with self._dup_lock:
-                if self._lcomm is None:
-                    # Nonblocking, so that the stall inspector can name a rank that does not come.
-                    lcomm, req = self._comm.Idup()
-                    stall.wait(self, req, None, None, via=self._comm)
-                    self._lcomm = lcomm
-                lcomm = self._lcomm
-        return lcomm
+        return lcomm if lcomm is not None else self._duplicate(current())
 
-    def has_lcomm(self) -> bool:
-        return self._lcomm is not None
+    def _duplicate(self, s: Settings) -> MPI.Intracomm:
+        with self._dup_lock:
+            if self._lcomm is None:
+                # Nonblocking, so that the stall inspector can name a rank that does not come.
+                lcomm, req = self._comm.Idup()
+                making = Call(self, s, self._waiting(s), self._comm, self.calls, "making the library's duplicate")
+                stall.wait(making, req, None, None, via=self._comm)
+                self._lcomm = lcomm
+            return self._lcomm
 
     @property
     def agree_handles(self) -> tuple[int, int, int]:
@@ -167,12 +146,14 @@ class Context:
         return self._agree_handles
 
     # --- calls ---------------------------------------------------------------------------------------------
-    def enter(self, what: str, settings: Settings | None = None) -> int:
-        """Start a call on this communicator (end it with :meth:`leave`, in a ``finally``): numbers it, and
-        raises RuntimeError at once if another thread has a call in flight here (two calls on one
-        communicator would mix their messages). ``settings`` (default: the current ones, read here) are the
-        call's snapshot: :attr:`settings` and the adapters hold it until :meth:`leave`, and nothing the
-        call runs reads the live settings again."""
+    def call(self, what: str, settings: Settings | None = None) -> Call:
+        """A call on this communicator, for a ``with`` statement (``with ctx.call(what, settings) as call:``,
+        which ends it): numbered, the library's duplicate made on the first one (collectively,
+        stall-watched), and returned as the immutable :class:`Call` that the call path takes. RuntimeError
+        at once if another thread has a call in flight here (two calls on one communicator would mix their
+        messages). ``settings`` (default: the current ones, read here) are the call's snapshot: nothing the
+        call runs reads the live settings again. Every 64th call first drops the stall inspector's messages
+        of earlier calls."""
         if self.broken is not None:
             raise AdasumStallError(f"{what} on {self.name}: the library can no longer use this communicator, "
                                    f"an earlier call timed out there ({self.broken})")
@@ -182,20 +163,30 @@ class Context:
                 f"(call #{self._current[0]}, {self._current[1]}); calls on one communicator must not overlap: "
                 "give each thread its own "
                 "communicator (comm.Dup()) or serialise the calls")
-        self.calls += 1
-        self._current = (self.calls, what)
-        self.settings = settings if settings is not None else current()
-        self.adapters.use(self.settings)
-        return self.calls
+        self.calls = number = self.calls + 1
+        self._current = (number, what)
+        try:
+            s = current() if settings is None else settings
+            lcomm = self._lcomm
+            if lcomm is None:
+                lcomm = self._duplicate(s)
+            how = s.waiting
+            call = _new_call(Call, (self, s, ("nap" if self.beside_compute else "spin") if how == "auto" else how,
+                                    lcomm, number, what))
+            if number % 64 == 0:
+                stall.drain(call)
+        except BaseException:
+            self._end()
+            raise
+        return call
 
-    def waiting(self) -> str:
-        """How the call in flight waits (``"nap"`` or ``"spin"``; see :mod:`adasum.runtime.waiting`)."""
-        how = self.settings.waiting if self.settings is not None else current().waiting
+    def _waiting(self, s: Settings) -> str:
+        """How a call under the settings ``s`` waits (``"nap"`` or ``"spin"``; :mod:`adasum.runtime.waiting`)."""
+        how = s.waiting
         return ("nap" if self.beside_compute else "spin") if how == "auto" else how
 
-    def leave(self) -> None:
+    def _end(self) -> None:
         self._current = None
-        self.settings = None
         self._busy.release()
 
     # --- kept state ------------------------------------------------------------------------------------------

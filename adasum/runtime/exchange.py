@@ -24,137 +24,116 @@ from mpi4py import MPI
 
 from . import stall
 from ..call.agreement import agree_exchange
-from .context import Context, check_comm, check_root, context_for
+from .context import Call, check_comm, check_root, context_for
 
 __all__ = ["any_true", "max_of", "allgather", "bcast", "gather", "scatter", "bcast_buffer", "failures",
-           "failures_in", "any_true_in", "allgather_in", "raise_everywhere", "raise_found", "enter", "wait"]
+           "failures_in", "any_true_in", "allgather_in", "raise_everywhere", "raise_found", "call_on", "wait"]
 
 
 def any_true(comm: MPI.Intracomm | None, flag: bool, what: str = "vote") -> bool:
     """Whether ``flag`` is true on any rank of ``comm``."""
-    ctx = enter(comm, what)
-    try:
-        return any_true_in(ctx, flag, what)
-    finally:
-        ctx.leave()
+    with call_on(comm, what) as call:
+        return any_true_in(call, flag, what)
 
 
-def any_true_in(ctx: Context, flag: bool, what: str) -> bool:
-    """:func:`any_true` inside a call already in flight on ``ctx`` (as :func:`failures_in`): the flag is
+def any_true_in(call: Call, flag: bool, what: str) -> bool:
+    """:func:`any_true` inside the call ``call`` (as :func:`failures_in`): the flag is
     the agreement's vote."""
-    return bool(agree_exchange(ctx, what, None, 1 if flag else 0))
+    return bool(agree_exchange(call, what, None, 1 if flag else 0))
 
 
 def max_of(comm: MPI.Intracomm | None, values: np.ndarray, what: str = "maximum") -> np.ndarray:
     """The element-wise maximum over the ranks of ``values`` (a float64 array of the same length on every
     rank); NaN wins over every number."""
-    ctx = enter(comm, what)
-    try:
+    with call_on(comm, what) as call:
         mine = np.ascontiguousarray(values, dtype=np.float64)
-        agree_exchange(ctx, what, None, extra=(("values", mine.size),))
+        agree_exchange(call, what, None, extra=(("values", mine.size),))
         # NaN does not order under MPI.MAX: it travels as +Inf in a second slot per value.
         nan = np.isnan(mine)
         send = np.concatenate([np.where(nan, -np.inf, mine), nan.astype(np.float64)])
         out = np.empty_like(send)
-        wait(ctx, ctx.lcomm.Iallreduce(send, out, op=MPI.MAX), what, send.nbytes)
+        wait(call, call.lcomm.Iallreduce(send, out, op=MPI.MAX), what, send.nbytes)
         n = mine.size
         return np.where(out[n:] > 0, np.nan, out[:n])
-    finally:
-        ctx.leave()
 
 
 def allgather(comm: MPI.Intracomm | None, obj: Any, what: str = "allgather", label: str | None = None) -> list:
     """Every rank's ``obj``, in rank order, on every rank. ``label`` (default ``what``) names this call where
     the ranks turn out to be in different calls; the kind of call that must match is ``what``."""
-    ctx = enter(comm, what)
-    try:
-        return allgather_in(ctx, obj, what, label)
-    finally:
-        ctx.leave()
+    with call_on(comm, what) as call:
+        return allgather_in(call, obj, what, label)
 
 
-def allgather_in(ctx: Context, obj: Any, what: str, label: str | None = None) -> list:
-    """:func:`allgather` inside a call already in flight on ``ctx`` (as :func:`failures_in`)."""
-    data, error = _pickled(obj, ctx.rank, what)
-    width = agree_exchange(ctx, what, error, _SIZE + data.size, label=label)
-    out = np.empty(width * ctx.size, dtype=np.uint8)
-    wait(ctx, ctx.lcomm.Iallgather([_padded(data, width), MPI.BYTE], [out, MPI.BYTE]), what, width)
-    return [_unpadded(out[r * width:(r + 1) * width]) for r in range(ctx.size)]
+def allgather_in(call: Call, obj: Any, what: str, label: str | None = None) -> list:
+    """:func:`allgather` inside the call ``call`` (as :func:`failures_in`)."""
+    data, error = _pickled(obj, call.ctx.rank, what)
+    width = agree_exchange(call, what, error, _SIZE + data.size, label=label)
+    out = np.empty(width * call.ctx.size, dtype=np.uint8)
+    wait(call, call.lcomm.Iallgather([_padded(data, width), MPI.BYTE], [out, MPI.BYTE]), what, width)
+    return [_unpadded(out[r * width:(r + 1) * width]) for r in range(call.ctx.size)]
 
 
 def bcast(comm: MPI.Intracomm | None, obj: Any, root: int = 0, what: str = "broadcast") -> Any:
     """``root``'s ``obj`` on every rank (what the other ranks pass is ignored)."""
     check_root(check_comm(comm), root)
-    ctx = enter(comm, what)
-    try:
-        data, error = _pickled(obj, ctx.rank, what) if ctx.rank == root else (None, None)
-        size = agree_exchange(ctx, what, error, 0 if data is None else data.size, extra=(("root", root),))
+    with call_on(comm, what) as call:
+        data, error = _pickled(obj, call.ctx.rank, what) if call.ctx.rank == root else (None, None)
+        size = agree_exchange(call, what, error, 0 if data is None else data.size, extra=(("root", root),))
         if data is None:
             data = np.empty(size, dtype=np.uint8)
-        wait(ctx, ctx.lcomm.Ibcast([data, MPI.BYTE], root=root), what, data.size if ctx.rank == root else 0)
-        return obj if ctx.rank == root else pickle.loads(data.tobytes())
-    finally:
-        ctx.leave()
+        wait(call, call.lcomm.Ibcast([data, MPI.BYTE], root=root), what, data.size if call.ctx.rank == root else 0)
+        return obj if call.ctx.rank == root else pickle.loads(data.tobytes())
 
 
 def gather(comm: MPI.Intracomm | None, obj: Any, root: int = 0, what: str = "gather") -> list | None:
     """Every rank's ``obj``, in rank order, on ``root``; None on the other ranks."""
     check_root(check_comm(comm), root)
-    ctx = enter(comm, what)
-    try:
-        data, error = _pickled(obj, ctx.rank, what)
-        width = agree_exchange(ctx, what, error, _SIZE + data.size, extra=(("root", root),))
+    with call_on(comm, what) as call:
+        data, error = _pickled(obj, call.ctx.rank, what)
+        width = agree_exchange(call, what, error, _SIZE + data.size, extra=(("root", root),))
         send = _padded(data, width)
-        if ctx.rank != root:
-            wait(ctx, ctx.lcomm.Igather([send, MPI.BYTE], None, root=root), what, width)
+        if call.ctx.rank != root:
+            wait(call, call.lcomm.Igather([send, MPI.BYTE], None, root=root), what, width)
             return None
-        out = np.empty(width * ctx.size, dtype=np.uint8)
-        wait(ctx, ctx.lcomm.Igather([send, MPI.BYTE], [out, MPI.BYTE], root=root), what, width)
-        return [_unpadded(out[r * width:(r + 1) * width]) for r in range(ctx.size)]
-    finally:
-        ctx.leave()
+        out = np.empty(width * call.ctx.size, dtype=np.uint8)
+        wait(call, call.lcomm.Igather([send, MPI.BYTE], [out, MPI.BYTE], root=root), what, width)
+        return [_unpadded(out[r * width:(r + 1) * width]) for r in range(call.ctx.size)]
 
 
 def scatter(comm: MPI.Intracomm | None, objs: list | None, root: int = 0, what: str = "scatter") -> Any:
     """Rank ``r`` gets ``objs[r]`` of ``root`` (``objs``: one object per rank on ``root``, ignored elsewhere)."""
     check_root(check_comm(comm), root)
-    ctx = enter(comm, what)
-    try:
+    with call_on(comm, what) as call:
         parts, error = [], None
-        if ctx.rank == root:
-            if objs is None or len(objs) != ctx.size:
-                error = ValueError(f"rank {root}: scatter needs one object per rank ({ctx.size}), got "
+        if call.ctx.rank == root:
+            if objs is None or len(objs) != call.ctx.size:
+                error = ValueError(f"rank {root}: scatter needs one object per rank ({call.ctx.size}), got "
                                    f"{None if objs is None else len(objs)}")
             else:
                 for o in objs:
-                    data, error = _pickled(o, ctx.rank, what)
+                    data, error = _pickled(o, call.ctx.rank, what)
                     if error is not None:
                         break
                     parts.append(data)
-        width = agree_exchange(ctx, what, error, _SIZE + max((p.size for p in parts), default=0),
+        width = agree_exchange(call, what, error, _SIZE + max((p.size for p in parts), default=0),
                                extra=(("root", root),))
         out = np.empty(width, dtype=np.uint8)
-        if ctx.rank == root:
+        if call.ctx.rank == root:
             data = np.concatenate([_padded(p, width) for p in parts])
-            wait(ctx, ctx.lcomm.Iscatter([data, MPI.BYTE], [out, MPI.BYTE], root=root), what, data.size)
+            wait(call, call.lcomm.Iscatter([data, MPI.BYTE], [out, MPI.BYTE], root=root), what, data.size)
         else:
-            wait(ctx, ctx.lcomm.Iscatter(None, [out, MPI.BYTE], root=root), what, 0)
+            wait(call, call.lcomm.Iscatter(None, [out, MPI.BYTE], root=root), what, 0)
         return _unpadded(out)
-    finally:
-        ctx.leave()
 
 
 def bcast_buffer(comm: MPI.Intracomm | None, buf: np.ndarray, root: int = 0, what: str = "broadcast") -> None:
     """``root``'s bytes of ``buf`` (a contiguous numpy array, the same size on every rank) into every
     rank's ``buf``."""
     check_root(check_comm(comm), root)
-    ctx = enter(comm, what)
-    try:
-        agree_exchange(ctx, what, None, extra=(("root", root), ("bytes", buf.nbytes)))
+    with call_on(comm, what) as call:
+        agree_exchange(call, what, None, extra=(("root", root), ("bytes", buf.nbytes)))
         if buf.size:
-            wait(ctx, ctx.lcomm.Ibcast([buf, MPI.BYTE], root=root), what, buf.nbytes if ctx.rank == root else 0)
-    finally:
-        ctx.leave()
+            wait(call, call.lcomm.Ibcast([buf, MPI.BYTE], root=root), what, buf.nbytes if call.ctx.rank == root else 0)
 
 
 def failures(comm: MPI.Intracomm | None, problem: str | None, what: str = "an error vote") -> str | None:
@@ -163,21 +142,18 @@ def failures(comm: MPI.Intracomm | None, problem: str | None, what: str = "an er
     comm = check_comm(comm)
     if comm.Get_size() == 1:
         return _joined([problem])
-    ctx = enter(comm, what)
-    try:
-        return failures_in(ctx, problem, what)
-    finally:
-        ctx.leave()
+    with call_on(comm, what) as call:
+        return failures_in(call, problem, what)
 
 
-def failures_in(ctx: Context, problem: str | None, what: str) -> str | None:
-    """:func:`failures` on ``ctx``'s communicator inside a call already in flight there (the library's own
+def failures_in(call: Call, problem: str | None, what: str) -> str | None:
+    """:func:`failures` inside the call ``call`` on its communicator (the library's own
     collective steps, such as finding the node layout)."""
-    if ctx.size == 1:
+    if call.ctx.size == 1:
         return _joined([problem])
-    if not any_true_in(ctx, problem is not None, what):
+    if not any_true_in(call, problem is not None, what):
         return None
-    return _joined(allgather_in(ctx, problem, what))
+    return _joined(allgather_in(call, problem, what))
 
 
 def _joined(problems: list) -> str | None:
@@ -199,20 +175,17 @@ def raise_found(rank: int, text: str | None, kind: type = ValueError) -> None:
         raise kind(f"(raised on rank {rank}) {text}")
 
 
-def enter(comm: MPI.Intracomm | None, what: str) -> Context:
-    """Start a numbered call ``what`` on ``comm``'s context (end it with ``ctx.leave()`` in a ``finally``):
-    for other small collectives of the library that wait as these do."""
-    ctx = context_for(comm)
-    ctx.lcomm  # noqa: B018 - made (collectively, watched) before the call is numbered
-    if ctx.enter(what) % 64 == 0:
-        stall.drain(ctx)
-    return ctx
+def call_on(comm: MPI.Intracomm | None, what: str):
+    """``with call_on(comm, what) as call:`` a numbered call ``what`` on ``comm``'s context
+    (:meth:`~adasum.runtime.context.Context.call`), for other small collectives of the library that wait as
+    these do."""
+    return context_for(comm).call(what)
 
 
-def wait(ctx: Context, req: MPI.Request, what: str, nbytes: int, field: str = "scalar_bytes") -> None:
+def wait(call: Call, req: MPI.Request, what: str, nbytes: int, field: str = "scalar_bytes") -> None:
     """Wait for ``req`` through the stall inspector; ``nbytes`` this rank sent count in ``field``."""
-    ctx.record(field, nbytes)
-    stall.wait(ctx, req, "exchange", nbytes, label=what)
+    call.record(field, nbytes)
+    stall.wait(call, req, "exchange", nbytes, label=what)
 
 
 _SIZE = 8  # each padded message starts with its length, as an int64

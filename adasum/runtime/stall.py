@@ -34,7 +34,6 @@ from mpi4py import MPI
 
 
 from ..rule.dtypes import itemsize, op_code, op_name
-from .settings import current
 from .transport import TAG
 from .waiting import wait_all
 
@@ -74,15 +73,16 @@ def patience(s, ctx=None) -> float:
     return first
 
 
-def _wait_or_give_up(ctx, req: MPI.Request, until: float | None) -> bool:
-    """:func:`adasum.runtime.waiting.wait_all` of ``req`` until ``until`` (None: its end); on a context that may be
-    given up, raising once it was."""
+def _wait_or_give_up(call, reqs: list, until: float | None) -> bool:
+    """:func:`adasum.runtime.waiting.wait_all` of ``reqs`` until ``until`` (None: their end); on a context
+    that may be given up, raising once it was."""
+    ctx, native = call.ctx, call.settings.native_mpi
     if not getattr(ctx, "may_give_up", False):
-        return wait_all([req], ctx.waiting(), until=until)
+        return wait_all(reqs, call.waiting, until=until, native=native)
     while True:
         _check_given_up(ctx)
         step = time.monotonic() + GIVE_UP_EVERY
-        if wait_all([req], ctx.waiting(), until=step if until is None else min(step, until)):
+        if wait_all(reqs, call.waiting, until=step if until is None else min(step, until), native=native):
             return True
         if until is not None and time.monotonic() >= until:
             return False
@@ -108,7 +108,7 @@ def _what(fields, label: str | None = None) -> str:
     op, n, nbytes = (int(v) for v in fields)
     name = op_name(op)
     if name == "exchange":
-        return f"an exchange of the training layer ({label + ', ' if label else ''}{nbytes} bytes)"
+        return f"an exchange ({label + ', ' if label else ''}{nbytes} bytes)"
     if n < 0:
         return "making the library's duplicate of it" if op == -2 else "inputs it could not describe"
     return f"op '{name or '?'}', {n} tensor{'s' * (n != 1)}, {nbytes} bytes"
@@ -131,39 +131,39 @@ def _collect(comm: MPI.Intracomm, seq: int, heard: dict) -> None:
             heard[int(buf[4])] = buf[1:4].copy()
 
 
-def drain(ctx) -> None:
+def drain(call) -> None:
     """Drop waiting messages of earlier calls (a rank that arrived late never looked for them)."""
-    if ctx.has_lcomm():
-        _collect(ctx.lcomm, -1, {})
+    _collect(call.lcomm, -1, {})
 
 
-def wait(ctx, req: MPI.Request, op: str | None, descs, waited: float = 0.0,
+def wait(call, req: MPI.Request | list, op: str | None, descs, waited: float = 0.0,
          via: MPI.Intracomm | None = None, label: str | None = None) -> None:
-    """Wait for ``req``, the first collective of the call in flight on ``ctx`` (``op`` and ``descs``: what
+    """Wait for ``req`` (a request or a list of them), a collective of the call ``call`` (:class:`adasum.runtime.context.Call`; ``op`` and ``descs``: what
     this rank passed; ``op`` None: the duplicate of a first call; ``op`` "exchange": one of
     :mod:`adasum.runtime.exchange`'s calls, ``descs`` its bytes and ``label`` what it is for), ``waited`` seconds
     after it was posted,
     watching for ranks that do not arrive. The inspector's messages go over the library's communicator, or
     over ``via`` (the user's communicator, while the library's is being made)."""
-    # the snapshot of the call in flight; only a duplicate made outside a call (library_comm) reads the live ones
-    s = ctx.settings if ctx.settings is not None else current()
+    s = call.settings
+    reqs = req if type(req) is list else [req]
     warn, timeout = s.stall_warning, s.stall_timeout
     if warn is None and timeout is None:
-        _wait_or_give_up(ctx, req, None)
+        _wait_or_give_up(call, reqs, None)
         return
-    comm = ctx.lcomm if via is None else via
+    ctx = call.ctx
+    comm = call.lcomm if via is None else via
     first = patience(s)
     start = time.monotonic() - waited
-    if _wait_or_give_up(ctx, req, start + first):  # as any wait of the library (adasum.runtime.waiting)
+    if _wait_or_give_up(call, reqs, start + first):  # as any wait of the library (adasum.runtime.waiting)
         if via is not None:  # drop what an earlier stall left on the user's communicator
             _collect(via, -1, {})
         return
-    seq = ctx.calls
+    seq = call.number
     mine = np.array([seq, *_describe(op, descs), ctx.rank], dtype=np.int64)
     heard: dict[int, np.ndarray] = {ctx.rank: mine[1:4]}
     _announce(ctx, comm, mine)
     reported, delay = False, 1e-4
-    while not req.Test():
+    while not MPI.Request.Testall(reqs):
         _check_given_up(ctx)
         _collect(comm, seq, heard)
         elapsed = time.monotonic() - start

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from mpi4py import MPI
 
-from .context import Context
+from . import stall
+
+from .context import Call
 from .exchange import allgather_in, failures_in, raise_found
 
 __all__ = ["NodeLayout", "build_node_layout", "node_layout"]
@@ -46,16 +49,18 @@ class NodeLayout:
                 c.Free()
 
 
-def build_node_layout(ctx) -> NodeLayout:
-    """The node layout of ``ctx``'s communicator (collective, inside a call in flight on ``ctx``: every rank
-    must call it). :func:`node_layout` builds it once per context and keeps it there."""
-    comm = ctx.lcomm
+def build_node_layout(call: Call) -> NodeLayout:
+    """The node layout of the communicator of ``call`` (collective, inside that call: every rank must call
+    it). :func:`node_layout` builds it once per context and keeps it there."""
+    comm = call.lcomm
     rank = comm.Get_rank()
     node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank = node_comm.Get_rank()
     # Local rank 0 is the node's lowest rank (key = rank), which names the node.
-    lowest = node_comm.bcast(rank, root=0)
-    firsts = allgather_in(ctx, lowest, "finding the node layout")
+    lowest = np.array([rank], dtype=np.int64)
+    stall.wait(call, node_comm.Ibcast([lowest, MPI.INT64_T], root=0), "exchange", 8, label="finding the node layout")
+    lowest = int(lowest[0])
+    firsts = allgather_in(call, lowest, "finding the node layout")
     leaders = sorted(set(firsts))
     nodes = [[r for r, f in enumerate(firsts) if f == leader] for leader in leaders]
     node = leaders.index(lowest)
@@ -64,7 +69,7 @@ def build_node_layout(ctx) -> NodeLayout:
         problem = (f"rank {rank}: the shared-memory split put it at local rank {local_rank} of a node of "
                    f"{node_comm.Get_size()} ranks, but the ranks naming that node are {nodes[node]}")
     # Checked together, so that a rank that fails cannot leave the others waiting in the next split.
-    text = failures_in(ctx, problem, "checking the node layout")
+    text = failures_in(call, problem, "checking the node layout")
     if text is not None:
         node_comm.Free()
         raise_found(rank, text, RuntimeError)
@@ -78,11 +83,10 @@ def build_node_layout(ctx) -> NodeLayout:
     return NodeLayout(nodes, node, local_rank, slices, node_comm, cross_comm, slice_comm)
 
 
-
-
-def node_layout(ctx: Context) -> NodeLayout:
-    """The node layout of ``ctx``'s communicator, built (collectively, inside a call in flight on ``ctx``)
-    on first use and kept by the context, which frees it with itself."""
+def node_layout(call: Call) -> NodeLayout:
+    """The node layout of the communicator of ``call``, built (collectively, inside that call) on first use
+    and kept by the call's context, which frees it with itself."""
+    ctx = call.ctx
     if ctx.nodes is None:
-        ctx.nodes = build_node_layout(ctx)
+        ctx.nodes = build_node_layout(call)
     return ctx.nodes

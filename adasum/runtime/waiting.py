@@ -9,15 +9,22 @@ between sleeps that double from ``NAP_FIRST`` to at most ``NAP_MAX``: the comput
 bytes are on the wire, and the kernel's socket buffers keep a link busy between two tests (across
 emulated hosts at 2.5 Gbit/s, an 8 MiB allreduce took as long napping at most 100 us as spinning; 7 %
 longer with naps of up to 500 us, 38 % with 2 ms). Shared memory moves bytes only while both sides poll:
-there an 8 MiB allreduce took 1.6× as long napping. ``"spin"`` is MPI's own wait. The compiled agreement
-(``_kernels_mpi.c``) waits by the same rule, with these numbers.
+there an 8 MiB allreduce took 1.6× as long napping. ``"spin"`` is MPI's own wait.
+
+The rule is implemented once, in the compiled kernels (``wait_rule`` in ``_kernels_mpi.c``): the agreement
+and the compiled small call wait through it, and so does :func:`wait_all` wherever the kernels have bound
+the MPI library (the setting ``native_mpi``, :func:`adasum.kernels.native.mpi_bound`), without the GIL.
+Only an install without them waits through mpi4py, by :func:`_wait_python`, the same rule step by step.
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 from mpi4py import MPI
+
+from ..kernels.native import compiled, mpi_bound
 
 __all__ = ["NAP_FIRST", "NAP_MAX", "SPIN", "policy", "wait_all"]
 
@@ -31,15 +38,28 @@ def policy(waiting: str) -> tuple[float, float, float]:
     return (SPIN, NAP_FIRST, NAP_MAX) if waiting == "nap" else (0.0, 0.0, 0.0)
 
 
-def wait_all(reqs: list[MPI.Request], waiting: str, until: float | None = None) -> bool:
+def wait_all(reqs: list[MPI.Request], waiting: str, until: float | None = None, native: bool = False) -> bool:
     """Wait until every request of ``reqs`` is complete, as the setting ``waiting`` says; with ``until``
-    (a ``time.monotonic()`` deadline), stop there. Returns whether they completed."""
-    test = MPI.Request.Testall
+    (a ``time.monotonic()`` deadline), stop there. Returns whether they completed. ``native``: the setting
+    ``native_mpi`` (wait through the compiled rule where it is bound)."""
     if until is None and waiting == "spin":
         MPI.Request.Waitall(reqs)
         return True
-    if test(reqs):
+    if MPI.Request.Testall(reqs):
         return True
+    if native and mpi_bound():
+        patience = 0.0 if until is None else max(until - time.monotonic(), 1e-9)
+        addresses = np.array([MPI._addressof(r) for r in reqs], dtype=np.int64)
+        rc = compiled.wait_requests(addresses, patience, *policy(waiting))
+        if rc > 1:
+            raise MPI.Exception(rc)
+        return rc == 0
+    return _wait_python(reqs, waiting, until)
+
+
+def _wait_python(reqs: list[MPI.Request], waiting: str, until: float | None) -> bool:
+    """:func:`wait_all`'s rule through mpi4py, for an install whose kernels cannot bind the MPI library."""
+    test = MPI.Request.Testall
     clock = time.monotonic
     spin_until = clock() + SPIN if waiting == "nap" else float("inf")
     if until is not None:

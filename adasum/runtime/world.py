@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from . import exchange
 from .context import check_comm, context_for
 from .topology import node_layout
 
@@ -31,11 +30,8 @@ def _layout(comm: MPI.Intracomm | None):
     ctx = context_for(comm)
     if ctx.nodes is not None:
         return ctx.nodes
-    ctx = exchange.enter(comm, "finding the node layout")  # collective: a numbered call, stall-watched
-    try:
-        return node_layout(ctx)
-    finally:
-        ctx.leave()
+    with ctx.call("finding the node layout") as call:  # collective: a numbered call, stall-watched
+        return node_layout(call)
 
 
 def local_rank(comm: MPI.Intracomm | None = None) -> int:

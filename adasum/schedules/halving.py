@@ -24,6 +24,7 @@ from ..rule import tree
 from ..rule.combine import NO_SCALE, coefficients, merge_partials, partial_width
 from ..rule.dtypes import itemsize
 from ..call.fusion import Operand, Placement, group_pieces
+from ..runtime.collectives import Collectives
 from ..runtime.transport import Transport
 
 __all__ = ["adasum_reduce", "fold_out"]
@@ -125,7 +126,7 @@ def widths(groups) -> list[tuple[int, int]]:
     return [(len(g.bounds) - 1, partial_width(g.dtype)) for g in groups]
 
 
-def _layer_partials(groups, scratches, los, his, swap: bool):
+def _layer_partials(s, groups, scratches, los, his, swap: bool):
     """Per-layer [left·right, ‖left‖², ‖right‖²] (and the scale, for float64) over this rank's segments, for
     all groups, flattened."""
     out, spans_by_group = [], []
@@ -136,7 +137,7 @@ def _layer_partials(groups, scratches, los, his, swap: bool):
             full[:, 3] = NO_SCALE  # layers this rank holds nothing of
         layers, spans = group_pieces(g, lo, hi)
         if spans:
-            part = g.adapter.partial_dots(own(g, lo, hi, layers, spans), scr, spans)
+            part = g.adapter.partial_dots(own(g, lo, hi, layers, spans), scr, spans, s=s)
             if swap:  # this rank holds the right-hand vector
                 part = part[:, [0, 2, 1, 3][:width]]
             full[layers] = part
@@ -145,7 +146,7 @@ def _layer_partials(groups, scratches, los, his, swap: bool):
     return np.concatenate([o.ravel() for o in out]) if out else np.zeros(0), spans_by_group
 
 
-def _combine(groups, scratches, los, his, spans_by_group, sums, count_left, count_right, upper: bool):
+def _combine(s, groups, scratches, los, his, spans_by_group, sums, count_left, count_right, upper: bool):
     """Apply the coefficients of the summed partials to this rank's piece of every layer."""
     rows = []
     at = 0
@@ -161,7 +162,7 @@ def _combine(groups, scratches, los, his, spans_by_group, sums, count_left, coun
         if spans:
             idx = np.asarray(layers) + offset
             dst = home(g, lo, hi, layers, spans) if g.writes_parts or g.in_parts else None  # None: in place
-            g.adapter.scaled_add(own(g, lo, hi, layers, spans), scr, spans, mine[idx], theirs[idx], dst=dst)
+            g.adapter.scaled_add(own(g, lo, hi, layers, spans), scr, spans, mine[idx], theirs[idx], dst=dst, s=s)
         g.in_parts = g.writes_parts  # from here on the values are where the result goes
         offset += len(g.bounds) - 1
 
@@ -178,7 +179,7 @@ def _fold_out(groups: Sequence[_Cursor], transports: Sequence[Transport], partne
         t.exchange([], partner, [home(g, a, b) for a, b in chunks(g, 0, g.size, split)], partner)
 
 
-def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Operand], transports: Sequence[Transport], *,
+def adasum_reduce(call, comm: MPI.Intracomm, groups: Sequence[Operand], transports: Sequence[Transport], *,
                   counts: Sequence[int] | None = None, split: int = 0,
                   local_sum: Callable[[np.ndarray, list], np.ndarray] | None = None) -> None:
     """Replace every group's buffer, in place and on every rank, by the Adasum of all ranks' buffers.
@@ -205,7 +206,8 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Operand], transports: Se
     def sum_local(v: np.ndarray) -> np.ndarray:
         return v if local_sum is None else local_sum(v, layout)
 
-    scalars = transports[0]
+    scalars = Collectives(call, transports[0])  # the per-level sums, on the first group's communicator
+    s = call.settings
 
     # --- fold the first adjacent pairs ------------------------------------------------------------------
     if r.out_of is not None:
@@ -217,39 +219,51 @@ def adasum_reduce(comm: MPI.Intracomm, groups: Sequence[Operand], transports: Se
         for g, t, scr in zip(groups, transports, scratches):
             t.exchange([], partner, [scr[a:b] for a, b in chunks(g, 0, g.size, split)], partner)
         los, his = [0] * len(groups), [g.size for g in groups]
-        partials, spans = _layer_partials(groups, scratches, los, his, swap=False)
-        _combine(groups, scratches, los, his, spans, sum_local(partials), count_self, count_partner, upper=False)
+        partials, spans = _layer_partials(s, groups, scratches, los, his, swap=False)
+        _combine(s, groups, scratches, los, his, spans, sum_local(partials), count_self, count_partner, upper=False)
 
     # --- reduce-scatter with the combine at every level ----------------------------------------------------
     ranges = [tree.kept_ranges(g.size, r) for g in groups]
     for i, level in enumerate(r.levels):
-        los, his = [rg[i + 1][0] for rg in ranges], [rg[i + 1][1] for rg in ranges]
-        scratches = []
-        for g, t, rg in zip(groups, transports, ranges):
-            (lo, hi), (klo, khi) = rg[i], rg[i + 1]
-            slo, shi = (lo, klo) if level.upper else (khi, hi)  # the half the partner keeps
-            scr = t.kept(g.dtype, khi - klo)
-            sc, rc = exchange_chunks(g, slo, shi, klo, khi, split)
-            t.exchange([own(g, a, b) for a, b in sc], level.partner, [scr[a - klo:b - klo] for a, b in rc], level.partner)
-            scratches.append(scr)
-        partials, spans = _layer_partials(groups, scratches, los, his, swap=level.upper)
-        sums = sum_local(partials)
-        # Sum over the ranks of this level's subtree by recursive doubling, always lower half + upper half,
-        # so that every rank of the subtree gets bitwise the same sums, hence the same coefficients.
-        for j, other_rank in enumerate(level.sum_partners):
-            other = scalars.swap_scalars(sums, other_rank)
-            sums = merge_partials(other, sums, layout) if r.virtual & (1 << j) else merge_partials(sums, other, layout)
-        _combine(groups, scratches, los, his, spans, sums, level.count_left, level.count_right, level.upper)
+        _reduce_level(s, scalars, groups, transports, ranges, i, level, r.virtual, split, sum_local, layout)
 
     # --- allgather by recursive doubling -------------------------------------------------------------------
-    for i in range(len(r.levels) - 1, -1, -1):
-        level = r.levels[i]
+    _allgather(groups, transports, ranges, r.levels, split)
+
+    if r.fold is not None:
+        for g, t in zip(groups, transports):
+            t.exchange([own(g, a, b) for a, b in chunks(g, 0, g.size, split)], r.fold[0], [], r.fold[0])
+
+
+def _reduce_level(s, scalars: Collectives, groups, transports, ranges, i: int, level, virtual: int, split: int,
+                  sum_local, layout) -> None:
+    """Level ``i`` of :func:`adasum_reduce`'s reduce-scatter: swap the halves with the level's partner,
+    sum the partial dot products over the level's subtree, combine this rank's kept half."""
+    los, his = [rg[i + 1][0] for rg in ranges], [rg[i + 1][1] for rg in ranges]
+    scratches = []
+    for g, t, rg in zip(groups, transports, ranges):
+        (lo, hi), (klo, khi) = rg[i], rg[i + 1]
+        slo, shi = (lo, klo) if level.upper else (khi, hi)  # the half the partner keeps
+        scr = t.kept(g.dtype, khi - klo)
+        sc, rc = exchange_chunks(g, slo, shi, klo, khi, split)
+        t.exchange([own(g, a, b) for a, b in sc], level.partner, [scr[a - klo:b - klo] for a, b in rc], level.partner)
+        scratches.append(scr)
+    partials, spans = _layer_partials(s, groups, scratches, los, his, swap=level.upper)
+    sums = sum_local(partials)
+    # Sum over the ranks of this level's subtree by recursive doubling, always lower half + upper half,
+    # so that every rank of the subtree gets bitwise the same sums, hence the same coefficients.
+    for j, other_rank in enumerate(level.sum_partners):
+        other = scalars.swap_scalars(sums, other_rank)
+        sums = merge_partials(other, sums, layout) if virtual & (1 << j) else merge_partials(sums, other, layout)
+    _combine(s, groups, scratches, los, his, spans, sums, level.count_left, level.count_right, level.upper)
+
+
+def _allgather(groups, transports, ranges, levels, split: int) -> None:
+    """:func:`adasum_reduce`'s allgather by recursive doubling, the levels in reverse."""
+    for i in range(len(levels) - 1, -1, -1):
+        level = levels[i]
         for g, t, rg in zip(groups, transports, ranges):
             (plo, phi), (lo, hi) = rg[i], rg[i + 1]
             olo, ohi = (plo, lo) if level.upper else (hi, phi)
             sc, rc = exchange_chunks(g, lo, hi, olo, ohi, split)
             t.exchange([own(g, a, b) for a, b in sc], level.partner, [own(g, a, b) for a, b in rc], level.partner)
-
-    if r.fold is not None:
-        for g, t in zip(groups, transports):
-            t.exchange([own(g, a, b) for a, b in chunks(g, 0, g.size, split)], r.fold[0], [], r.fold[0])

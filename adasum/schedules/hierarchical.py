@@ -27,7 +27,6 @@ about ``(N-1)/N`` of its slice in each phase, so the bytes between nodes are tho
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -35,7 +34,8 @@ from mpi4py import MPI
 
 from ..rule.combine import merge_partials
 from ..call.fusion import Group, Operand
-from ..runtime.topology import node_layout
+from ..runtime.topology import NodeLayout, node_layout
+from ..runtime.collectives import Collectives
 from ..runtime.transport import Transport, transport_for
 from .halving import adasum_reduce
 
@@ -63,11 +63,11 @@ def _slice_group(g: Operand, lo: int, hi: int) -> Operand:
 class _NodeCollectives:
     """The reduce-scatter and the allgather inside a node for one group."""
 
-    def __init__(self, ctx, layout: NodeLayout, g: Operand):
+    def __init__(self, call, layout: NodeLayout, g: Operand):
         self.comm = layout.node_comm
         self.local_size = self.comm.Get_size()
         self.g = g
-        self.transport = transport_for(ctx, self.comm, g.adapter, g.device, g.buffer)
+        self.transport = Collectives(call, transport_for(call, self.comm, g.adapter, g.device, g.buffer))
         edges = _slice_bounds(g.size, layout.slices)
         self.counts = [edges[j + 1] - edges[j] if j < layout.slices else 0 for j in range(self.local_size)]
         self.displs = [edges[min(j, layout.slices)] for j in range(self.local_size)]
@@ -93,11 +93,11 @@ class _NodeCollectives:
         self.transport.broadcast_slices(self.g.buffer, bounds)
 
 
-def _slice_sum(ctx, comm: MPI.Intracomm) -> Callable[[np.ndarray, list], np.ndarray] | None:
+def _slice_sum(call, comm: MPI.Intracomm) -> Callable[[np.ndarray, list], np.ndarray] | None:
     """Sums a partial-dot-product vector over the node's slice holders, bitwise alike on each of them."""
     if comm.Get_size() == 1:
         return None
-    t = Transport(ctx, comm, ctx.adapters.numpy, "cpu", staged=False, chunk_bytes=0)
+    t = Collectives(call, Transport(call, comm, call.ctx.adapters.numpy, "cpu", staged=False))
 
     def local_sum(vec: np.ndarray, widths) -> np.ndarray:
         rows = t.allgather_scalars(vec)
@@ -110,8 +110,8 @@ def _slice_sum(ctx, comm: MPI.Intracomm) -> Callable[[np.ndarray, list], np.ndar
     return local_sum
 
 
-def hierarchical_reduce(ctx, groups: Sequence[Operand]) -> None:
-    """Replace every group's buffer, in place and on every rank of ``ctx``'s communicator, by the
+def hierarchical_reduce(call, groups: Sequence[Operand]) -> None:
+    """Replace every group's buffer, in place and on every rank of the communicator of ``call``, by the
     hierarchical Adasum of all ranks' buffers: the mean inside each node, then the Adasum tree over the
     nodes, weighted by their numbers of ranks.
 
@@ -119,10 +119,10 @@ def hierarchical_reduce(ctx, groups: Sequence[Operand]) -> None:
     result is the node's mean; with one rank per node it is the plain Adasum tree.
     """
     groups = [g for g in groups if g.size > 0]
-    if ctx.size == 1 or not groups:
+    if call.ctx.size == 1 or not groups:
         return
-    layout = node_layout(ctx)
-    local = [_NodeCollectives(ctx, layout, g) for g in groups] if layout.node_comm.Get_size() > 1 else []
+    layout = node_layout(call)
+    local = [_NodeCollectives(call, layout, g) for g in groups] if layout.node_comm.Get_size() > 1 else []
     for c in local:
         c.reduce_scatter_mean()
 
@@ -130,10 +130,10 @@ def hierarchical_reduce(ctx, groups: Sequence[Operand]) -> None:
         edges = [_slice_bounds(g.size, layout.slices) for g in groups]
         j = layout.local_rank
         slices = [_slice_group(g, e[j], e[j + 1]) for g, e in zip(groups, edges)]
-        transports = [transport_for(ctx, layout.cross_comm, s.adapter, s.device, g.buffer)
+        transports = [transport_for(call, layout.cross_comm, s.adapter, s.device, g.buffer)
                       for s, g in zip(slices, groups)]
-        adasum_reduce(layout.cross_comm, slices, transports, counts=layout.counts,
-                      local_sum=_slice_sum(ctx, layout.slice_comm))
+        adasum_reduce(call, layout.cross_comm, slices, transports, counts=layout.counts,
+                      local_sum=_slice_sum(call, layout.slice_comm))
 
     for c in local:
         c.allgather()

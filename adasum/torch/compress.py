@@ -12,7 +12,7 @@ unscaled.
 
 The library reduces 16-bit buffers itself: Adasum sends them as they are and computes the dot products,
 norms and the combine in float32 or wider; ``sum``/``mean`` send 16-bit blocks and add them in float32
-(:meth:`adasum.runtime.transport.Transport.allreduce_16bit`). The tensors of a reduction are scaled, cast and packed
+(:meth:`adasum.runtime.collectives.Collectives.allreduce_16bit`). The tensors of a reduction are scaled, cast and packed
 into one 16-bit buffer in one pass, and widened, unscaled and unpacked in one pass after it.
 """
 

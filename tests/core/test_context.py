@@ -164,14 +164,12 @@ def test_a_call_keeps_the_settings_it_started_with(comm):
     meanwhile (another thread's change must not reach a call after the ranks agreed on its settings)."""
     ctx = context_for(comm)
     snapshot = adasum.current_settings()
-    ctx.enter("a test call")
-    try:
+    with ctx.call("a test call") as call:
         old = adasum.configure(chunk_bytes=snapshot.chunk_bytes + 1, kernels="numpy")
         try:
-            assert ctx.settings is snapshot
-            assert ctx.adapters.numpy.settings is snapshot and ctx.adapters.of("torch").settings is snapshot
+            assert call.settings is snapshot
+            with pytest.raises(AttributeError):
+                call.settings = adasum.current_settings()  # a call is immutable
         finally:
             adasum.configure(old)
-    finally:
-        ctx.leave()
-    assert ctx.settings is None
+    assert not hasattr(ctx, "settings")  # the context keeps no call's state

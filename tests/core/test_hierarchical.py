@@ -83,13 +83,15 @@ def test_single_process_returns_input_unchanged():
 
 @pytest.mark.mpi
 def test_layout_is_the_shared_memory_split(comm):
-    layout = node_layout(context_for(comm))
+    with context_for(comm).call("finding the node layout") as call:
+        layout = node_layout(call)
     nodes = world_nodes(comm)
     assert layout.nodes == nodes
     assert comm.Get_rank() in layout.nodes[layout.node]
     assert layout.slices == min(len(n) for n in nodes)
     assert layout.counts == [len(n) for n in nodes]
-    assert node_layout(context_for(comm)) is layout  # kept, not rebuilt
+    with context_for(comm).call("finding the node layout") as call:
+        assert node_layout(call) is layout  # kept, not rebuilt
     assert (adasum.local_rank(comm), adasum.local_size(comm)) == (layout.local_rank, len(layout.nodes[layout.node]))
     want = expected_nodes()
     if want is not None:
@@ -245,10 +247,7 @@ def test_direct_call_skips_empty_groups(comm):
     a = ctx.adapters.numpy
     empty = Operand(Group(a, "cpu", "float64", [0], [(0,)], np.array([0, 0])), np.zeros(0))
     full = Operand(Group(a, "cpu", "float64", [1], [(4,)], np.array([0, 4])), np.full(4, comm.Get_rank() + 1.0))
-    ctx.enter("hierarchical_reduce")  # a call in flight: its settings snapshot
-    try:
-        hierarchical_reduce(ctx, [empty, full])
-    finally:
-        ctx.leave()
+    with ctx.call("hierarchical_reduce") as call:  # a call in flight: its settings snapshot
+        hierarchical_reduce(call, [empty, full])
     np.testing.assert_allclose(full.buffer, np.full(4, (comm.Get_size() + 1) / 2), rtol=1e-14)
 

@@ -6,6 +6,8 @@ near float16's largest, infinities, NaN)."""
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -97,6 +99,36 @@ def test_inplace_on_tensors_apart_matches_the_reference(comm, schedule, kind, dt
             _assert_reference(comm, before, tensors, dtype, f"{kind} {dtype} in place")
     finally:
         adasum.configure(old)
+
+
+@pytest.mark.parametrize("kind,dtype", SIXTEEN)
+def test_kept_calls_take_the_compiled_small_call(comm, kind, dtype):
+    """A 16-bit doubling call whose plan is kept runs as one compiled call (counted in ``compiled_calls``),
+    in place and out of place, with the reference's bits; with ``native_mpi`` off the same calls take the
+    Python path and give the same bits."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    compiled_here = (platform.system() == "Linux" and platform.machine() in ("x86_64", "aarch64")
+                     and adasum.kernels_backend() == "c" and size > 1)
+    inputs = [make(v, kind, dtype) for v in _layers(rank, 7)]
+    results = {}
+    old = adasum.configure(small_message_bytes=None)
+    try:
+        for native in (True, False):
+            adasum.configure(native_mpi=native)
+            adasum.adasum_allreduce(inputs)  # the first call of these shapes makes and keeps the plan
+            adasum.adasum_allreduce_inplace([make(as_f64(t), kind, dtype) for t in inputs])
+            with adasum.count_traffic() as traffic:
+                out = adasum.adasum_allreduce(inputs)
+                tensors = [make(as_f64(t), kind, dtype) for t in inputs]
+                adasum.adasum_allreduce_inplace(tensors)
+            want = 2 if native and compiled_here else 0
+            assert traffic.compiled_calls == want, f"rank {rank}: {traffic.compiled_calls} compiled calls, not {want}"
+            _assert_reference(comm, inputs, out, dtype, f"{kind} {dtype} native={native}")
+            _assert_reference(comm, inputs, tensors, dtype, f"{kind} {dtype} in place native={native}")
+            results[native] = [_bits(as_f64(t)).tobytes() for t in [*out, *tensors]]
+    finally:
+        adasum.configure(old)
+    assert results[True] == results[False]
 
 
 def _info(dtype: str):

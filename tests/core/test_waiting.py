@@ -114,3 +114,36 @@ def test_a_missing_rank_is_still_named_while_napping(comm, setting):
     finally:
         comm.Barrier()
         sub.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("how", ["nap", "spin"])
+def test_the_compiled_rule_waits_for_mpi4py_requests(comm, how):
+    """wait_all waits through the compiled rule (the one the agreement and the small call use) for
+    mpi4py's own requests: it stops at a deadline with the request still pending, and a later wait
+    completes it, mpi4py's Request then reading as complete."""
+    from mpi4py import MPI
+
+    from adasum.kernels.native import mpi_bound
+    from adasum.runtime.waiting import wait_all
+
+    if not mpi_bound():
+        pytest.skip("the compiled kernels could not bind the MPI library")
+    rank = comm.Get_rank()
+    lcomm = comm.Dup()
+    try:
+        if rank == 1:
+            time.sleep(0.3)
+            lcomm.Send([np.arange(4.0), MPI.DOUBLE], 0, 7)
+        elif rank == 0:
+            got = np.zeros(4)
+            req = lcomm.Irecv([got, MPI.DOUBLE], 1, 7)
+            started = time.monotonic()
+            assert wait_all([req], how, until=started + 0.05, native=True) is False
+            assert 0.04 < time.monotonic() - started < 0.25 and req != MPI.REQUEST_NULL
+            assert wait_all([req], how, until=started + 30, native=True) is True
+            assert req == MPI.REQUEST_NULL and req.Test()  # mpi4py's request reads as complete
+            np.testing.assert_array_equal(got, np.arange(4.0))
+        lcomm.Barrier()
+    finally:
+        lcomm.Free()

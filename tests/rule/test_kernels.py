@@ -173,10 +173,10 @@ def test_numpy_fallback_agrees(dtype):
     adapter = adapters.NumpyAdapter()
     results = {}
     for backend in ("c", "numpy"):
-        adapter.settings = adasum.Settings(kernels=backend)
+        settings = adasum.Settings(kernels=backend)
         x = a.copy()
-        dots = adapter.partial_dots(x, b, pieces)
-        adapter.scaled_add(x, b.copy(), pieces, ca, cb)
+        dots = adapter.partial_dots(x, b, pieces, s=s)
+        adapter.scaled_add(x, b.copy(), pieces, ca, cb, s=s)
         results[backend] = dots, x
     np.testing.assert_allclose(results["c"][0], results["numpy"][0], rtol=1e-12, atol=1e-9)
     rtol = 4 * np.finfo(dtype).eps  # numpy's float32 combine rounds twice, the kernel once
@@ -270,9 +270,9 @@ def test_compiled_rule_is_the_python_rule(dtype, scale, counts):
     adapter = adapters.NumpyAdapter()
     results = {}
     for backend in ("c", "numpy"):
-        adapter.settings = adasum.Settings(kernels=backend)
+        settings = adasum.Settings(kernels=backend)
         dst = np.empty_like(left)
-        adapter.pair(left.copy(), right.copy(), dst, spans, span_array, *counts)
+        adapter.pair(left.copy(), right.copy(), dst, spans, span_array, *counts, s=settings)
         results[backend] = dst
     assert results["c"].tobytes() == results["numpy"].tobytes()
     if scale:
@@ -383,10 +383,10 @@ def test_sixteen_numpy_fallback_is_bitwise_the_compiled(dtype, counts):
     adapter = adapters.NumpyAdapter()
     results = {}
     for backend in ("c", "numpy"):
-        adapter.settings = adasum.Settings(kernels=backend)
+        settings = adasum.Settings(kernels=backend)
         dst = np.empty_like(left)
-        adapter.pair(left.copy(), right.copy(), dst, spans, span_array, *counts)
-        dots = adapter.partial_dots(left, right, spans)
+        adapter.pair(left.copy(), right.copy(), dst, spans, span_array, *counts, s=settings)
+        dots = adapter.partial_dots(left, right, spans, s=settings)
         results[backend] = dst.tobytes(), dots.tobytes()
     assert results["c"] == results["numpy"]
     for s, e in spans:  # and the rule is the reference's, rounded once

@@ -72,12 +72,9 @@ def _mpi_reduce(tensor: torch.Tensor, op: str, comm: MPI.Intracomm) -> torch.Ten
     wide = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.bool: torch.uint8}
     send = tensor.to("cpu", wide.get(tensor.dtype, tensor.dtype)).contiguous().numpy()
     recv = np.empty_like(send)
-    ctx = exchange.enter(comm, f"allreduce ({op})")
-    try:
-        req = ctx.lcomm.Iallreduce(send, recv, op=MPI_OPS[op])
-        exchange.wait(ctx, req, f"allreduce ({op})", send.nbytes, field="allreduce_bytes")
-    finally:
-        ctx.leave()
+    with exchange.call_on(comm, f"allreduce ({op})") as call:
+        req = call.lcomm.Iallreduce(send, recv, op=MPI_OPS[op])
+        exchange.wait(call, req, f"allreduce ({op})", send.nbytes, field="allreduce_bytes")
     return torch.from_numpy(recv).to(tensor.device, tensor.dtype)
 
 
@@ -101,11 +98,8 @@ def _displacements(counts: list[int]) -> list[int]:
 
 
 def _run(comm: MPI.Intracomm, what: str, post, nbytes: int) -> None:
-    ctx = exchange.enter(comm, what)
-    try:
-        exchange.wait(ctx, post(ctx.lcomm), what, nbytes)
-    finally:
-        ctx.leave()
+    with exchange.call_on(comm, what) as call:
+        exchange.wait(call, post(call.lcomm), what, nbytes)
 
 
 def allgatherv(tensor: torch.Tensor, rows: list[int], comm: MPI.Intracomm) -> torch.Tensor:
