@@ -93,7 +93,7 @@ class _CommState:
         not overlap, and return a completed future."""
         link = self._link
         if link.closed:
-            raise RuntimeError(f"rank {self.comm.Get_rank()}: this {type(self).__name__} was closed; "
+            raise RuntimeError(f"rank {link.rank}: this {type(self).__name__} was closed; "
                                "register a new state on a new model")
         if link.thread is None and link.threaded is None:
             comm = self.comm  # found here, on every rank, in the first hook call
@@ -105,9 +105,12 @@ class _CommState:
             work()
             return _done(buffer)
         fut = _future(buffer)
+        error: list = []
         link.pending[id(fut)] = fut
-        link.thread.submit(_job(link.pending, fut, buffer, work))
-        return fut
+        link.thread.submit(_job(link.pending, fut, buffer, work, error))
+        # DDP reads the future from C++: a callback that raises marks the future it returns as failed there
+        # (a Python future's set_exception is a result that DDP would try to read as the bucket's tensor).
+        return fut.then(_raising(error))
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -128,6 +131,7 @@ class _Link:
 
     def __init__(self, comm: MPI.Intracomm | None, owned: bool):
         self.comm = comm
+        self.rank = MPI.COMM_WORLD.Get_rank() if comm is None else comm.Get_rank()
         self.owned = owned            # the state made the communicator (else: the library's, shared)
         self.threaded: bool | None = None  # decided in the first hook call
         self.thread: CommThread | None = None
@@ -174,7 +178,7 @@ class _Link:
         """Last, once no bucket runs: fail the futures never completed, free the communicator."""
         pending, self.pending = self.pending, {}
         for fut in pending.values():
-            if not fut.done():
+            if not fut.done():  # its job never ran: the future's callback raises
                 fut.set_exception(RuntimeError("the DDP hook state was closed or dropped before this bucket's "
                                                "reduction ran"))
         if self.owned and self.comm is not None:
@@ -182,16 +186,26 @@ class _Link:
         self.comm = None
 
 
-def _job(pending: dict, fut: torch.futures.Future, buffer: torch.Tensor, work):
+def _raising(error: list):
+    """The callback of a bucket's future: its tensor, or the error its reduction raised. The error is kept
+    apart from the first future (in ``error``), so that nothing the error refers to (its traceback's
+    frames) refers back to that future: a cycle through a future is never collected, and would keep the
+    state, and its thread, alive."""
+    def then(fut: torch.futures.Future) -> torch.Tensor:
+        if error:
+            raise error.pop()
+        return fut.value()
+    return then
+
+
+def _job(pending: dict, fut: torch.futures.Future, buffer: torch.Tensor, work, error: list):
     def job() -> None:
         try:
             work()
-        except BaseException as e:  # noqa: BLE001 - to the future: backward() raises it
-            pending.pop(id(fut), None)
-            fut.set_exception(e)
-        else:
-            pending.pop(id(fut), None)
-            fut.set_result(buffer)
+        except BaseException as e:  # noqa: BLE001 - through the future: backward() raises it
+            error.append(e)
+        pending.pop(id(fut), None)
+        fut.set_result(buffer)
     return job
 
 
