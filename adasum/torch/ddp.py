@@ -95,7 +95,7 @@ class _CommState:
         if link.closed:
             raise RuntimeError(f"rank {link.rank}: this {type(self).__name__} was closed; "
                                "register a new state on a new model")
-        if link.thread is None and link.threaded is None:
+        if link.threaded is None:
             comm = self.comm  # found here, on every rank, in the first hook call
             link.threaded = (self.overlap and comm.Get_size() > 1
                              and MPI.Query_thread() == MPI.THREAD_MULTIPLE)
@@ -107,7 +107,7 @@ class _CommState:
         fut = _future(buffer)
         error: list = []
         link.pending[id(fut)] = fut
-        link.thread.submit(_job(link.pending, fut, buffer, work, error))
+        link.thread.submit(_job(link, fut, buffer, work, error))
         # DDP reads the future from C++: a callback that raises marks the future it returns as failed there
         # (a Python future's set_exception is a result that DDP would try to read as the bucket's tensor).
         return fut.then(_raising(error))
@@ -120,6 +120,7 @@ class _CommState:
 
     def __setstate__(self, state) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("overlap", True)  # a state pickled before the hooks overlapped
         self._comm = None
         self._start(owned=False)
 
@@ -136,6 +137,7 @@ class _Link:
         self.threaded: bool | None = None  # decided in the first hook call
         self.thread: CommThread | None = None
         self.pending: dict[int, torch.futures.Future] = {}
+        self.reducing = False  # the thread is inside a bucket's reduction (which may wait for other ranks)
         self.closed = False
 
     def begin(self) -> None:
@@ -167,7 +169,11 @@ class _Link:
                 thread.drop()
             self._ended()
             return
+        reducing = self.reducing  # read before drop(): a bucket that begins after drop() is skipped
         if not thread.drop(self._ended):
+            if not reducing:
+                thread.join(5.0)  # it is completing a future or taking the next job: ends at once
+                return
             if self.owned:
                 ctx = context_for(self.comm)
                 ctx.broken = ctx.broken or ("the DDP hook state that owned this communicator was dropped while "
@@ -198,13 +204,16 @@ def _raising(error: list):
     return then
 
 
-def _job(pending: dict, fut: torch.futures.Future, buffer: torch.Tensor, work, error: list):
+def _job(link: _Link, fut: torch.futures.Future, buffer: torch.Tensor, work, error: list):
     def job() -> None:
+        link.reducing = True
         try:
             work()
         except BaseException as e:  # noqa: BLE001 - through the future: backward() raises it
             error.append(e)
-        pending.pop(id(fut), None)
+        finally:
+            link.reducing = False
+        link.pending.pop(id(fut), None)
         fut.set_result(buffer)
     return job
 

@@ -53,6 +53,14 @@ def loss_of(model, x, y):
     return torch.nn.functional.mse_loss(model(x), y)
 
 
+@pytest.fixture(autouse=True)
+def collected():
+    """The models and hook states of the tests before are collected (DDP's objects hold cycles), so their
+    threads have ended."""
+    gc.collect()
+    yield
+
+
 def hook_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("adasum-ddp-hook")]
 
@@ -185,24 +193,30 @@ def test_the_thread_ends_with_the_model_or_close(comm, pg, what):
             opt.zero_grad()
         return ddp, opt, state
 
-    assert hook_threads() == []
+    seen = [hook_threads()]
     ddp, opt, state = make()
-    assert hook_threads() == [f"adasum-ddp-hook-{comm.Get_rank()}"]
+    seen.append(hook_threads())
     del ddp, opt, state  # the model and its state collected: the thread ends, without any call
     gc.collect()
-    assert hook_threads() == []
+    seen.append(hook_threads())
 
     ddp, opt, state = make()
-    assert hook_threads() == [f"adasum-ddp-hook-{comm.Get_rank()}"] and not state.closed
+    seen.append(hook_threads())
+    assert not state.closed
     state.close()
-    assert hook_threads() == [] and state.closed
+    seen.append(hook_threads())
+    assert state.closed
     x, y = batches(comm, 1)[0]
     with pytest.raises(RuntimeError, match=rf"rank {comm.Get_rank()}: this {type(state).__name__} was closed"):
         loss_of(ddp, x, y).backward()
     state.close()  # again: nothing
     del ddp, opt, state
     gc.collect()
-    assert hook_threads() == []
+    seen.append(hook_threads())
+    # every rank's observations, checked once every rank made them (a rank failing alone would leave the
+    # others waiting in a collective)
+    assert comm.allgather(seen) == [[[], [f"adasum-ddp-hook-{r}"], [], [f"adasum-ddp-hook-{r}"], [], []]
+                                    for r in range(comm.Get_size())]
 
 
 @pytest.mark.mpi(min_size=2)
@@ -285,3 +299,29 @@ def test_a_rank_that_never_arrives_is_named_in_backward(comm, pg, stall_comm, wh
     del ddp, state, opt, loss
     gc.collect()
     assert hook_threads() == []
+
+
+class _Bucket:
+    """What adasum_hook reads of DDP's GradBucket."""
+
+    def __init__(self, grads):
+        self._grads = grads
+        self._flat = torch.cat([g.reshape(-1) for g in grads])
+
+    def gradients(self):
+        return self._grads
+
+    def buffer(self):
+        return self._flat
+
+
+def test_one_process_reduces_inside_the_call_without_a_thread():
+    from mpi4py import MPI
+
+    state = AdasumState(MPI.COMM_SELF, op="mean")
+    grads = [torch.arange(3.0), torch.ones(2)]
+    fut = adasum_hook(state, _Bucket(grads))
+    assert fut.done() and torch.equal(grads[0], torch.arange(3.0)) and hook_threads() == []
+    state.close()
+    with pytest.raises(RuntimeError, match="this AdasumState was closed"):
+        adasum_hook(state, _Bucket(grads))
