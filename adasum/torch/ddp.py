@@ -206,6 +206,7 @@ def _raising(error: list):
 
 def _job(link: _Link, fut: torch.futures.Future, buffer: torch.Tensor, work, error: list):
     def job() -> None:
+        nonlocal work
         link.reducing = True
         try:
             work()
@@ -213,6 +214,7 @@ def _job(link: _Link, fut: torch.futures.Future, buffer: torch.Tensor, work, err
             error.append(e)
         finally:
             link.reducing = False
+            work = None  # before the future completes: nothing on the thread holds the state afterwards
         link.pending.pop(id(fut), None)
         fut.set_result(buffer)
     return job
