@@ -18,8 +18,9 @@ step + zero_grad, each the slowest rank's, median over rounds.
 Variants: ``local``; ``adasum`` or ``mean`` with ``-overlap``, ``-bf16`` or ``-fp16`` (the 16-bit wire) and
 ``-spin`` or ``-nap`` (the library's setting ``waiting`` during that variant's turns; default ``"auto"``)
 and ``-b<N>m`` (``bucket_bytes`` of N MiB for that variant);
-``ddp`` (torch DDP over gloo), ``ddp-fp16`` (with torch's ``fp16_compress_hook``) and ``ddp-adasum`` (with
-``adasum.torch.ddp.adasum_hook``); ``hvd``, ``hvd-fp16`` and ``hvd-adasum``: Horovod's DistributedOptimizer
+``ddp`` (torch DDP over gloo), ``ddp-fp16`` (with torch's ``fp16_compress_hook``), ``ddp-adasum`` (with
+``adasum.torch.ddp.adasum_hook``, reducing on its thread during backward) and ``ddp-adasum-sync`` (the
+same hook with ``overlap=False``: reducing inside each hook call); ``hvd``, ``hvd-fp16`` and ``hvd-adasum``: Horovod's DistributedOptimizer
 (Average, Average with its fp16 compression, Adasum), where Horovod is installed beside this checkout (it
 is never needed otherwise; run it with ``HOROVOD_CYCLE_TIME=0.1``). Each round also times MPI's own
 allreduce of the model's bytes (float32, and half of them for 16-bit wires), which gives the **limit** of a
@@ -113,10 +114,10 @@ def build(variant: str, name: str, rank: int, quick: bool, bucket_bytes: int):
         return model, opt, x, y, loss_fn
     if variant.startswith("ddp"):  # torch DDP over gloo; with adasum_hook, Adasum of the gradients
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-        if variant == "ddp-adasum":
+        if variant in ("ddp-adasum", "ddp-adasum-sync"):
             from adasum.torch.ddp import AdasumState, adasum_hook
 
-            ddp.register_comm_hook(AdasumState(), adasum_hook)
+            ddp.register_comm_hook(AdasumState(overlap=variant == "ddp-adasum"), adasum_hook)
         elif variant == "ddp-fp16":  # torch's own hook: gradients cast to fp16 for the allreduce
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
