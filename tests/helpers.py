@@ -109,3 +109,17 @@ def expected_nodes() -> list[list[int]] | None:
     """The nodes this launch should make ("0,1;2,3" in ADASUM_TEST_NODES, set by the emulated-node runs)."""
     text = os.environ.get("ADASUM_TEST_NODES", "").strip()
     return [[int(r) for r in node.split(",")] for node in text.split(";")] if text else None
+
+
+class GradBucket:
+    """What the DDP hooks read of DDP's GradBucket: the gradients and their flat buffer."""
+
+    def __init__(self, grads):
+        self._grads = grads
+        self._flat = torch.cat([g.reshape(-1) for g in grads])
+
+    def gradients(self):
+        return self._grads
+
+    def buffer(self):
+        return self._flat

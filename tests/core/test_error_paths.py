@@ -20,6 +20,8 @@ from adasum import AdasumMismatchError
 from adasum.rule.reference import tree_combine
 from adasum.torch.ddp import AdasumState, adasum_hook
 
+from helpers import GradBucket
+
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(60)]
 
 
@@ -122,20 +124,6 @@ def test_broadcast_object_that_does_not_pickle_raises_everywhere(comm, stall_tim
 
 # --- the explanation of a difference, and hook states ------------------------------------------------------------
 
-class _Bucket:
-    """What adasum_hook reads of DDP's GradBucket."""
-
-    def __init__(self, grads):
-        self._grads = grads
-        self._flat = torch.cat([g.reshape(-1) for g in grads])
-
-    def gradients(self):
-        return self._grads
-
-    def buffer(self):
-        return self._flat
-
-
 def test_ddp_hook_states_that_differ_in_compression_raise_everywhere(comm, stall_timeout):
     """fp16 on rank 0, full precision on the others: the fp16 wire's scale exchange meets the others'
     allreduce, and every rank raises at once, naming both."""
@@ -146,11 +134,11 @@ def test_ddp_hook_states_that_differ_in_compression_raise_everywhere(comm, stall
     # the hook's thread raised it; its future is failed with the error's type and text (as DDP reads it)
     with pytest.raises(RuntimeError, match=r"AdasumMismatchError: .*the ranks are in different calls: rank 1 is in "
                                            r"adasum_allreduce .* rank 0 is in the fp16 wire's scales"):
-        adasum_hook(state, _Bucket(grads)).wait()
+        adasum_hook(state, GradBucket(grads)).wait()
     _quick(started)
     # the same states once they agree: the hook's communicator is usable
     state = AdasumState(op="sum", compression="fp16")
-    adasum_hook(state, _Bucket(grads)).wait()
+    adasum_hook(state, GradBucket(grads)).wait()
     want = comm.Get_size() * (comm.Get_size() + 1) / 2
     assert torch.equal(grads[0], torch.full((4,), want)) and torch.equal(grads[1], torch.full((2,), 1.0 * comm.Get_size()))
     _still_works(comm)
@@ -173,7 +161,7 @@ def test_copying_a_hook_state_on_one_rank_makes_no_collective_call(comm, stall_t
     # a copy made on every rank reduces in the hook (its communicator found at its first reduction)
     twin = copy.deepcopy(state) if how == "deepcopy" else pickle.loads(pickle.dumps(state))
     grads = [torch.full((3,), rank + 1.0)]
-    adasum_hook(twin, _Bucket(grads)).wait()
+    adasum_hook(twin, GradBucket(grads)).wait()
     assert torch.equal(grads[0], torch.full((3,), comm.Get_size() * (comm.Get_size() + 1) / 2))
     _still_works(comm)
 

@@ -14,7 +14,8 @@ import torch
 import adasum
 from adasum.torch.ddp import AdasumState, DeltaState, adasum_delta_hook, adasum_hook
 
-from helpers import assert_identical_across_ranks, raw_bytes
+from helpers import GradBucket, assert_identical_across_ranks, raw_bytes
+from test_ddp import batches, loss_of
 
 SMALL = 0.0005  # bucket_cap_mb: a bucket per parameter or two
 
@@ -40,17 +41,6 @@ def net(frozen: bool = False, unused: bool = False) -> Net:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return Net(frozen, unused).double()
-
-
-def batches(comm, n: int):
-    g = torch.Generator().manual_seed(1000 + comm.Get_rank())
-    return [(torch.randn(5, 8, generator=g, dtype=torch.float64), torch.randn(5, 4, generator=g,
-                                                                             dtype=torch.float64))
-            for _ in range(n)]
-
-
-def loss_of(model, x, y):
-    return torch.nn.functional.mse_loss(model(x), y)
 
 
 @pytest.fixture(autouse=True)
@@ -311,27 +301,13 @@ def test_a_rank_that_never_arrives_is_named_in_backward(comm, pg, stall_comm, wh
     assert threads_once_collected() == []
 
 
-class _Bucket:
-    """What adasum_hook reads of DDP's GradBucket."""
-
-    def __init__(self, grads):
-        self._grads = grads
-        self._flat = torch.cat([g.reshape(-1) for g in grads])
-
-    def gradients(self):
-        return self._grads
-
-    def buffer(self):
-        return self._flat
-
-
 def test_one_process_reduces_inside_the_call_without_a_thread():
     from mpi4py import MPI
 
     state = AdasumState(MPI.COMM_SELF, op="mean")
     grads = [torch.arange(3.0), torch.ones(2)]
-    fut = adasum_hook(state, _Bucket(grads))
+    fut = adasum_hook(state, GradBucket(grads))
     assert fut.done() and torch.equal(grads[0], torch.arange(3.0)) and hook_threads() == []
     state.close()
     with pytest.raises(RuntimeError, match="this AdasumState was closed"):
-        adasum_hook(state, _Bucket(grads))
+        adasum_hook(state, GradBucket(grads))
