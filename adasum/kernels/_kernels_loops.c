@@ -354,38 +354,31 @@ DEFINE_SCALED_ADD(AVX2, avx2, 4, __m256d, _mm256_set1_pd, _mm256_cvtps_pd, _mm_l
         x1 = _mm256_add_pd(_mm256_mul_pd(p, a1_), _mm256_mul_pd(q, b1_));                           \
     } while (0)
 
-AVX2_F16C static void
-scaled_add_f16_avx2(uint16_t *dst, const uint16_t *a, const uint16_t *b, Py_ssize_t n, double ca, double cb)
-{
-    AVX2_ROUND16_SETUP(0x1p-14, 0x1p15, 0x1p42);
-    Py_ssize_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256d x0, x1;
-        AVX2_COMBINE8(WIDEN8_F16, x0, x1);
-        ROUND16_AVX2(x0, lo, hi, scale, sign);
-        ROUND16_AVX2(x1, lo, hi, scale, sign);
-        __m256 f = _mm256_set_m128(_mm256_cvtpd_ps(x1), _mm256_cvtpd_ps(x0));
-        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+/* One 16-bit combine loop: 8 elements a round, widened to two registers of doubles, rounded to the 16-bit
+ * type (ROUND16_AVX2) and stored by STORE8; the tail by the portable loop. */
+#define DEFINE_SCALED_ADD16_AVX2(ATTR, NAME, EMIN, EMAX, P, WIDEN, STORE8)                               \
+    ATTR static void scaled_add_##NAME##_avx2(uint16_t *dst, const uint16_t *a, const uint16_t *b,      \
+                                              Py_ssize_t n, double ca, double cb)                     \
+    {                                                                                               \
+        AVX2_ROUND16_SETUP(EMIN, EMAX, P);                                                          \
+        Py_ssize_t i = 0;                                                                           \
+        for (; i + 8 <= n; i += 8) {                                                                \
+            __m256d x0, x1;                                                                         \
+            AVX2_COMBINE8(WIDEN, x0, x1);                                                           \
+            ROUND16_AVX2(x0, lo, hi, scale, sign);                                                  \
+            ROUND16_AVX2(x1, lo, hi, scale, sign);                                                  \
+            STORE8(dst + i, x0, x1);                                                                \
+        }                                                                                           \
+        scaled_add_##NAME##_portable(dst + i, a + i, b + i, n - i, ca, cb);                         \
     }
-    scaled_add_f16_portable(dst + i, a + i, b + i, n - i, ca, cb);
-}
-
-AVX2 static void
-scaled_add_bf16_avx2(uint16_t *dst, const uint16_t *a, const uint16_t *b, Py_ssize_t n, double ca, double cb)
-{
-    AVX2_ROUND16_SETUP(0x1p-126, 0x1p127, 0x1p45);
-    Py_ssize_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256d x0, x1;
-        AVX2_COMBINE8(WIDEN8_BF16, x0, x1);
-        ROUND16_AVX2(x0, lo, hi, scale, sign);
-        ROUND16_AVX2(x1, lo, hi, scale, sign);
-        __m128i u0 = _mm_srli_epi32(_mm_castps_si128(_mm256_cvtpd_ps(x0)), 16);
-        __m128i u1 = _mm_srli_epi32(_mm_castps_si128(_mm256_cvtpd_ps(x1)), 16);
-        _mm_storeu_si128((__m128i *)(dst + i), _mm_packus_epi32(u0, u1));
-    }
-    scaled_add_bf16_portable(dst + i, a + i, b + i, n - i, ca, cb);
-}
+#define STORE8_F16_AVX2(p, x0, x1)                                                                    \
+    _mm_storeu_si128((__m128i *)(p), _mm256_cvtps_ph(_mm256_set_m128(_mm256_cvtpd_ps(x1), _mm256_cvtpd_ps(x0)), \
+                                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
+#define STORE8_BF16_AVX2(p, x0, x1)                                                                   \
+    _mm_storeu_si128((__m128i *)(p), _mm_packus_epi32(_mm_srli_epi32(_mm_castps_si128(_mm256_cvtpd_ps(x0)), 16), \
+                                                      _mm_srli_epi32(_mm_castps_si128(_mm256_cvtpd_ps(x1)), 16)))
+DEFINE_SCALED_ADD16_AVX2(AVX2_F16C, f16, 0x1p-14, 0x1p15, 0x1p42, WIDEN8_F16, STORE8_F16_AVX2)
+DEFINE_SCALED_ADD16_AVX2(AVX2, bf16, 0x1p-126, 0x1p127, 0x1p45, WIDEN8_BF16, STORE8_BF16_AVX2)
 
 /* AVX-512F: the same loops, 8 doubles per register. */
 #define AVX512 __attribute__((target("avx512f")))
@@ -422,34 +415,29 @@ DEFINE_SCALED_ADD(AVX512, avx512, 8, __m512d, _mm512_set1_pd, _mm512_cvtps_pd, _
     __m512d lo = _mm512_set1_pd(EMIN), hi = _mm512_set1_pd(EMAX), scale = _mm512_set1_pd(P)
 #define AVX512_COMBINE8(LOAD) _mm512_add_pd(_mm512_mul_pd(p, LOAD(a + i)), _mm512_mul_pd(q, LOAD(b + i)))
 
-AVX512_16 static void
-scaled_add_f16_avx512(uint16_t *dst, const uint16_t *a, const uint16_t *b, Py_ssize_t n, double ca, double cb)
-{
-    AVX512_ROUND16_SETUP(0x1p-14, 0x1p15, 0x1p42);
-    Py_ssize_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m512d x = AVX512_COMBINE8(LOAD_F16_AS_F64_512);
-        ROUND16_AVX512(x, lo, hi, scale, sign);
-        _mm_storeu_si128((__m128i *)(dst + i),
-                         _mm256_cvtps_ph(_mm512_cvtpd_ps(x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+/* The same loop at 8 doubles per register: one register a round. */
+#define DEFINE_SCALED_ADD16_AVX512(NAME, EMIN, EMAX, P, LOAD, STORE8)                                    \
+    AVX512_16 static void scaled_add_##NAME##_avx512(uint16_t *dst, const uint16_t *a, const uint16_t *b, \
+                                                     Py_ssize_t n, double ca, double cb)              \
+    {                                                                                               \
+        AVX512_ROUND16_SETUP(EMIN, EMAX, P);                                                        \
+        Py_ssize_t i = 0;                                                                           \
+        for (; i + 8 <= n; i += 8) {                                                                \
+            __m512d x = AVX512_COMBINE8(LOAD);                                                      \
+            ROUND16_AVX512(x, lo, hi, scale, sign);                                                 \
+            STORE8(dst + i, x);                                                                     \
+        }                                                                                           \
+        scaled_add_##NAME##_portable(dst + i, a + i, b + i, n - i, ca, cb);                         \
     }
-    scaled_add_f16_portable(dst + i, a + i, b + i, n - i, ca, cb);
-}
-
-AVX512_16 static void
-scaled_add_bf16_avx512(uint16_t *dst, const uint16_t *a, const uint16_t *b, Py_ssize_t n, double ca, double cb)
-{
-    AVX512_ROUND16_SETUP(0x1p-126, 0x1p127, 0x1p45);
-    Py_ssize_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m512d x = AVX512_COMBINE8(LOAD_BF16_AS_F64_512);
-        ROUND16_AVX512(x, lo, hi, scale, sign);
-        __m256i u = _mm256_srli_epi32(_mm256_castps_si256(_mm512_cvtpd_ps(x)), 16);
-        _mm_storeu_si128((__m128i *)(dst + i),
-                         _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
-    }
-    scaled_add_bf16_portable(dst + i, a + i, b + i, n - i, ca, cb);
-}
+#define STORE8_F16_AVX512(p, x)                                                                       \
+    _mm_storeu_si128((__m128i *)(p), _mm256_cvtps_ph(_mm512_cvtpd_ps(x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
+#define STORE8_BF16_AVX512(p, x)                                                                      \
+    do {                                                                                            \
+        __m256i u_ = _mm256_srli_epi32(_mm256_castps_si256(_mm512_cvtpd_ps(x)), 16);                 \
+        _mm_storeu_si128((__m128i *)(p), _mm_packus_epi32(_mm256_castsi256_si128(u_), _mm256_extracti128_si256(u_, 1))); \
+    } while (0)
+DEFINE_SCALED_ADD16_AVX512(f16, 0x1p-14, 0x1p15, 0x1p42, LOAD_F16_AS_F64_512, STORE8_F16_AVX512)
+DEFINE_SCALED_ADD16_AVX512(bf16, 0x1p-126, 0x1p127, 0x1p45, LOAD_BF16_AS_F64_512, STORE8_BF16_AVX512)
 #endif
 
 /* Picks the widest loops the CPU has (AVX-512F, then AVX2; F16C for float16), capped at `cap`: "portable",

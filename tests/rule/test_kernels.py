@@ -175,8 +175,8 @@ def test_numpy_fallback_agrees(dtype):
     for backend in ("c", "numpy"):
         settings = adasum.Settings(kernels=backend)
         x = a.copy()
-        dots = adapter.partial_dots(x, b, pieces, s=s)
-        adapter.scaled_add(x, b.copy(), pieces, ca, cb, s=s)
+        dots = adapter.partial_dots(x, b, pieces, s=settings)
+        adapter.scaled_add(x, b.copy(), pieces, ca, cb, s=settings)
         results[backend] = dots, x
     np.testing.assert_allclose(results["c"][0], results["numpy"][0], rtol=1e-12, atol=1e-9)
     rtol = 4 * np.finfo(dtype).eps  # numpy's float32 combine rounds twice, the kernel once
