@@ -551,3 +551,30 @@ def test_nonfinite_sparse_gradient_skips_the_update_everywhere(comm, sparse_as_d
     opt.step()
     assert opt.step_was_skipped and opt.skipped_updates == 1
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_the_horovod_package_has_no_import_cycle():
+    """No module of adasum/torch/horovod/ imports, directly or through others, a module that imports it
+    (module-level imports, as Python runs them)."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(hvd.__file__).parent
+    modules = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+    edges = {}
+    for name in modules:
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        found = set()
+        for node in tree.body:  # module level only
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module is None:
+                    found |= {a.name for a in node.names if a.name in modules}
+                elif node.module.split(".")[0] in modules:
+                    found.add(node.module.split(".")[0])
+        edges[name] = found
+
+    def reaches(start, target, seen=()):
+        return any(n == target or (n not in seen and reaches(n, target, (*seen, n))) for n in edges[start])
+
+    cycles = sorted(n for n in modules if reaches(n, n))
+    assert cycles == []

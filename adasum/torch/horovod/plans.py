@@ -1,7 +1,8 @@
 """Each collective of :mod:`adasum.horovod` as a :class:`~.negotiate.Plan`: the process set, this rank's
 side of the negotiation (:class:`~.negotiate.Call`, with the problems found locally) and what runs once
-every rank agreed (:func:`~.negotiate.run` runs it). The synchronous calls run a plan on the calling thread over the set's communicator; the
-asynchronous ones on the communication thread over the handles' communicator (:mod:`.handles`)."""
+every rank agreed (:func:`~.negotiate.run` runs it). The synchronous calls run a plan on the calling
+thread over the set's communicator; the asynchronous ones on the communication thread over the handles'
+communicator (:mod:`.handles`)."""
 
 from __future__ import annotations
 
