@@ -24,10 +24,13 @@ def average_(grads: list[torch.Tensor], count: int, scale: float) -> None:
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element of ``tensors`` is finite: torch's fused check of GradScaler, one pass and one
-    host synchronisation per device. It multiplies by 1.0 on the way, which changes no value."""
+    """Whether every element of ``tensors`` (dense, or sparse COO: their values) is finite: torch's fused
+    check of GradScaler, one pass and one host synchronisation per device. It multiplies by 1.0 on the way,
+    which changes no value."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
+        if t.is_sparse:  # a sparse gradient (nn.Embedding(sparse=True)): its stored values
+            t = t._values()
         if t.numel():
             by_device.setdefault(t.device, []).append(t)
     for device, ts in by_device.items():

@@ -404,3 +404,177 @@ def test_integer_tensors_keep_their_dtype_when_scaled_and_averaged(comm, dtype):
         hvd.allreduce(mine, op=hvd.Adasum)
 
 
+
+
+# --- sparse gradients (nn.Embedding(sparse=True)) in DistributedOptimizer -------------------------------------
+
+class _Embeddings(torch.nn.Module):
+    """Two embeddings and a linear layer; rank 1 does not use the second embedding (no gradient there).
+    Every value is a multiple of 1/8 and small (float64), so are the gradients and updates: every sum is
+    exact, whatever the order of its additions (a sparse gradient adds its rows in another order)."""
+
+    def __init__(self, sparse: bool):
+        super().__init__()
+        self.words = torch.nn.Embedding(10, 3, sparse=sparse)
+        self.tags = torch.nn.Embedding(6, 3, sparse=sparse)
+        self.out = torch.nn.Linear(3, 2)
+        g = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randint(-16, 17, p.shape, generator=g) / 8)
+
+    def forward(self, words, tags):
+        x = self.words(words).sum(1)
+        if tags is not None:
+            x = x + self.tags(tags).sum(1)
+        return self.out(x)
+
+
+def _sparse_batches(rank: int, steps: int):
+    """Per step: word and tag indices (rank 1 has no tags), overlapping between the ranks, and integer
+    weights for the loss, so that the gradients are exact sums whatever the order of the additions."""
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        words = torch.randint(0, 10, (4, 3), generator=g)
+        tags = None if rank == 1 else torch.randint(0, 6, (4, 2), generator=g)
+        weights = torch.randint(-3, 4, (4, 2), generator=g).double()
+        yield words, tags, weights
+
+
+def _train_embeddings(rank: int, sparse: bool, op, steps: int = 3, synchronize: bool = False, **kwargs):
+    model = _Embeddings(sparse).double()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.25),
+                                   named_parameters=model.named_parameters(), op=op, **kwargs)
+    grads = []
+    for words, tags, weights in _sparse_batches(rank, steps):
+        opt.zero_grad()
+        (model(words, tags) * weights).sum().backward()
+        if synchronize:
+            opt.synchronize()
+            grads.append([None if p.grad is None else p.grad.to_dense().clone() for p in model.parameters()])
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+    return model, opt, grads
+
+
+def _exact_steps(op, size: int, steps: int) -> int:
+    """``steps`` where every value stays a multiple of a power of two, so that every sum is exact in any
+    order (Sum; Average at a power-of-two size); else 1 (Adasum; Average at another size): the first update
+    is still the same (the same exact sums, divided or combined the same way), later sums would round."""
+    return steps if op == hvd.Sum or (op == hvd.Average and size & (size - 1) == 0) else 1
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+@pytest.mark.parametrize("op", [hvd.Sum, hvd.Average, hvd.Adasum])
+def test_sparse_embedding_gradients_train_as_dense_ones(comm, op, sparse_as_dense):
+    """nn.Embedding(sparse=True) through DistributedOptimizer gives, bit for bit, what the same model with
+    dense embeddings gives: the sparse gradients are gathered and summed (averaged) over the ranks, or reduced
+    dense with sparse_as_dense; with Adasum each rank's local step takes its own sparse gradient. A rank that
+    did not use an embedding (no gradient) still gets the reduced one."""
+    rank = comm.Get_rank()
+    steps = _exact_steps(op, comm.Get_size(), 3)
+    sparse, opt, _ = _train_embeddings(rank, True, op, steps, sparse_as_dense=sparse_as_dense)
+    dense, _, _ = _train_embeddings(rank, False, op, steps)
+    assert sparse.words.weight.grad.is_sparse
+    assert [raw_bytes(p) for p in sparse.parameters()] == [raw_bytes(p) for p in dense.parameters()]
+    assert not torch.equal(sparse.tags.weight, _Embeddings(True).double().tags.weight)  # it trained
+    assert opt.skipped_updates == 0
+    assert_identical_across_ranks(comm, list(sparse.parameters()))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", [hvd.Sum, hvd.Average])
+def test_synchronize_reduces_sparse_gradients_once(comm, op):
+    """Horovod's synchronize() / skip_synchronize() pattern with sparse gradients: after synchronize() every
+    rank holds the reduced gradient (the dense reference's, bit for bit) and step() does not reduce it again."""
+    rank = comm.Get_rank()
+    steps = _exact_steps(op, comm.Get_size(), 2)
+    with adasum.count_traffic(comm) as traffic:
+        sparse, _, grads = _train_embeddings(rank, True, op, steps=steps, synchronize=True)
+    dense, _, reference = _train_embeddings(rank, False, op, steps=steps, synchronize=True)
+    assert [raw_bytes(p) for p in sparse.parameters()] == [raw_bytes(p) for p in dense.parameters()]
+    for got, want in zip(grads, reference):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # per step: the dense allreduce of the linear layer's gradients (and the flags), never of the embeddings
+    linear = sum(p.numel() for p in sparse.out.parameters()) * 8
+    assert traffic.allreduce_bytes < steps * 2 * (linear + 8 * 3)
+
+
+@pytest.fixture
+def stall_timeout():
+    old = adasum.configure(stall_timeout=20.0)
+    yield
+    adasum.configure(old)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_sparse_gradient_on_one_rank_and_dense_on_another_raises_everywhere(comm, stall_timeout):
+    """Where a parameter's gradient is sparse on one rank and dense on another, every rank raises ValueError
+    naming the parameter and the ranks (before anything is reduced), and the optimizer stays usable."""
+    rank = comm.Get_rank()
+    emb = torch.nn.Embedding(5, 2, sparse=rank != 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
+                                   named_parameters=emb.named_parameters(), op=hvd.Average)
+    before = emb.weight.detach().clone()
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match=rf"\(raised on rank {rank}\) rank 1: parameter 'weight' \(shape \(5, 2\)\) "
+                                         r"has a dense gradient here and a sparse one on rank 0"):
+        opt.step()
+    assert torch.equal(emb.weight, before)
+    opt.zero_grad()
+    emb.weight.grad = None
+    opt.step()  # no gradient anywhere: nothing to reduce, and the calls still match
+    assert torch.equal(emb.weight, before)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_nonfinite_sparse_gradient_skips_the_update_everywhere(comm, sparse_as_dense):
+    """A NaN in one rank's sparse gradient: the reduced gradient holds it on every rank, so every rank skips
+    the update (parameters unchanged, skipped_updates counts it), as for a dense gradient."""
+    rank = comm.Get_rank()
+    model = _Embeddings(True).double()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.25), op=hvd.Average,
+                                   sparse_as_dense=sparse_as_dense)
+    before = [p.detach().clone() for p in model.parameters()]
+    words, tags, weights = next(_sparse_batches(rank, 1))
+    if rank == comm.Get_size() - 1:
+        weights[0, 0] = float("nan")
+    (model(words, tags) * weights).sum().backward()
+    opt.step()
+    assert opt.step_was_skipped and opt.skipped_updates == 1
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_the_horovod_package_has_no_import_cycle():
+    """No module of adasum/torch/horovod/ imports, directly or through others, a module that imports it
+    (module-level imports, as Python runs them)."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(hvd.__file__).parent
+    modules = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+    edges = {}
+    for name in modules:
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        found = set()
+        for node in tree.body:  # module level only
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module is None:
+                    found |= {a.name for a in node.names if a.name in modules}
+                elif node.module.split(".")[0] in modules:
+                    found.add(node.module.split(".")[0])
+        edges[name] = found
+
+    def reaches(start, target, seen=()):
+        return any(n == target or (n not in seen and reaches(n, target, (*seen, n))) for n in edges[start])
+
+    cycles = sorted(n for n in modules if reaches(n, n))
+    assert cycles == []

@@ -36,7 +36,8 @@ Where the meaning differs from Horovod's:
   and ``skip_synchronize()``. As in Horovod, the script calls ``step()`` once after
   ``backward_passes_per_step`` backward passes, whose gradients add up in ``.grad``. ``overlap=True`` (a
   keyword passed on to the library's optimizer) takes effect only when ``backward_passes_per_step`` is 1.
-  ``gradient_predivide_factor``, ``groups`` and ``sparse_as_dense`` are not supported.
+  ``gradient_predivide_factor`` and ``groups`` are not supported. Sparse gradients (``nn.Embedding(sparse=True)``)
+  are reduced as Horovod reduces them, gathered or with ``sparse_as_dense`` (:mod:`.sparse`).
 - ``Compression.fp16`` sends 16-bit values, scaled by a power of two that every rank agrees on, and
   combines them in float32: half the bytes of float32 on the wire.
 - Not provided (``NotImplementedError`` naming what to use): Gloo, elastic training, the timeline and

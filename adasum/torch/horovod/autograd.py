@@ -7,6 +7,10 @@ collective of the façade on the same process set (negotiated, so every rank mus
 - ``alltoall``: the incoming gradient sent back where its rows came from (rows never sent get zeros);
 - ``reducescatter``: the incoming gradients gathered, times the set's size for ``Sum`` (times 1 for
   ``Average``) and times the scale factors.
+
+The collective a backward pass runs is made by the plan builder of :mod:`.plans` that the forward call
+passes in (``allreduce``, ``grouped_allreduce``, ``grouped_allgather`` or ``alltoall``), and run with
+:func:`.negotiate.run`; this module imports neither the builders nor anything that imports them.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ from __future__ import annotations
 import torch
 
 from ...runtime import world
-from . import plans
+from . import transfer
 from .basics import Average, Sum
+from .negotiate import run
 
 __all__ = ["Allreduce", "GroupedAllreduce", "Allgather", "GroupedAllgather", "Broadcast", "Alltoall",
            "GroupedReducescatter"]
@@ -27,101 +32,101 @@ def _mine(ps) -> int:
 
 class Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, op, wire, prescale, postscale, ps):
-        ctx.args = (op, wire, prescale, postscale, ps)
-        return plans.transfer.reduce(tensor, op, wire, prescale, postscale, ps.comm())
+    def forward(ctx, tensor, op, wire, prescale, postscale, ps, allreduce):
+        ctx.args = (op, wire, prescale, postscale, ps, allreduce)
+        return transfer.reduce(tensor, op, wire, prescale, postscale, ps.comm())
 
     @staticmethod
     def backward(ctx, grad):
-        op, wire, pre, post, ps = ctx.args
-        out = plans.run(plans.allreduce(grad, op=op, compression=wire, prescale=pre, postscale=post, process_set=ps))
-        return out, None, None, None, None, None
+        op, wire, pre, post, ps, allreduce = ctx.args
+        out = run(allreduce(grad, op=op, compression=wire, prescale=pre, postscale=post, process_set=ps))
+        return out, None, None, None, None, None, None
 
 
 class GroupedAllreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, op, wire, prescale, postscale, ps, *tensors):
-        ctx.args = (op, wire, prescale, postscale, ps)
-        return tuple(plans.transfer.reduce_group(list(tensors), op, wire, prescale, postscale, ps.comm()))
+    def forward(ctx, op, wire, prescale, postscale, ps, grouped_allreduce, *tensors):
+        ctx.args = (op, wire, prescale, postscale, ps, grouped_allreduce)
+        return tuple(transfer.reduce_group(list(tensors), op, wire, prescale, postscale, ps.comm()))
 
     @staticmethod
     def backward(ctx, *grads):
-        op, wire, pre, post, ps = ctx.args
-        out = plans.run(plans.grouped_allreduce(list(grads), op=op, compression=wire, prescale=pre,
-                                                postscale=post, process_set=ps))
-        return (None,) * 5 + tuple(out)
+        op, wire, pre, post, ps, grouped_allreduce = ctx.args
+        out = run(grouped_allreduce(list(grads), op=op, compression=wire, prescale=pre, postscale=post,
+                                    process_set=ps))
+        return (None,) * 6 + tuple(out)
 
 
-def _average(grads: list[torch.Tensor], ps) -> list[torch.Tensor]:
-    return plans.run(plans.grouped_allreduce(grads, op=Average, process_set=ps))
+def _average(grads: list[torch.Tensor], ps, grouped_allreduce) -> list[torch.Tensor]:
+    return run(grouped_allreduce(grads, op=Average, process_set=ps))
 
 
 class Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, out, rows, ps):
-        ctx.args = (rows, ps)
+    def forward(ctx, tensor, out, rows, ps, grouped_allreduce):
+        ctx.args = (rows, ps, grouped_allreduce)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        rows, ps = ctx.args
+        rows, ps, grouped_allreduce = ctx.args
         me = _mine(ps)
         start = sum(rows[:me])
-        return _average([grad], ps)[0][start:start + rows[me]], None, None, None
+        return _average([grad], ps, grouped_allreduce)[0][start:start + rows[me]], None, None, None, None
 
 
 class GroupedAllgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, ps, n, *tensors_and_outs):
-        ctx.args = (rows, ps, n)
+    def forward(ctx, rows, ps, grouped_allreduce, n, *tensors_and_outs):
+        ctx.args = (rows, ps, grouped_allreduce, n)
         return tuple(tensors_and_outs[n:])
 
     @staticmethod
     def backward(ctx, *grads):
-        rows, ps, n = ctx.args
+        rows, ps, grouped_allreduce, n = ctx.args
         me = _mine(ps)
-        averaged = _average(list(grads), ps)
+        averaged = _average(list(grads), ps, grouped_allreduce)
         mine = [g[sum(r[:me]):sum(r[:me]) + r[me]] for g, r in zip(averaged, rows)]
-        return (None, None, None) + tuple(mine) + (None,) * n
+        return (None,) * 4 + tuple(mine) + (None,) * n
 
 
 class Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, out, root_rank, ps):
-        ctx.args = (root_rank, ps)
+    def forward(ctx, tensor, out, root_rank, ps, grouped_allreduce):
+        ctx.args = (root_rank, ps, grouped_allreduce)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        root_rank, ps = ctx.args
-        averaged = _average([grad], ps)[0]
-        return (averaged if world.rank() == root_rank else torch.zeros_like(averaged)), None, None, None
+        root_rank, ps, grouped_allreduce = ctx.args
+        averaged = _average([grad], ps, grouped_allreduce)[0]
+        return (averaged if world.rank() == root_rank else torch.zeros_like(averaged)), None, None, None, None
 
 
 class Alltoall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, out, send, recv, ps):
-        ctx.args = (tensor.shape[0], recv, ps)
+    def forward(ctx, tensor, out, send, recv, ps, alltoall):
+        ctx.args = (tensor.shape[0], recv, ps, alltoall)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        rows, recv, ps = ctx.args
-        back, _ = plans.run(plans.alltoall(grad, torch.tensor(recv, dtype=torch.int32), process_set=ps))
+        rows, recv, ps, alltoall = ctx.args
+        back, _ = run(alltoall(grad, torch.tensor(recv, dtype=torch.int32), process_set=ps))
         if back.shape[0] < rows:
             back = torch.cat([back, back.new_zeros(rows - back.shape[0], *back.shape[1:])])
-        return back, None, None, None, None
+        return back, None, None, None, None, None
 
 
 class GroupedReducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, op, scale, ps, n, *tensors_and_outs):
-        ctx.args = (op, scale, ps, n)
+    def forward(ctx, op, scale, ps, grouped_allgather, n, *tensors_and_outs):
+        ctx.args = (op, scale, ps, grouped_allgather, n)
         return tuple(tensors_and_outs[n:])
 
     @staticmethod
     def backward(ctx, *grads):
-        op, scale, ps, n = ctx.args
-        gathered = plans.run(plans.grouped_allgather(list(grads), process_set=ps))
+        op, scale, ps, grouped_allgather, n = ctx.args
+        gathered = run(grouped_allgather(list(grads), process_set=ps))
         factor = scale * (ps.size() if op == Sum else 1)
-        return (None,) * 4 + tuple(g * factor if factor != 1 else g for g in gathered) + (None,) * n
+        return (None,) * 5 + tuple(g * factor if factor != 1 else g for g in gathered) + (None,) * n

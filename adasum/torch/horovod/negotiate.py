@@ -20,10 +20,10 @@ from typing import Any, Callable, NamedTuple
 from mpi4py import MPI
 
 from ...call.agreement import AdasumMismatchError
-from ...runtime import exchange
+from ...runtime import exchange, world
 from .basics import HorovodInternalError
 
-__all__ = ["Call", "WHAT", "negotiate", "verdict", "execute", "serve_joined", "RUN", "RAISE", "DONE"]
+__all__ = ["Call", "Plan", "WHAT", "negotiate", "verdict", "execute", "run", "serve_joined", "RUN", "RAISE", "DONE"]
 
 WHAT = "a call of adasum.horovod"
 RUN, RAISE, DONE = "run", "raise", "done"
@@ -95,6 +95,22 @@ def execute(comm: MPI.Intracomm, ranks: list[int], me: int, call: Call,
     if error is not None:
         raise error
     return run(everyone)
+
+
+class Plan(NamedTuple):
+    """A collective of the façade ready to negotiate: its process set (a :class:`~.process_sets.ProcessSet`),
+    this rank's :class:`Call`, and what runs once every rank agreed (``run(everyone, comm)``). Made by
+    :mod:`.plans`; run by :func:`run`."""
+
+    ps: Any
+    call: Call
+    run: Callable[[list[Call], MPI.Intracomm], Any]
+
+
+def run(plan: Plan, stream: bool = False) -> Any:
+    """Negotiate ``plan`` on its set's communicator (``stream``: the handles'), then run it."""
+    comm = plan.ps.comm(stream)
+    return execute(comm, plan.ps.ranks, world.rank(), plan.call, lambda everyone: plan.run(everyone, comm))
 
 
 def serve_joined(comm: MPI.Intracomm, ranks: list[int], me: int,

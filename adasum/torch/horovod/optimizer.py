@@ -13,8 +13,11 @@ from ...runtime import exchange, world
 from .. import DistributedOptimizer as _DistributedOptimizer
 from .. import broadcast_optimizer_state as _broadcast_optimizer_state
 from .. import broadcast_parameters as _broadcast_parameters
+from ..local import uses_local_steps
+from ..strategy import trained_params
 from .basics import Average, Compression, wire_of
 from .process_sets import resolve
+from .sparse import SparseGradients, hidden
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"]
 
@@ -54,14 +57,20 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     world); on a rank outside ``process_set`` it steps on the rank's own gradients, as in Horovod.
     ``named_parameters`` is checked as Horovod checks it (unique names, every parameter named: ValueError on
     every rank). ``num_groups`` is accepted and unused. Extra keyword arguments go to the library's
-    optimizer (``overlap=``, ``bucket_bytes=``, ...)."""
+    optimizer (``overlap=``, ``bucket_bytes=``, ...).
+
+    Sparse gradients (``nn.Embedding(sparse=True)``) are reduced as Horovod reduces them, with ``op=Sum``
+    or ``Average``: every rank's rows gathered and summed (averaged), or with ``sparse_as_dense=True`` made
+    dense, reduced and made sparse again (:mod:`.sparse`); with ``op=Adasum`` each rank's local step takes
+    its own sparse gradient. They are reduced in ``step()`` (or ``synchronize()``): with ``overlap=True``
+    a sparse gradient fails the step on every rank."""
     ps = resolve(process_set)
     comm = ps.comm() if ps.included() else MPI.COMM_SELF
     names, problem = _names(optimizer, named_parameters)
     wire, refused = wire_of(compression)
     problem = problem or refused
-    if problem is None and (gradient_predivide_factor != 1.0 or groups is not None or sparse_as_dense):
-        problem = "gradient_predivide_factor, groups and sparse_as_dense are not supported"
+    if problem is None and (gradient_predivide_factor != 1.0 or groups is not None):
+        problem = "gradient_predivide_factor and groups are not supported"
     if problem is None and (isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int)
                             or backward_passes_per_step < 1):
         problem = f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step!r}"
@@ -71,6 +80,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         kwargs["overlap"] = False
     opt = _HorovodOptimizer(optimizer, op=op, compression=wire, comm=comm, **kwargs)
     opt.__dict__["_parameter_names"] = names
+    local = uses_local_steps(opt.local_steps, opt.outer_lr, opt.outer_momentum, opt.delay)
+    opt.__dict__["_sparse"] = SparseGradients(None if local else ps, comm, opt.op, wire, sparse_as_dense, names)
     return opt
 
 
@@ -96,8 +107,21 @@ class _HorovodOptimizer(_DistributedOptimizer):
     def synchronize(self) -> None:
         """Make ``.grad`` what the local step will use: reduced over the ranks for ``op=Sum``/``Average``
         (collective), each rank's own for ``op=Adasum``."""
-        self.finalize_gradients()
+        try:
+            sparse = self._sparse_reduced()
+            with hidden(sparse):
+                self.finalize_gradients()
+        except BaseException:
+            self.__dict__.pop("_sparse_done", None)
+            raise
         self.__dict__["_synchronized"] = True
+
+    def _sparse_reduced(self) -> list:
+        """The parameters whose sparse gradients are reduced (collective where this boundary's are not yet)."""
+        if "_sparse_done" not in self.__dict__:
+            self.__dict__["_sparse_done"] = self.__dict__["_sparse"].reduce(trained_params(self.optimizer),
+                                                                            self.skip_nonfinite)
+        return self.__dict__["_sparse_done"]
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -113,7 +137,16 @@ class _HorovodOptimizer(_DistributedOptimizer):
         if self.__dict__.get("_synchronized") and not self.__dict__.get("_skipping"):
             warnings.warn(SYNCHRONIZE_WARNING)
         self.__dict__["_synchronized"] = False
-        return super().step(closure)
+        loss = None
+        if closure is not None:  # its backward first: the sparse gradients it makes are reduced below
+            with torch.enable_grad():
+                loss = closure()
+        try:
+            with hidden(self._sparse_reduced()):
+                super().step()
+        finally:
+            self.__dict__.pop("_sparse_done", None)
+        return loss
 
 
 def broadcast_parameters(params, root_rank: int, prefix=None) -> None:

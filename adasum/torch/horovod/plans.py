@@ -1,11 +1,10 @@
-"""Each collective of :mod:`adasum.horovod` as a :class:`Plan`: the process set, this rank's side of the
-negotiation (:class:`~.negotiate.Call`, with the problems found locally) and what runs once every rank
-agreed. The synchronous calls run a plan on the calling thread over the set's communicator; the
-asynchronous ones on the communication thread over the handles' communicator (:mod:`.handles`)."""
+"""Each collective of :mod:`adasum.horovod` as a :class:`~.negotiate.Plan`: the process set, this rank's
+side of the negotiation (:class:`~.negotiate.Call`, with the problems found locally) and what runs once
+every rank agreed (:func:`~.negotiate.run` runs it). The synchronous calls run a plan on the calling
+thread over the set's communicator; the asynchronous ones on the communication thread over the handles'
+communicator (:mod:`.handles`)."""
 
 from __future__ import annotations
-
-from typing import Any, Callable, NamedTuple
 
 import torch
 from mpi4py import MPI
@@ -14,23 +13,11 @@ from ...runtime import world
 from . import autograd as ag
 from . import transfer
 from .basics import Adasum, Average, Max, Min, MPI_OPS, OPS, Sum, wire_of
-from .negotiate import Call, execute
-from .process_sets import ProcessSet, resolve
+from .negotiate import Call, Plan, run
+from .process_sets import resolve
 
 __all__ = ["Plan", "run", "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
            "alltoall", "reducescatter", "grouped_reducescatter", "answer_with_zeros"]
-
-
-class Plan(NamedTuple):
-    ps: ProcessSet
-    call: Call
-    run: Callable[[list[Call], MPI.Intracomm], Any]
-
-
-def run(plan: Plan, stream: bool = False) -> Any:
-    """Negotiate ``plan`` on its set's communicator (``stream``: the handles'), then run it."""
-    comm = plan.ps.comm(stream)
-    return execute(comm, plan.ps.ranks, world.rank(), plan.call, lambda everyone: plan.run(everyone, comm))
 
 
 def _problem(tensors, what: str, dims: int = 0) -> tuple | None:
@@ -95,7 +82,7 @@ def allreduce(tensor, average=None, compression=None, op=None, prescale: float =
 
     def go(everyone, comm):
         if track:
-            return ag.Allreduce.apply(tensor, op, wire, pre, post, ps)
+            return ag.Allreduce.apply(tensor, op, wire, pre, post, ps, allreduce)
         return transfer.reduce(tensor, op, wire, pre, post, comm)
     return Plan(ps, call, go)
 
@@ -111,7 +98,7 @@ def grouped_allreduce(tensors, average=None, compression=None, op=None, prescale
 
     def go(everyone, comm):
         if track:
-            return list(ag.GroupedAllreduce.apply(op, wire, pre, post, ps, *tensors))
+            return list(ag.GroupedAllreduce.apply(op, wire, pre, post, ps, grouped_allreduce, *tensors))
         return transfer.reduce_group(tensors, op, wire, pre, post, comm)
     return Plan(ps, call, go)
 
@@ -141,7 +128,7 @@ def allgather(tensor, process_set=None, grad: bool = True) -> Plan:
     def go(everyone, comm):
         rows = _rows(everyone)
         out = transfer.allgatherv(tensor, rows, comm)
-        return ag.Allgather.apply(tensor, out, rows, ps) if track else out
+        return ag.Allgather.apply(tensor, out, rows, ps, grouped_allreduce) if track else out
     return Plan(ps, call, go)
 
 
@@ -156,7 +143,8 @@ def grouped_allgather(tensors, process_set=None, grad: bool = True) -> Plan:
     def go(everyone, comm):
         rows = [_rows(everyone, i) for i in range(len(tensors))]
         outs = [transfer.allgatherv(t, r, comm) for t, r in zip(tensors, rows)]
-        return list(ag.GroupedAllgather.apply(rows, ps, len(tensors), *tensors, *outs)) if track else outs
+        return (list(ag.GroupedAllgather.apply(rows, ps, grouped_allreduce, len(tensors), *tensors, *outs)) if track
+                else outs)
     return Plan(ps, call, go)
 
 
@@ -172,7 +160,7 @@ def broadcast(tensor, root_rank: int, process_set=None, grad: bool = True) -> Pl
 
     def go(everyone, comm):
         out = transfer.bcast(tensor, ps.ranks.index(root_rank), comm)
-        return ag.Broadcast.apply(tensor, out, root_rank, ps) if track else out
+        return ag.Broadcast.apply(tensor, out, root_rank, ps, grouped_allreduce) if track else out
     return Plan(ps, call, go)
 
 
@@ -210,7 +198,7 @@ def alltoall(tensor, splits=None, process_set=None, grad: bool = True) -> Plan:
         recv = [c.local[me] for c in everyone]
         out = transfer.alltoallv(tensor, send, recv, comm)
         if track:
-            out = ag.Alltoall.apply(tensor, out, send, recv, ps)
+            out = ag.Alltoall.apply(tensor, out, send, recv, ps, alltoall)
         received = torch.tensor(recv, dtype=torch.int32)
         return out if splits is None else (out, received)
     return Plan(ps, call, go)
@@ -253,6 +241,7 @@ def grouped_reducescatter(tensors, op=None, prescale: float = 1.0, postscale: fl
             start = sum(counts[:comm.Get_rank()])
             outs.append(t[start:start + counts[comm.Get_rank()]].clone())
         if track:
-            return list(ag.GroupedReducescatter.apply(op, pre * post, ps, len(tensors), *tensors, *outs))
+            return list(ag.GroupedReducescatter.apply(op, pre * post, ps, grouped_allgather, len(tensors), *tensors,
+                                                      *outs))
         return outs
     return Plan(ps, call, go)
