@@ -442,17 +442,19 @@ DEFINE_SCALED_ADD16_AVX512(bf16, 0x1p-126, 0x1p127, 0x1p45, LOAD_BF16_AS_F64_512
 
 /* Picks the widest loops the CPU has (AVX-512F, then AVX2; F16C for float16), capped at `cap`: "portable",
  * "avx2" or "auto" (the setting kernels_isa; all of them give the same bits). */
+#define USE_LOOPS(T, NAME, DOTS, ADD)                                                                 \
+    do {                                                                                            \
+        dots_of[T] = (dots_fn)dots_##NAME##_##DOTS;                                                 \
+        scaled_add_of[T] = (scaled_add_fn)scaled_add_##NAME##_##ADD;                                \
+    } while (0)
+
 void
 select_isa(const char *cap)
 {
-    dots_of[T_F32] = (dots_fn)dots_f32_portable;
-    dots_of[T_F64] = (dots_fn)dots_f64_portable;
-    dots_of[T_F16] = (dots_fn)dots_f16_portable;
-    dots_of[T_BF16] = (dots_fn)dots_bf16_portable;
-    scaled_add_of[T_F32] = (scaled_add_fn)scaled_add_f32_portable;
-    scaled_add_of[T_F64] = (scaled_add_fn)scaled_add_f64_portable;
-    scaled_add_of[T_F16] = (scaled_add_fn)scaled_add_f16_portable;
-    scaled_add_of[T_BF16] = (scaled_add_fn)scaled_add_bf16_portable;
+    USE_LOOPS(T_F32, f32, portable, portable);
+    USE_LOOPS(T_F64, f64, portable, portable);
+    USE_LOOPS(T_F16, f16, portable, portable);
+    USE_LOOPS(T_BF16, bf16, portable, portable);
     isa = "portable";
 #ifdef HAVE_AVX2_PATH
     if (strcmp(cap, "portable") == 0)
@@ -460,27 +462,25 @@ select_isa(const char *cap)
     __builtin_cpu_init();
     int f16c = __builtin_cpu_supports("f16c");
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && f16c && strcmp(cap, "avx2") != 0) {
-        dots_of[T_F32] = (dots_fn)dots_f32_avx512;
-        dots_of[T_F64] = (dots_fn)dots_f64_avx512;
-        dots_of[T_F16] = (dots_fn)dots_f16_avx512;
-        dots_of[T_BF16] = (dots_fn)dots_bf16_avx512;
-        scaled_add_of[T_F32] = (scaled_add_fn)scaled_add_f32_avx512;
-        scaled_add_of[T_F64] = (scaled_add_fn)scaled_add_f64_avx512;
-        scaled_add_of[T_F16] = (scaled_add_fn)scaled_add_f16_avx512;
-        scaled_add_of[T_BF16] = (scaled_add_fn)scaled_add_bf16_avx512;
+        USE_LOOPS(T_F32, f32, avx512, avx512);
+        USE_LOOPS(T_F64, f64, avx512, avx512);
+        USE_LOOPS(T_F16, f16, avx512, avx512);
+        USE_LOOPS(T_BF16, bf16, avx512, avx512);
         isa = "avx512f";
     } else if (__builtin_cpu_supports("avx2")) {
         int fma = __builtin_cpu_supports("fma");
-        dots_of[T_F32] = fma ? (dots_fn)dots_f32_avx2fma : (dots_fn)dots_f32_avx2;
-        dots_of[T_F64] = (dots_fn)dots_f64_avx2;
-        dots_of[T_BF16] = fma ? (dots_fn)dots_bf16_avx2fma : (dots_fn)dots_bf16_avx2;
-        scaled_add_of[T_F32] = (scaled_add_fn)scaled_add_f32_avx2;
-        scaled_add_of[T_F64] = (scaled_add_fn)scaled_add_f64_avx2;
-        scaled_add_of[T_BF16] = (scaled_add_fn)scaled_add_bf16_avx2;
-        if (f16c) {
-            dots_of[T_F16] = fma ? (dots_fn)dots_f16_avx2fma : (dots_fn)dots_f16_avx2;
-            scaled_add_of[T_F16] = (scaled_add_fn)scaled_add_f16_avx2;
+        if (fma) {
+            USE_LOOPS(T_F32, f32, avx2fma, avx2);
+            USE_LOOPS(T_BF16, bf16, avx2fma, avx2);
+        } else {
+            USE_LOOPS(T_F32, f32, avx2, avx2);
+            USE_LOOPS(T_BF16, bf16, avx2, avx2);
         }
+        USE_LOOPS(T_F64, f64, avx2, avx2);
+        if (f16c && fma)
+            USE_LOOPS(T_F16, f16, avx2fma, avx2);
+        else if (f16c)
+            USE_LOOPS(T_F16, f16, avx2, avx2);
         isa = "avx2";
     }
 #endif

@@ -61,6 +61,14 @@ def _average(grads: list[torch.Tensor], ps, grouped_allreduce) -> list[torch.Ten
     return run(grouped_allreduce(grads, op=Average, process_set=ps))
 
 
+def _own_rows(grads: list[torch.Tensor], rows, ps, grouped_allreduce) -> list[torch.Tensor]:
+    """An allgather's backward: each output's gradient averaged over the ranks, then the rows this rank
+    contributed (``rows[i]``: every rank's row count in output i)."""
+    me = _mine(ps)
+    averaged = _average(grads, ps, grouped_allreduce)
+    return [g[sum(r[:me]):sum(r[:me]) + r[me]] for g, r in zip(averaged, rows)]
+
+
 class Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, out, rows, ps, grouped_allreduce):
@@ -70,9 +78,7 @@ class Allgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         rows, ps, grouped_allreduce = ctx.args
-        me = _mine(ps)
-        start = sum(rows[:me])
-        return _average([grad], ps, grouped_allreduce)[0][start:start + rows[me]], None, None, None, None
+        return _own_rows([grad], [rows], ps, grouped_allreduce)[0], None, None, None, None
 
 
 class GroupedAllgather(torch.autograd.Function):
@@ -84,10 +90,7 @@ class GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         rows, ps, grouped_allreduce, n = ctx.args
-        me = _mine(ps)
-        averaged = _average(list(grads), ps, grouped_allreduce)
-        mine = [g[sum(r[:me]):sum(r[:me]) + r[me]] for g, r in zip(averaged, rows)]
-        return (None,) * 4 + tuple(mine) + (None,) * n
+        return (None,) * 4 + tuple(_own_rows(list(grads), rows, ps, grouped_allreduce)) + (None,) * n
 
 
 class Broadcast(torch.autograd.Function):
