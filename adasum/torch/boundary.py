@@ -12,6 +12,7 @@ reduces them (sum/mean).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -21,7 +22,7 @@ from ..runtime import exchange
 from .accumulate import AccumulationWindow
 from .amp import LossScale
 from .overlap import OverlapEngine
-from .strategy import AdasumDeltas, Bucket, trained_params
+from .strategy import AdasumDeltas, Bucket, GradientReduce, trained_params
 from .tensors import average_, grads_of
 
 __all__ = ["Boundary", "failures", "log_skip"]
@@ -29,19 +30,19 @@ __all__ = ["Boundary", "failures", "log_skip"]
 _log = logging.getLogger("adasum")
 
 
+@dataclasses.dataclass(eq=False)
 class Boundary:
-    """The boundary procedure of one optimizer; its state is what :meth:`finalize` did ahead of ``step()``."""
+    """The boundary procedure of one optimizer, over the optimizer's parts; its state is what
+    :meth:`finalize` did ahead of ``step()``."""
 
-    def __init__(self, optimizer, comm: MPI.Intracomm, strategy, window: AccumulationWindow, loss: LossScale,
-                 engine: OverlapEngine | None):
-        self.optimizer = optimizer
-        self.comm = comm
-        self.strategy = strategy
-        self.window = window
-        self.loss = loss
-        self.engine = engine
-        self.averaged = False  # the closing window's gradients are averaged already
-        self.reduced: tuple[list[Bucket], float] | None = None  # ... and reduced (sum/mean): buckets, scale
+    optimizer: torch.optim.Optimizer
+    comm: MPI.Intracomm
+    strategy: AdasumDeltas | GradientReduce
+    window: AccumulationWindow
+    loss: LossScale
+    engine: OverlapEngine | None
+    averaged: bool = False  # the closing window's gradients are averaged already
+    reduced: tuple[list[Bucket], float] | None = None  # ... and reduced (sum/mean): buckets, scale
 
     def reset(self) -> None:
         self.averaged, self.reduced = False, None

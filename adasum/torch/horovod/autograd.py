@@ -69,12 +69,17 @@ def _own_rows(grads: list[torch.Tensor], rows, ps, grouped_allreduce) -> list[to
     return [g[sum(r[:me]):sum(r[:me]) + r[me]] for g, r in zip(averaged, rows)]
 
 
-class Allgather(torch.autograd.Function):
+class _RanAlready(torch.autograd.Function):
+    """A collective of one tensor whose result ``out`` was computed before: forward hands it on and keeps
+    what the backward needs (``arg``: an allgather's row counts, a broadcast's root)."""
+
     @staticmethod
-    def forward(ctx, tensor, out, rows, ps, grouped_allreduce):
-        ctx.args = (rows, ps, grouped_allreduce)
+    def forward(ctx, tensor, out, arg, ps, grouped_allreduce):
+        ctx.args = (arg, ps, grouped_allreduce)
         return out
 
+
+class Allgather(_RanAlready):
     @staticmethod
     def backward(ctx, grad):
         rows, ps, grouped_allreduce = ctx.args
@@ -93,12 +98,7 @@ class GroupedAllgather(torch.autograd.Function):
         return (None,) * 4 + tuple(_own_rows(list(grads), rows, ps, grouped_allreduce)) + (None,) * n
 
 
-class Broadcast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, out, root_rank, ps, grouped_allreduce):
-        ctx.args = (root_rank, ps, grouped_allreduce)
-        return out
-
+class Broadcast(_RanAlready):
     @staticmethod
     def backward(ctx, grad):
         root_rank, ps, grouped_allreduce = ctx.args
