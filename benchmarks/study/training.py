@@ -169,7 +169,7 @@ class GradientAdasum:
         params = [p for g in self.inner.param_groups for p in g["params"] if p.grad is not None]
         grads = [p.grad for p in params]
         torch._foreach_div_(grads, float(count))
-        adasum_hook(self.state, _Bucket(grads))
+        adasum_hook(self.state, _Bucket(grads)).wait()  # the reduction completes on the hook's thread
         self.step_was_skipped = not all(bool(torch.isfinite(g).all()) for g in grads)
         if self.step_was_skipped:
             self.skipped_updates += 1
