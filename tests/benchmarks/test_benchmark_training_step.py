@@ -65,6 +65,9 @@ def test_scaling_report_tabulates_and_plots_runs(comm, capsys):
         want = f"| adasum-overlap | {1e3 * med['adasum-overlap']:.0f} | " \
                f"{med['adasum-overlap'] / limit['fp32']:.2f} | {med['adasum-overlap'] / med['ddp']:.2f} |"
         assert "mlp, 2 hosts at 1gbit" in text and want in text, text
+        rounds = results["models"]["mlp"]["rounds_s"]  # --quick: 2 rounds, whose median is their mean
+        r = sorted(a / b for a, b in zip(rounds["adasum-overlap"], rounds["local"]))
+        assert f"| mlp | 1gbit | 2 | adasum-overlap | {(r[0] + r[1]) / 2:.2f} [{r[0]:.2f}, {r[1]:.2f}] |" in text, text
         assert os.path.getsize(os.path.join(root, "scaling.png")) > 0
         assert set(json.load(open(os.path.join(root, "results.json")))) == {"local", "1gbit"}
 
