@@ -9,7 +9,9 @@ host, TCP between hosts through links rate-limited with tc), and ``training_step
 of them; one host is one rank without communication, run once. Each run writes its JSON beside the
 others (``{rate}-{hosts}h.json``, ``1h.json``); ``results.json`` merges them, ``scaling.png`` plots the step
 times per model and wire (fp32, 16-bit) and ``tables.md`` holds, per model, wire, rate and hosts, the step of
-each contender over the limit and over torch DDP's step (DDP's fp16 hook for 16-bit wires). The limit is
+each contender over the limit, over torch DDP's step (DDP's fp16 hook for 16-bit wires) and over the local step
+(no communication; the measure for local-steps variants such as ``adasum-H4-delay``, see ``training_step.py``),
+then every step over the local step's and DDP's as the median over rounds of their ratio within a round. The limit is
 forward + max(backward, MPI's own allreduce of the wire's bytes) + the local update, all measured in the
 same job (see ``training_step.py``).
 """
@@ -17,6 +19,7 @@ same job (see ``training_step.py``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -78,13 +81,35 @@ def tables(merged: dict) -> str:
                 med, limit = m["median_s"], m.get("limit_s") or {}
                 lines.append(f"\n{name}, {n} hosts at {rate}: limit {1e3 * limit['fp32']:.0f} ms "
                              f"(16-bit {1e3 * limit['16bit']:.0f} ms)\n")
-                lines.append("| variant | step ms | step / limit | step / DDP |")
-                lines.append("|---|---|---|---|")
+                lines.append("| variant | step ms | step / limit | step / DDP | step / local |")
+                lines.append("|---|---|---|---|---|")
                 for v, t in med.items():
                     ref = reference_ddp(v, med)
                     vs = f"{t / med[ref]:.2f}" if ref and ref != v and v != "local" else ""
-                    lines.append(f"| {v} | {1e3 * t:.0f} | {t / limit[wire_of(v)]:.2f} | {vs} |")
+                    local = f"{t / med['local']:.2f}" if med.get("local") and v != "local" else ""
+                    lines.append(f"| {v} | {1e3 * t:.0f} | {t / limit[wire_of(v)]:.2f} | {vs} | {local} |")
     return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def round_ratios(merged: dict, ref: str) -> str:
+    """Per rate, model and host count: each variant's step over ``ref``'s (``"local"``, ``"ddp"``), the median over
+    rounds of the ratio within a round (the two measured side by side), with its range over rounds."""
+    lines = []
+    for rate in (r for r in merged if r != "local"):
+        for n, res in sorted(merged[rate].items(), key=lambda kv: int(kv[0])):
+            for name, m in res["models"].items():
+                rounds = m["rounds_s"]
+                if ref not in rounds:
+                    continue
+                if not lines:
+                    lines += [f"\nstep / {ref} step: median over rounds of the ratio in one round [min, max]\n",
+                              "| model | rate | hosts | variant | ratio |", "|---|---|---|---|---|"]
+                for v, ts in rounds.items():
+                    if v != ref:
+                        r = sorted(a / b for a, b in zip(ts, rounds[ref]))
+                        med = (r[(len(r) - 1) // 2] + r[len(r) // 2]) / 2
+                        lines.append(f"| {name} | {rate} | {n} | {v} | {med:.2f} [{r[0]:.2f}, {r[-1]:.2f}] |")
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def plot(merged: dict, png: Path) -> None:
@@ -107,7 +132,8 @@ def plot(merged: dict, png: Path) -> None:
             xs = sorted(runs)
             variants = [v for v in runs[xs[-1]]["models"][name]["median_s"]
                         if v == "local" or wire_of(v) == wire and v != "ddp-adasum"]
-            palette = iter(["tab:gray", "tab:blue", "tab:cyan", "tab:green", "tab:olive", "tab:purple"])
+            palette = itertools.cycle(["tab:gray", "tab:blue", "tab:cyan", "tab:green", "tab:olive", "tab:purple",
+                                       "tab:orange", "tab:brown", "tab:pink"])
             for v in variants:
                 pts = [(x, 1e3 * runs[x]["models"][name]["median_s"][v]) for x in xs
                        if v in runs[x]["models"][name]["median_s"]]
@@ -142,7 +168,7 @@ def main(argv=None) -> None:
         run(args)
     out = Path(args.out)
     merged = merge(out)
-    (out / "tables.md").write_text(tables(merged))
+    (out / "tables.md").write_text(tables(merged) + round_ratios(merged, "local") + round_ratios(merged, "ddp"))
     plot(merged, out / "scaling.png")
     print((out / "tables.md").read_text())
 

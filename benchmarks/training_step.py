@@ -17,7 +17,12 @@ step + zero_grad, each the slowest rank's, median over rounds.
 
 Variants: ``local``; ``adasum`` or ``mean`` with ``-overlap``, ``-bf16`` or ``-fp16`` (the 16-bit wire) and
 ``-spin`` or ``-nap`` (the library's setting ``waiting`` during that variant's turns; default ``"auto"``)
-and ``-b<N>m`` (``bucket_bytes`` of N MiB for that variant);
+and ``-b<N>m`` (``bucket_bytes`` of N MiB for that variant); with local steps, ``-H<N>`` (``local_steps=N``: N local
+steps between combines) and ``-delay`` (``delay=1``: the combine runs behind the next window), e.g.
+``adasum-H4``, ``mean-H4-delay``. Such a variant's turn is a whole number of windows (``--steps`` and ``--warmup``
+rounded up to a multiple of N, the combine included), and its time per step the mean over them; with ``-delay``
+an untimed lead-in window comes first (so each timed window waits for its predecessor's combine, as in steady
+state) and an untimed ``flush()`` last (so no combine is on the wire during the other variants' turns);
 ``ddp`` (torch DDP over gloo), ``ddp-fp16`` (with torch's ``fp16_compress_hook``), ``ddp-adasum`` (with
 ``adasum.torch.ddp.adasum_hook``, reducing on its thread during backward) and ``ddp-adasum-sync`` (the
 same hook with ``overlap=False``: reducing inside each hook call); ``hvd``, ``hvd-fp16`` and ``hvd-adasum``: Horovod's DistributedOptimizer
@@ -128,9 +133,25 @@ def build(variant: str, name: str, rank: int, quick: bool, bucket_bytes: int):
     sized = [int(q[1:-1]) << 20 for q in parts if q[:1] == "b" and q[-1:] == "m" and q[1:-1].isdigit()]
     bucket_bytes = sized[0] if sized else bucket_bytes  # "-b4m": 4 MiB buckets for this variant
     extra = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    h, delay = windows_of(variant)
+    if h > 1 or delay:  # "-H4": 4 local steps between combines; "-delay": the combine hidden behind the next window
+        extra.update(local_steps=h, delay=delay)
     opt = at.DistributedOptimizer(inner, op=parts[0], overlap="overlap" in parts,
                                   compression=wire[0] if wire else None, **extra)
     return model, opt, x, y, loss_fn
+
+
+def windows_of(variant: str) -> tuple[int, int]:
+    """A variant's local steps between combines ("-H<N>", default 1) and its ``delay`` ("-delay": 1)."""
+    parts = variant.split("@")[0].split("-")
+    hs = [int(q[1:]) for q in parts if q[:1] == "H" and q[1:].isdigit()]
+    return (hs[0] if hs else 1), int("delay" in parts)
+
+
+def turn_steps(variant: str, n: int) -> int:
+    """``n`` rounded up to a whole number of the variant's windows (H local steps, the combine included)."""
+    h = windows_of(variant)[0]
+    return -(-n // h) * h
 
 
 def steps(setup, n: int) -> list[float]:
@@ -183,12 +204,16 @@ def run(args) -> dict:
     if any(v.startswith("ddp") for v in variants):
         init_gloo(comm)
     results = {"size": size, "steps": args.steps, "rounds": args.rounds, "bucket_bytes": args.bucket_bytes,
-               "models": {}}
+               # per variant with local steps: [H, delay] and the steps of its timed turn (whole windows)
+               "local_steps": {v: list(windows_of(v)) for v in variants if windows_of(v) != (1, 0)},
+               "turn_steps": {v: turn_steps(v, args.steps) for v in variants}, "models": {}}
     for name in args.models.split(","):
         setups = {v: build(v, name, rank, args.quick, args.bucket_bytes) for v in variants}
         params = sum(p.numel() for p in setups[variants[0]][0].parameters())
         for v in variants:
-            steps(setups[v], args.warmup)
+            steps(setups[v], turn_steps(v, args.warmup))
+            if windows_of(v)[1]:
+                setups[v][1].flush()
         # MPI's own allreduce of the model's bytes (as float32, and half of them: a 16-bit wire's bytes)
         wires = {"fp32": np.ones(params or 1, np.float32), "16bit": np.ones((params or 2) // 2, np.float32)}
         times = {v: [] for v in variants}
@@ -199,12 +224,18 @@ def run(args) -> dict:
                 # "-spin", "-nap": the library's setting ``waiting`` for this variant (default "auto")
                 parts = v.split("@")[0].split("-")
                 adasum.configure(waiting="spin" if "spin" in parts else "nap" if "nap" in parts else "auto")
+                h, delay = windows_of(v)
+                n = turn_steps(v, args.steps)
+                if delay:  # an untimed lead-in window: the timed windows each wait for their predecessor's combine
+                    steps(setups[v], h)
                 comm.Barrier()
                 t0 = time.perf_counter()
-                ph = steps(setups[v], args.steps)
-                dt = (time.perf_counter() - t0) / args.steps
+                ph = steps(setups[v], n)
+                dt = (time.perf_counter() - t0) / n
                 times[v].append(comm.allreduce(dt, op=MPI.MAX))
-                phases[v].append([comm.allreduce(t / args.steps, op=MPI.MAX) for t in ph])
+                phases[v].append([comm.allreduce(t / n, op=MPI.MAX) for t in ph])
+                if delay:  # untimed: the last window's combine arrives before the next variant's turn
+                    setups[v][1].flush()
             for w, buf in wires.items():
                 comm.Barrier()
                 t0 = time.perf_counter()
