@@ -34,6 +34,18 @@ def comm():
 
 
 @pytest.fixture
+def stall_comm(comm):
+    """A communicator of its own (a stall ends the library's use of it) with a short stall timeout."""
+    import adasum
+
+    old = adasum.configure(stall_timeout=3.0, stall_warning=None)
+    dup = comm.Dup()
+    yield dup
+    adasum.configure(old)
+    comm.Barrier()
+
+
+@pytest.fixture
 def shared_dir(comm):
     """A directory every rank sees (made by rank 0, removed after the test)."""
     path = comm.bcast(tempfile.mkdtemp(prefix="adasum-ckpt-") if comm.Get_rank() == 0 else None, root=0)

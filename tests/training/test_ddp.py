@@ -70,6 +70,18 @@ def run_ddp(comm, hook_state, hook, *, steps=4, k=1, opt_fn=None, **ddp_kwargs):
     ddp = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
     ddp.register_comm_hook(hook_state(ddp) if callable(hook_state) else hook_state, hook)
     opt = opt_fn(ddp.parameters()) if opt_fn else torch.optim.SGD(ddp.parameters(), lr=0.1)
+    def window():
+        if hook is adasum_hook:
+            opt.step()
+        opt.zero_grad()
+
+    ddp_windows(comm, ddp, steps, k, window)
+    return model
+
+
+def ddp_windows(comm, ddp, steps: int, k: int, after_window) -> None:
+    """``steps`` windows of ``k`` micro-batches of this rank's batches through ``ddp`` (all but the last of
+    a window under ``no_sync()``), calling ``after_window()`` after each."""
     data = batches(comm, steps * k)
     for i in range(steps):
         for j in range(k):
@@ -79,10 +91,7 @@ def run_ddp(comm, hook_state, hook, *, steps=4, k=1, opt_fn=None, **ddp_kwargs):
                     loss_of(ddp, x, y).backward()
             else:
                 loss_of(ddp, x, y).backward()
-        if hook is adasum_hook:
-            opt.step()
-        opt.zero_grad()
-    return model
+        after_window()
 
 
 def run_optimizer(comm, *, steps=4, k=1, opt_fn=None, op="adasum", unused=False):

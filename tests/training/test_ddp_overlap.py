@@ -11,11 +11,10 @@ import time
 import pytest
 import torch
 
-import adasum
 from adasum.torch.ddp import AdasumState, DeltaState, adasum_delta_hook, adasum_hook
 
 from helpers import GradBucket, assert_identical_across_ranks, raw_bytes
-from test_ddp import batches, loss_of
+from test_ddp import batches, ddp_windows, loss_of
 
 SMALL = 0.0005  # bucket_cap_mb: a bucket per parameter or two
 
@@ -99,19 +98,13 @@ def train(comm, kind: str, options: dict, overlap: bool, steps: int = 4):
     else:
         state = DeltaState(opt, accumulation_steps=k, overlap=overlap)
         ddp.register_comm_hook(state, adasum_delta_hook)
-    data = batches(comm, steps * k)
-    for i in range(steps):
-        for j in range(k):
-            x, y = data[i * k + j]
-            if j < k - 1:
-                with ddp.no_sync():
-                    loss_of(ddp, x, y).backward()
-            else:
-                loss_of(ddp, x, y).backward()
+    def window():
         if what == "grad":
             opt.step()
         opt.zero_grad()
         sched.step()
+
+    ddp_windows(comm, ddp, steps, k, window)
     return model, ddp, state
 
 
@@ -266,16 +259,6 @@ def test_a_local_step_failing_on_one_rank_raises_in_backward_on_every_rank(comm,
         loss_of(ddp, *data[1]).backward()
     assert [raw_bytes(p) for p in model.parameters()] == before
     assert state.updates == 1
-
-
-@pytest.fixture
-def stall_comm(comm):
-    """A communicator of its own (a stall ends the library's use of it) with a short stall timeout."""
-    old = adasum.configure(stall_timeout=3.0, stall_warning=None)
-    dup = comm.Dup()
-    yield dup
-    adasum.configure(old)
-    comm.Barrier()
 
 
 @pytest.mark.mpi(min_size=2)

@@ -102,16 +102,6 @@ def test_a_new_optimizer_trains_as_if_the_old_one_were_closed(comm, close):
 # --- 3. never hang, never blame the wrong thing ------------------------------------------------------------------
 
 
-@pytest.fixture
-def stall_comm(comm):
-    """A communicator of its own (a stall ends the library's use of it) with a short stall timeout."""
-    old = adasum.configure(stall_timeout=3.0, stall_warning=None)
-    dup = comm.Dup()
-    yield dup
-    adasum.configure(old)
-    comm.Barrier()
-
-
 def trained_three_steps(comm, overlap: bool):
     model = model_for()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), overlap=overlap, bucket_bytes=64,
