@@ -371,7 +371,7 @@ DEFINE_SCALED_ADD(AVX2, avx2, 4, __m256d, _mm256_set1_pd, _mm256_cvtps_pd, _mm_l
  * then the last bit set), which the narrowing then takes to the 16-bit type correctly. Returns 0, or 1
  * where such a lane is a NaN (the portable loop then does the round).
  */
-static inline int
+AVX2 static inline int
 round_to_odd_lanes(__m256 *y, __m256d x0, __m256d x1, int lanes)
 {
     float f[8];
