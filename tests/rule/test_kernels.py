@@ -343,6 +343,35 @@ def test_sixteen_scaled_add_rounds_once(dtype):
             assert _same_bits(x, want, dtype), (isa, ca, cb, "in place")
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sixteen_scaled_add_near_midpoints(dtype):
+    """Sums a hair above and below the middle between two 16-bit values (rounding them to float32 first
+    lands on the middle, and the tie then goes the wrong way half the time) and exactly on it (ties to
+    even), from the smallest steps to the largest values, with a NaN and infinities in the same rounds of
+    eight elements: rounded once, on every instruction set, into a third buffer and in place."""
+    rng = np.random.default_rng(22)
+    p, lo, hi = (10, -14, 15) if dtype == "float16" else (7, -126, 127)
+    n = 3 * 1024
+    e = rng.integers(lo + 1, hi + 1, n)  # g's binade: half its step, 2^(e - p - 1), is a value of the type
+    g = np.ldexp(1 + rng.integers(0, 1 << p, n) / (1 << p), e) * rng.choice([-1.0, 1.0], n)
+    a, b = narrow(g, dtype), narrow(np.ldexp(1.0, e - p - 1) * np.sign(g), dtype)
+    a[[5, 700, 2100]] = narrow(np.array([np.nan, np.inf, -np.inf]), dtype)
+    spans = np.array([[0, n // 3], [n // 3, 2 * n // 3], [2 * n // 3, n]], dtype=np.int64)
+    ca, cb = np.ones(3), np.array([1 + 2.0 ** -30, 1 - 2.0 ** -30, 1.0])
+    x = np.concatenate([widen(a[s:t]) + q * widen(b[s:t]) for (s, t), q in zip(spans, cb)])
+    with np.errstate(all="ignore"):
+        want = narrow(x, dtype)
+        twice = narrow(x.astype(np.float32).astype(np.float64), dtype)
+    assert (want.view(np.uint16) != twice.view(np.uint16)).sum() > n // 5  # the data is what it says
+    for isa in _every_isa():
+        dst = np.empty_like(a)
+        K.scaled_add(dst, a, b, spans, ca, cb)
+        assert _same_bits(dst, want, dtype), isa
+        y = a.copy()
+        K.scaled_add(y, y, b, spans, ca, cb)
+        assert _same_bits(y, want, dtype), (isa, "in place")
+
+
 def test_sixteen_rounding_is_correct():
     """adasum.rule.sixteen.narrow rounds float64 once: numpy's own float16 cast (which rounds from float64
     directly), and for bfloat16 the nearest value (ties to even), checked exactly on values that lie near
