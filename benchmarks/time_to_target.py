@@ -323,6 +323,10 @@ def worker(args) -> dict | None:
                 if name != "local":
                     msg += f", final {r['final']:.4f}, to target {r['seconds_to_target']} s, {r['combines']} combines"
                 print(msg, flush=True)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # DDP's group, initialised by this job's first ddp run
+        dist.destroy_process_group()
     result["seconds"] = time.perf_counter() - started
     result["loadavg_end"] = os.getloadavg()
     result["summary"] = summarize(result)
@@ -358,7 +362,8 @@ def summarize(result: dict) -> dict:
         out[name] = row
     ddp = out.get("ddp")
     for name, row in out.items():
-        if name != "local" and ddp and ddp.get("seconds_to_target") and row.get("seconds_to_target"):
+        if name != "local" and ddp and (ddp.get("seconds_to_target") or 0) > 0 and \
+                row.get("seconds_to_target") is not None:
             row["time_over_ddp"] = row["seconds_to_target"] / ddp["seconds_to_target"]
     return out
 
@@ -402,7 +407,7 @@ def tables(merged: dict) -> str:
                     rng = row["seconds_to_target_range"]
                     tts = "not reached" if tt is None else (
                         f"{tt:.1f}" + (f" [{rng[0]:.1f}, {rng[1]:.1f}]" if row["seeds"] > 1 else ""))
-                    over = f"{row['time_over_ddp']:.2f}" if row.get("time_over_ddp") else "–"
+                    over = f"{row['time_over_ddp']:.2f}" if row.get("time_over_ddp") is not None else "–"
                     fr = row["final_range"]
                     final = _quality(res, row["final"]) + (
                         f" [{_quality(res, fr[0])}, {_quality(res, fr[1])}]" if row["seeds"] > 1 else "")
