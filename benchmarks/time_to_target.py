@@ -431,11 +431,13 @@ def plot(merged: dict, png: Path) -> None:
         by_hosts = merged[task][rate]
         xs = sorted(int(n) for n in by_hosts)
         names = [c for c in by_hosts[str(xs[-1])]["summary"] if c != "local"]
+        palette = iter(["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
+                        "tab:cyan", "tab:gray"])
         for name in names:
             pts = [(x, by_hosts[str(x)]["summary"].get(name, {}).get("seconds_to_target")) for x in xs]
             pts = [(x, y) for x, y in pts if y is not None]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=name, color="tab:red" if name == "ddp" else None,
+                ax.plot(*zip(*pts), marker="o", label=name, color="tab:red" if name == "ddp" else next(palette),
                         linestyle="-" if name == "ddp" or "delay" in name else "--")
         ax.set_title(f"{task}, {rate}: time to target {_quality(by_hosts[str(xs[-1])], by_hosts[str(xs[-1])]['target'])}",
                      fontsize=9)
