@@ -309,26 +309,17 @@ DEFINE_SCALED_ADD(AVX2, avx2, 4, __m256d, _mm256_set1_pd, _mm256_cvtps_pd, _mm_l
                   _mm_storeu_ps, _mm256_loadu_pd, _mm256_storeu_pd, _mm256_mul_pd, _mm256_add_pd)
 
 /*
- * The AVX2 16-bit combine rounds each double x once to float32, to nearest (y), and y to the 16-bit type, to
- * nearest, ties to even: F16C's conversion for float16, the same rounding on the bits for bfloat16. Two
- * roundings give x's correctly rounded value (the portable loop's bits) unless y landed exactly on a
- * midpoint of the 16-bit grid without being x: the grid and its midpoints are float32 values, and rounding
- * to nearest keeps x's side of a midpoint that float32 holds. So a round of eight elements is stored from y
- * except in the lanes where y is such a midpoint (HAZARD16_*: a superset of them, cheap on the bits) and not
- * equal to x: there y is made x rounded to odd, as the portable loop rounds, before it is narrowed. A round
- * where such a lane is a NaN goes to the portable loop.
+ * The AVX2 float16 combine rounds each double x to float32 to odd on its bits (keeps the first 23 bits of the
+ * fraction, and sets the last of them if any of the 29 cut off was set), converts that to float32 (exactly),
+ * and narrows the float32 with F16C, to nearest, ties to even: the portable loop's two steps, so the same
+ * bits, with no branch. Cutting the bits is float32's rounding to odd wherever x lies in float32's normal
+ * range; above it the conversion gives an infinity, as float16's rounding does, and below it (under 2^-126)
+ * float16's value is a zero of x's sign either way.
  */
-/* Eight 16-bit elements as two registers of four doubles: float16 through F16C, bfloat16 shifted. */
+/* Eight float16 elements as two registers of four doubles, through F16C. */
 #define WIDEN8_F16(p, lo, hi)                                                                         \
     do {                                                                                            \
         __m256 f_ = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)));                         \
-        lo = _mm256_cvtps_pd(_mm256_castps256_ps128(f_));                                           \
-        hi = _mm256_cvtps_pd(_mm256_extractf128_ps(f_, 1));                                         \
-    } while (0)
-#define WIDEN8_BF16(p, lo, hi)                                                                        \
-    do {                                                                                            \
-        __m256 f_ = _mm256_castsi256_ps(                                                            \
-            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16));   \
         lo = _mm256_cvtps_pd(_mm256_castps256_ps128(f_));                                           \
         hi = _mm256_cvtps_pd(_mm256_extractf128_ps(f_, 1));                                         \
     } while (0)
@@ -341,92 +332,37 @@ DEFINE_SCALED_ADD(AVX2, avx2, 4, __m256d, _mm256_set1_pd, _mm256_cvtps_pd, _mm_l
         x1 = _mm256_add_pd(_mm256_mul_pd(p, a1_), _mm256_mul_pd(q, b1_));                           \
     } while (0)
 
-/* Lanes of y (eight float32 bits) that may be a midpoint of the float16 grid, all bits set: the nonzero y
- * whose last 12 bits are zero (a midpoint of normal float16s ends in 1 and 12 zeros, one of subnormals in
- * more zeros; 65520 included). */
-#define HAZARD16_F16(u)                                                                              \
-    _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_slli_epi32(u, 1), _mm256_setzero_si256()),        \
-                        _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0xfff)), _mm256_setzero_si256()))
-/* ... of the bfloat16 grid (the last 16 bits are 0x8000), or an infinity or NaN. */
-#define HAZARD16_BF16(u)                                                                             \
-    _mm256_or_si256(                                                                                \
-        _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0xffff)), _mm256_set1_epi32(0x8000)), \
-        _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7f800000)), _mm256_set1_epi32(0x7f800000)))
-#define NARROW8_F16_AVX2(p, y, u) \
-    _mm_storeu_si128((__m128i *)(p), _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
-/* bfloat16: (u + 0x7fff + (bit 16 of u)) >> 16 (finite y, or an infinity that x is). */
-#define NARROW8_BF16_AVX2(p, y, u)                                                                   \
-    do {                                                                                            \
-        __m256i r_ = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), \
-                                                        _mm256_and_si256(_mm256_srli_epi32(u, 16),  \
-                                                                         _mm256_set1_epi32(1))),    \
-                                       16);                                                         \
-        _mm_storeu_si128((__m128i *)(p), _mm_packus_epi32(_mm256_castsi256_si128(r_),                 \
-                                                          _mm256_extracti128_si256(r_, 1)));        \
-    } while (0)
-
-/*
- * The lanes of a round that HAZARD found and that y is not equal to: y becomes x rounded to float32 to odd,
- * as the portable loop rounds (y was x rounded to nearest: one step towards zero if that went away from it,
- * then the last bit set), which the narrowing then takes to the 16-bit type correctly. Returns 0, or 1
- * where such a lane is a NaN (the portable loop then does the round).
- */
-AVX2 static inline int
-round_to_odd_lanes(__m256 *y, __m256d x0, __m256d x1, int lanes)
+/* Four doubles cut to float32's precision, rounding to odd (exact in float32 in its normal range). */
+AVX2 static inline __m256d
+cut_to_odd(__m256d x)
 {
-    float f[8];
-    double x[8];
-    uint32_t u[8];
-    memcpy(f, y, sizeof f);
-    memcpy(x, &x0, sizeof x0);
-    memcpy(x + 4, &x1, sizeof x1);
-    memcpy(u, f, sizeof u);
-    for (int k = 0; k < 8; k++) {
-        if (!(lanes >> k & 1))
-            continue;
-        if (x[k] != x[k])
-            return 1;
-        u[k] = (u[k] - (fabs((double)f[k]) > fabs(x[k]))) | 1u;
-    }
-    memcpy(y, u, sizeof u);
-    return 0;
+    const __m256i low = _mm256_set1_epi64x((1LL << 29) - 1), last = _mm256_set1_epi64x(1LL << 29);
+    __m256i u = _mm256_castpd_si256(x);
+    __m256i exact = _mm256_cmpeq_epi64(_mm256_and_si256(u, low), _mm256_setzero_si256());
+    return _mm256_castsi256_pd(_mm256_or_si256(_mm256_andnot_si256(low, u), _mm256_andnot_si256(exact, last)));
 }
 
-/* One 16-bit combine loop: 8 elements a round, widened to two registers of doubles, combined, rounded to
- * float32 and on to the 16-bit type by NARROW8 (to odd first in the lanes where HAZARD finds that two
- * roundings to nearest could differ from one); the tail by the portable loop. dst may be a or b: a round
- * reads its eight elements of a and b before it writes dst's. */
-#define DEFINE_SCALED_ADD16_AVX2(ATTR, NAME, WIDEN, HAZARD, NARROW8)                                   \
-    ATTR static void scaled_add_##NAME##_avx2(uint16_t *dst, const uint16_t *a, const uint16_t *b,      \
-                                              Py_ssize_t n, double ca, double cb)                     \
-    {                                                                                               \
-        __m256d p = _mm256_set1_pd(ca), q = _mm256_set1_pd(cb);                                     \
-        Py_ssize_t i = 0;                                                                           \
-        for (; i + 8 <= n; i += 8) {                                                                \
-            __m256d x0, x1;                                                                         \
-            AVX2_COMBINE8(WIDEN, x0, x1);                                                           \
-            __m256 y = _mm256_set_m128(_mm256_cvtpd_ps(x1), _mm256_cvtpd_ps(x0));                   \
-            __m256i h_ = HAZARD(_mm256_castps_si256(y));                                            \
-            if (!_mm256_testz_si256(h_, h_)) {                                                      \
-                int hazard = _mm256_movemask_ps(_mm256_castsi256_ps(h_));                           \
-                __m256d b0 = _mm256_cvtps_pd(_mm256_castps256_ps128(y));                             \
-                __m256d b1 = _mm256_cvtps_pd(_mm256_extractf128_ps(y, 1));                           \
-                int inexact = _mm256_movemask_pd(_mm256_cmp_pd(b0, x0, _CMP_NEQ_UQ)) |               \
-                              _mm256_movemask_pd(_mm256_cmp_pd(b1, x1, _CMP_NEQ_UQ)) << 4;           \
-                if ((hazard & inexact) && round_to_odd_lanes(&y, x0, x1, hazard & inexact)) {       \
-                    scaled_add_##NAME##_portable(dst + i, a + i, b + i, 8, ca, cb);                 \
-                    continue;                                                                       \
-                }                                                                                   \
-            }                                                                                       \
-            NARROW8(dst + i, y, _mm256_castps_si256(y));                                            \
-        }                                                                                           \
-        scaled_add_##NAME##_portable(dst + i, a + i, b + i, n - i, ca, cb);                         \
+#define NARROW8_F16_AVX2(p, y)                                                                        \
+    _mm_storeu_si128((__m128i *)(p), _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
+/* One float16 combine loop: 8 elements a round, widened to two registers of doubles, combined, cut to odd,
+ * converted to float32 and narrowed by F16C; the tail by the portable loop. dst may be a or b: a round reads
+ * its eight elements of a and b before it writes dst's. */
+AVX2_F16C static void
+scaled_add_f16_avx2(uint16_t *dst, const uint16_t *a, const uint16_t *b, Py_ssize_t n, double ca, double cb)
+{
+    __m256d p = _mm256_set1_pd(ca), q = _mm256_set1_pd(cb);
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256d x0, x1;
+        AVX2_COMBINE8(WIDEN8_F16, x0, x1);
+        __m256 y = _mm256_set_m128(_mm256_cvtpd_ps(cut_to_odd(x1)), _mm256_cvtpd_ps(cut_to_odd(x0)));
+        NARROW8_F16_AVX2(dst + i, y);
     }
-DEFINE_SCALED_ADD16_AVX2(AVX2_F16C, f16, WIDEN8_F16, HAZARD16_F16, NARROW8_F16_AVX2)
-DEFINE_SCALED_ADD16_AVX2(AVX2, bf16, WIDEN8_BF16, HAZARD16_BF16, NARROW8_BF16_AVX2)
+    scaled_add_f16_portable(dst + i, a + i, b + i, n - i, ca, cb);
+}
 
 /*
- * The AVX-512 16-bit combine rounds each double x to the 16-bit type's grid in double arithmetic: with 2^e
+ * ROUND16 rounds each double x to the 16-bit type's grid in double arithmetic: with 2^e
  * the power of two of x's binade, clamped to the type's normal range [2^emin, 2^emax], and C = 2^(e + 52 - p)
  * carrying x's sign (p: the type's significant bits after the first, 10 for float16, 7 for bfloat16),
  * (x + C) - C is x rounded to a multiple of 2^(e - p), to nearest, ties to even: the type's own rounding,
@@ -434,8 +370,43 @@ DEFINE_SCALED_ADD16_AVX2(AVX2, bf16, WIDEN8_BF16, HAZARD16_BF16, NARROW8_BF16_AV
  * takes to infinity). The sign of x goes back on a zero; infinities and NaN pass through unchanged. The
  * conversions to float32 and on to the type are then exact: the same bits as the portable loop's rounding.
  */
+/*
+ * The AVX2 bfloat16 combine works on the even and the odd elements of a round apart, so that no element
+ * changes its place in a register: a bfloat16 in the upper half of a 32-bit lane is that lane's float32 (the
+ * odd element, masked), the one in the lower half shifted up is the even element's. Each double is rounded by
+ * ROUND16, so its float32 is exact and its upper half is the bfloat16; the two results go back to the two
+ * halves of the lanes. No branch: subnormals, infinities and NaN take the same instructions.
+ */
+#define ROUND16_AVX2(x)                                                                               \
+    do {                                                                                            \
+        __m256d s_ = _mm256_and_pd(x, sign), e_ = _mm256_and_pd(x, expo);                            \
+        __m256d c_ = _mm256_or_pd(_mm256_mul_pd(_mm256_min_pd(_mm256_max_pd(e_, lo), hi), scale), s_); \
+        x = _mm256_or_pd(_mm256_sub_pd(_mm256_add_pd(x, c_), c_), s_);                               \
+    } while (0)
+AVX2 static void
+scaled_add_bf16_avx2(uint16_t *dst, const uint16_t *a, const uint16_t *b, Py_ssize_t n, double ca, double cb)
+{
+    __m256d p = _mm256_set1_pd(ca), q = _mm256_set1_pd(cb);
+    const __m256d sign = _mm256_set1_pd(-0.0), expo = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7ff0000000000000LL));
+    const __m256d lo = _mm256_set1_pd(0x1p-126), hi = _mm256_set1_pd(0x1p127), scale = _mm256_set1_pd(0x1p45);
+    const __m128i high = _mm_set1_epi32((int)0xffff0000u);
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m128i va = _mm_loadu_si128((const __m128i *)(a + i)), vb = _mm_loadu_si128((const __m128i *)(b + i));
+        __m256d x_even = _mm256_add_pd(_mm256_mul_pd(p, _mm256_cvtps_pd(_mm_castsi128_ps(_mm_slli_epi32(va, 16)))),
+                                       _mm256_mul_pd(q, _mm256_cvtps_pd(_mm_castsi128_ps(_mm_slli_epi32(vb, 16)))));
+        __m256d x_odd = _mm256_add_pd(_mm256_mul_pd(p, _mm256_cvtps_pd(_mm_castsi128_ps(_mm_and_si128(va, high)))),
+                                      _mm256_mul_pd(q, _mm256_cvtps_pd(_mm_castsi128_ps(_mm_and_si128(vb, high)))));
+        ROUND16_AVX2(x_even);
+        ROUND16_AVX2(x_odd);
+        __m128i ye = _mm_castps_si128(_mm256_cvtpd_ps(x_even)), yo = _mm_castps_si128(_mm256_cvtpd_ps(x_odd));
+        _mm_storeu_si128((__m128i *)(dst + i), _mm_or_si128(_mm_srli_epi32(ye, 16), _mm_and_si128(yo, high)));
+    }
+    scaled_add_bf16_portable(dst + i, a + i, b + i, n - i, ca, cb);
+}
 
-/* AVX-512F: the same loops, 8 doubles per register. */
+
+/* AVX-512F: the same loops, 8 doubles per register; the 16-bit combine rounds by ROUND16 for both types. */
 #define AVX512 __attribute__((target("avx512f")))
 #define AVX512_16 __attribute__((target("avx512f,avx2,f16c")))
 

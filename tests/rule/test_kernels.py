@@ -330,7 +330,8 @@ def test_sixteen_scaled_add_rounds_once(dtype):
     a = _sixteen(dtype, np.arange(1 << 16))
     b = _sixteen(dtype, np.random.default_rng(19).integers(0, 1 << 16, 1 << 16))
     spans = np.array([[0, 3], [3, 1000], [1000, 1 << 16]], dtype=np.int64)
-    coefficients = [(0.3, 0.7), (1.0, 0.0), (0.5, 0.5), (1e-7, 3.1), (1.0000001, -0.9999999), (1e6, 1e-30)]
+    coefficients = [(0.3, 0.7), (1.0, 0.0), (0.5, 0.5), (1e-7, 3.1), (1.0000001, -0.9999999), (1e6, 1e-30),
+                    (1.0, -(1 - 2.0 ** -12))]
     for isa in _every_isa():
         for ca, cb in coefficients:
             with np.errstate(all="ignore"):
