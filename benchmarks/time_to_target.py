@@ -20,7 +20,8 @@ between hosts through links rate-limited with tc) and one job per host count tra
   ``adasum-x1-H4`` (4 local steps between combines), ``adasum-x1-H4-delay`` (the same with ``delay=1``),
   ``mean-x1-H4`` (model averaging every 4 local steps);
 - ``local``: the same model and inner optimizer on each rank's shard without any communication, for
-  ``--local-steps`` steps, all ranks at once (so they share the cores as in the others): the local step.
+  ``--local-steps`` steps (after 10 untimed ones), all ranks at once (so they share the cores as in the others):
+  the local step.
 
 All contenders evaluate alike (the study's ``Run.measure``: every rank its share of the test data, then an
 allreduce of the sums), ``evals_per_epoch`` times per epoch. **Evaluation is excluded from the clock**: each
@@ -62,6 +63,7 @@ for _p in (ROOT / "examples", HERE):
 CONTENDERS = "local,ddp,adasum-x1,adasum-x1-H4,adasum-x1-H4-delay,mean-x1-H4"
 BASE_LR = {"mnist1d": 0.03, "chars": 0.004, "mnist1d-adamw": 0.005}  # the study's base rates (tuned on one rank)
 IFACE = "adasum0"  # the emulated host's interface (cluster/netns.sh)
+WARMUP_STEPS = 10  # untimed steps before the local step's timed ones
 
 
 def _value(text: str):
@@ -240,7 +242,7 @@ def _max_op():
 
 def local_step(task: str, s: dict, data, comm, seed: int, base_lr: float, steps: int) -> dict:
     """The same model and inner optimizer on this rank's shard without communication, ``steps`` micro-batch
-    steps on every rank at once; the slowest rank's mean step."""
+    steps on every rank at once after ``WARMUP_STEPS`` untimed ones; the slowest rank's mean step."""
     from model import shard_batches
     from study.tasks import TASKS
 
@@ -251,16 +253,21 @@ def local_step(task: str, s: dict, data, comm, seed: int, base_lr: float, steps:
     rank, size = comm.Get_rank(), comm.Get_size()
     batches = []
     epoch = 0
-    while len(batches) < steps:
+    while len(batches) < WARMUP_STEPS + steps:
         batches += shard_batches(n, s["batch_size"], rank, size, epoch, seed)
         epoch += 1
     load = os.getloadavg()
+
+    def train(part):
+        for idx in part:
+            t.loss(model, data, idx, s).backward()
+            inner.step()
+            inner.zero_grad()
+
+    train(batches[:WARMUP_STEPS])  # first steps allocate and warm caches: not timed
     comm.Barrier()
     started = time.perf_counter()
-    for idx in batches[:steps]:
-        t.loss(model, data, idx, s).backward()
-        inner.step()
-        inner.zero_grad()
+    train(batches[WARMUP_STEPS:WARMUP_STEPS + steps])
     mine = (time.perf_counter() - started) / steps
     return {"contender": "local", "seed": seed, "steps": steps, "mean_step_s": comm.allreduce(mine, op=_max_op()),
             "loadavg_before": load, "loadavg_after": os.getloadavg()}
@@ -488,7 +495,7 @@ def parse(argv=None):
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change one of the task's settings")
     p.add_argument("--base-lr", type=float, help="the base rate (default: the study's for the task)")
-    p.add_argument("--local-steps", type=int, default=50, help="steps timed for the local step")
+    p.add_argument("--local-steps", type=int, default=200, help="steps timed for the local step")
     p.add_argument("--cache", default=str(ROOT / "benchmarks" / "out" / "data-cache"),
                    help="folder keeping the generated data between jobs ('' for none)")
     p.add_argument("--hosts", default="2,4")
