@@ -59,13 +59,15 @@ def test_a_napping_rank_leaves_its_core_while_it_waits(comm, setting, native, n)
     """With ``waiting="nap"`` the ranks that wait LATE seconds for the last one spend a small part of that
     time on the CPU, whether the compiled small call, the compiled agreement or the Python one waits. The
     CPU time of the same call with no late rank (its own arithmetic, longer on a loaded machine) is the
-    baseline: waiting adds less than 40 % of the wait to it (a nap of at most ``NAP_MAX`` costs a test and a
-    sleep, more on a loaded machine; spinning adds about all of it)."""
+    baseline: waiting adds less than 60 % of the wait to it, where a loop of tests adds all of it (0.6 s of
+    0.6 here). A nap of at most ``NAP_MAX`` costs a test and a sleep, whose CPU depends on the machine's
+    timers: 15-25 % of the wait on an idle 2-core virtual machine, up to 45 % on the same machine at other
+    times."""
     setting(waiting="nap", native_mpi=native)
     # the first call also makes the library's duplicate communicator and buffers
     base = min(_late_call(comm, n, late=0.0) for _ in range(2))
     cpu = _late_call(comm, n)
-    assert cpu - base < 0.4 * LATE, \
+    assert cpu - base < 0.6 * LATE, \
         f"rank {comm.Get_rank()} used {cpu:.3f} s of CPU waiting {LATE} s ({base:.3f} s with no wait)"
 
 
