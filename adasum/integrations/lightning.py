@@ -213,10 +213,32 @@ class AdasumStrategy(ParallelStrategy):
         votes = exchange.allgather(self.comm, bool(decision), what="Lightning's decision")
         return all_(votes) if all else any(votes)
 
+    # --- where fit() shows or ends the model: what is open is combined first ---------------------------------
+
+    def _combine_open(self) -> None:
+        """Collective: every optimizer combines its open window (``flush()``), so that every rank holds the
+        same model; a rank that skipped or added a step makes every rank raise here."""
+        for opt in self.optimizers:
+            if isinstance(opt, DistributedOptimizer) and not opt.closed:
+                opt.flush()
+
+    def on_validation_start(self) -> None:
+        self._combine_open()  # validation during fit sees the ranks' common model
+        super().on_validation_start()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._combine_open()  # a checkpoint holds the common model (dumped on every rank)
+        return super().lightning_module_state_dict()
+
+    def on_train_end(self) -> None:
+        self._combine_open()  # fit() ends with every rank's model combined
+        super().on_train_end()
+
     def teardown(self) -> None:
+        # After on_train_end (or after an error, where no collective may be started): the lanes end.
         for opt in self.optimizers:
             if isinstance(opt, DistributedOptimizer):
-                opt.close()
+                opt.close(combine=False)
         super().teardown()
 
 

@@ -28,6 +28,7 @@ class AccumulationWindow:
         self.steps = steps
         self.seen = 0          # micro-batches recorded in the open window
         self.forced = False    # the next recorded micro-batch closes the window whatever the count
+        self.total = 0         # micro-batches of the windows closed so far (the ranks compare it)
 
     @property
     def closes_next(self) -> bool:
@@ -47,10 +48,11 @@ class AccumulationWindow:
     def close(self) -> int:
         """End the open window; returns how many micro-batches it held."""
         n, self.seen, self.forced = self.seen, 0, False
+        self.total += n
         return n
 
     def state_dict(self) -> dict[str, Any]:
-        return {"micro_steps": self.seen, "forced": self.forced}
+        return {"micro_steps": self.seen, "forced": self.forced, "micro_batches_closed": self.total}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         seen = int(state.get("micro_steps", 0))
@@ -58,6 +60,7 @@ class AccumulationWindow:
             raise ValueError(f"micro_steps in the state must be >= 0, got {seen}")
         self.seen = seen
         self.forced = bool(state.get("forced", False))
+        self.total = int(state.get("micro_batches_closed", 0))
 
 
 class BoundaryScheduler:

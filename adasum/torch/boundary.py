@@ -13,21 +13,19 @@ reduces them (sum/mean).
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 from mpi4py import MPI
 
-from ..runtime import exchange
 from .accumulate import AccumulationWindow
 from .amp import LossScale
 from .overlap import OverlapEngine
 from .strategy import AdasumDeltas, Bucket, GradientReduce, trained_params
 from .tensors import average_, grads_of
+from .window import Layout, agree
+from .window import log_skip as window_log
 
-__all__ = ["Boundary", "failures", "log_skip"]
-
-_log = logging.getLogger("adasum")
+__all__ = ["Boundary", "log_skip"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -41,13 +39,14 @@ class Boundary:
     window: AccumulationWindow
     loss: LossScale
     engine: OverlapEngine | None
+    layout: Layout
     averaged: bool = False  # the closing window's gradients are averaged already
     reduced: tuple[list[Bucket], float] | None = None  # ... and reduced (sum/mean): buckets, scale
 
     def reset(self) -> None:
         self.averaged, self.reduced = False, None
 
-    def finalize(self) -> None:
+    def finalize(self, ledger: dict[str, int]) -> None:
         """Make ``.grad`` what the local step will use, for the window that the next ``step()`` closes."""
         if self.averaged or self.reduced is not None:
             return
@@ -65,13 +64,13 @@ class Boundary:
             average_(grads_of(trained_params(self.optimizer)), self.window.seen + 1, self.loss.current())
             self.averaged = True
         else:
-            self.reduced = self._reduce_and_agree(self.window.seen + 1)
+            self.reduced = self._reduce_and_agree(self.window.seen + 1, ledger)
 
-    def run(self, count: int) -> bool:
+    def run(self, count: int, ledger: dict[str, int]) -> bool:
         """Close the window of ``count`` micro-batches: reduce, agree, apply. Returns False where the update
         was skipped for non-finite values (on every rank alike)."""
         try:
-            buckets, scale = self.reduced or self._reduce_and_agree(count)
+            buckets, scale = self.reduced or self._reduce_and_agree(count, ledger)
             ok = self.strategy.update(buckets)
             self.loss.update(scale, ok)
         finally:
@@ -82,14 +81,23 @@ class Boundary:
         self.strategy.after_step()
         return ok
 
-    def _reduce_and_agree(self, count: int) -> tuple[list[Bucket], float]:
+    def _reduce_and_agree(self, count: int, ledger: dict[str, int]) -> tuple[list[Bucket], float]:
+        """The window's buckets, reduced, once every rank agreed (:func:`~adasum.torch.window.agree`) that
+        none failed and that the windows match: before the wire where the boundary runs here, after it
+        where the buckets were reduced during backward (overlap)."""
         done = self.engine.finish() if self.engine is not None and not self.engine.closed else None
         # The wrapped optimizer's step pre-hooks, at the start of the boundary's work in step(): before the
         # local step, or after the threads finished the local steps they took during backward (overlap).
         # One that raises fails the boundary on every rank.
         hook_error = self.strategy.before_step()
+        hook_error = hook_error and f"a step pre-hook of the wrapped optimizer raised {hook_error}"
         if done is not None:
-            (buckets, scale), comm = done, self.engine.comm
+            (buckets, scale, refused), comm = done, self.engine.comm
+            if refused is not None:  # the lane's agreement failed on every rank: no bucket was reduced
+                self._abandon(buckets)
+                raise RuntimeError(f"(raised on rank {self.comm.Get_rank()}) the ranks' windows differ at this "
+                                   f"boundary; the parameters keep the window's start: {refused}")
+            self._decide(buckets, ledger, next((b.error for b in buckets if b.error), None) or hook_error)
         else:
             params = trained_params(self.optimizer)
             scale, comm = self.loss.current(), self.comm
@@ -97,37 +105,38 @@ class Boundary:
             buckets = [Bucket(params, list(range(len(params))), count, scale, averaged=self.averaged)]
             # A frozen parameter (requires_grad off) is not stepped, even where it still has a gradient.
             everything = len(params) == len({id(p) for g in self.optimizer.param_groups for p in g["params"]})
-            self.strategy.reduce(buckets[0], comm, side=False, everything=everything)
-        if hook_error and buckets and buckets[0].error is None:
-            buckets[0].error = f"a step pre-hook of the wrapped optimizer raised {hook_error}"
-        self._agree(buckets, comm)
+            self.strategy.local(buckets[0], side=False, everything=everything)
+            self._decide(buckets, ledger, buckets[0].error or hook_error)
+            try:
+                self.strategy.combine(buckets[0], comm)
+            except BaseException:
+                self._abandon(buckets)
+                raise
         self.strategy.settle(buckets)
         return buckets, scale
 
-    def _agree(self, buckets: list[Bucket], comm: MPI.Intracomm) -> None:
-        """Raise on every rank if a bucket failed on any, with the parameters left at the window's start."""
-        failed = failures(buckets, comm)
-        if failed:
-            if self.engine is not None:
-                self.engine.replan()  # every rank alike: the next closing backward is observed again
-            self.strategy.abandon(buckets)
-            self.window.close()
-            self.reset()
+    def _decide(self, buckets: list[Bucket], ledger: dict[str, int], error: str | None) -> None:
+        """Raise on every rank if a bucket failed on any, or the ranks' windows differ, with the parameters
+        left at the window's start."""
+        overlap = self.engine is not None and not self.engine.closed
+        comm = self.engine.comm if overlap else self.comm  # where the lane's agreement runs, if any
+        decision = agree(comm, ledger, self.layout, trained_params(self.optimizer), error)
+        if decision.failed:
+            self._abandon(buckets)
             raise RuntimeError(f"(raised on rank {self.comm.Get_rank()}) a local step or reduction failed at "
-                               "this boundary; the parameters keep the window's start: " + failed)
+                               "this boundary; the parameters keep the window's start: " + decision.failed)
 
-
-def failures(buckets: list[Bucket], comm: MPI.Intracomm) -> str | None:
-    """Collective: every rank's errors on its buckets ("rank r: error; …"), or None where no bucket failed
-    on any rank. One small vote when nothing failed."""
-    mine = next((b.error for b in buckets if b.error), None)
-    return exchange.failures(comm, mine, what="the boundary's error vote")
+    def _abandon(self, buckets: list[Bucket]) -> None:
+        if self.engine is not None:
+            self.engine.replan()  # every rank alike: the next closing backward is observed again
+        self.strategy.abandon(buckets)
+        self.window.close()
+        self.reset()
 
 
 def log_skip(comm: MPI.Intracomm, strategy, number: int, skipped: int) -> None:
     """Rank 0 logs, on the ``adasum`` logger, that update ``number`` was skipped on every rank."""
-    if comm.Get_rank() == 0:
-        what = "weight deltas" if isinstance(strategy, AdasumDeltas) else "gradients"
-        _log.warning("adasum: update %d skipped on every rank: the %s %s hold a NaN or Inf; parameters left "
-                     "unchanged (%d skipped so far)", number, "reduced" if comm.Get_size() > 1 else "local", what,
-                     skipped)
+    what = "weight deltas" if isinstance(strategy, AdasumDeltas) else "gradients"
+    window_log(comm, "adasum: update %d skipped on every rank: the %s %s hold a NaN or Inf; parameters left "
+               "unchanged (%d skipped so far)", number, "reduced" if comm.Get_size() > 1 else "local", what,
+               skipped)

@@ -13,7 +13,7 @@ import time
 import torch
 
 from .strategy import Bucket
-from .threads import Job
+from ..runtime.lane import Job
 
 __all__ = ["FIRST_BUCKET_BYTES", "Backward", "BucketPlan"]
 
@@ -58,7 +58,7 @@ class Backward:
     """The progress of one closing backward."""
 
     __slots__ = ("params", "ids", "pos", "fired", "order", "observe", "count", "scale", "next", "buckets",
-                 "jobs", "local_jobs", "waiting", "began", "late")
+                 "jobs", "local_jobs", "waiting", "began", "late", "refused")
 
     def __init__(self, params: list[torch.Tensor], ids: list[int], pos: dict[int, int], plan: BucketPlan | None,
                  count: int, scale: float):
@@ -77,6 +77,7 @@ class Backward:
         self.waiting = None if plan is None else list(plan.waiting)
         self.began = time.perf_counter()  # the first gradient of this backward
         self.late: str | None = None    # a gradient that came after its bucket went to the thread
+        self.refused: str | None = None  # the window's agreement failed: no bucket goes on the wire
 
 
 def plan_from(order: list[int], bw: Backward, params: list[torch.Tensor], bucket_bytes: int) -> BucketPlan:

@@ -34,162 +34,99 @@ so do a single process and an MPI without ``MPI_THREAD_MULTIPLE``.
 """
 
 # No ``from __future__ import annotations`` here: DDP checks the hooks' return annotation as an object.
+import functools
 import weakref
 
 import torch
 from mpi4py import MPI
 
 from ..call.allreduce import Op
-from ..runtime.context import check_comm, context_for, library_comm
+from ..runtime.context import check_comm
+from ..runtime.lane import Lane
 from .amp import LossScale
-from .boundary import failures
 from .compress import Wire
-from .overlap import GIVE_UP_WAIT, CommThread
 from .strategy import AdasumDeltas, Bucket, trained_params
 from .tensors import StartCopy
+from .window import Layout, agree
 
 __all__ = ["AdasumState", "adasum_hook", "DeltaState", "adasum_delta_hook"]
 
 
 class _CommState:
-    """A duplicate of ``comm`` for the hook's reductions and the thread that runs them (:class:`_Link`),
-    both ended with the state (or by :meth:`close`). Pickles (and copies) without them, making no collective
-    call (as torch's hook states drop their process group): a state unpickled or copied reduces over the
-    library's duplicate of its process's ``MPI.COMM_WORLD``, looked up at the first reduction, which every
-    rank makes in its first hook call (the library makes that duplicate, where it does not exist yet,
-    collectively and watched by the stall inspector)."""
+    """A hook state's lane (:class:`~adasum.runtime.lane.Lane`: a duplicate of ``comm`` and the thread that
+    reduces the buckets), ended with the state (or by :meth:`close`). Pickles (and copies) without it,
+    making no collective call (as torch's hook states drop their process group): a state unpickled or
+    copied reduces over the library's duplicate of its process's ``MPI.COMM_WORLD``, looked up at the first
+    reduction, which every rank makes in its first hook call (the library makes that duplicate, where it
+    does not exist yet, collectively and watched by the stall inspector)."""
 
     def __init__(self, comm: MPI.Intracomm | None, overlap: bool = True):
         comm = check_comm(comm)
         self.overlap = bool(overlap)
-        self._comm = comm.Dup()
-        library_comm(self._comm)
-        self._start(owned=True)
+        self._start(comm, owned=True)
 
-    def _start(self, owned: bool) -> None:
-        self._link = _Link(self._comm, owned)
-        weakref.finalize(self, self._link.drop)
+    def _start(self, comm: MPI.Intracomm | None, owned: bool) -> None:
+        # the futures given to the lane and not completed yet: failed if the lane ends before their job ran
+        self._pending: dict[int, torch.futures.Future] = {}
+        self._lane = Lane(comm, "adasum-ddp-hook", owned=owned, threaded=None if self.overlap else False,
+                          on_end=functools.partial(_fail_pending, self._pending))
+        weakref.finalize(self, self._lane.drop, "the DDP hook state that owned this communicator was dropped")
 
     @property
     def comm(self) -> MPI.Intracomm:
-        if self._comm is None:
-            self._comm = self._link.comm = library_comm(MPI.COMM_WORLD)
-        return self._comm
+        return self._lane.comm
 
     @property
     def closed(self) -> bool:
-        return self._link.closed
+        return self._lane.closed
 
     def close(self) -> None:
         """End the communication thread, once it has run the buckets already given to it, and free the
         communicator; the hook raises afterwards. Call it on every rank after a ``backward()`` (DDP has
         waited for every bucket then); a state that is collected ends the same way without waiting for a
         collective."""
-        self._link.close()
+        self._lane.close()
 
     def _submit(self, buffer: torch.Tensor, work) -> torch.futures.Future[torch.Tensor]:
-        """``work()`` reduces a bucket: run it on the communication thread and return a future of ``buffer``
-        that it completes (with the error ``work`` raised, if it did); or run it here, where the state does
-        not overlap, and return a completed future."""
-        link = self._link
-        if link.closed:
-            raise RuntimeError(f"rank {link.rank}: this {type(self).__name__} was closed; "
+        """``work()`` reduces a bucket: run it on the lane and return a future of ``buffer`` that it completes
+        (with the error ``work`` raised, if it did); or run it here, where the lane is not threaded, and
+        return a completed future."""
+        lane = self._lane
+        if lane.closed:
+            raise RuntimeError(f"rank {lane.rank}: this {type(self).__name__} was closed; "
                                "register a new state on a new model")
-        if link.threaded is None:
-            comm = self.comm  # found here, on every rank, in the first hook call
-            link.threaded = (self.overlap and comm.Get_size() > 1
-                             and MPI.Query_thread() == MPI.THREAD_MULTIPLE)
-            if link.threaded:
-                link.begin()
-        if not link.threaded:
+        if not lane.threaded:
             work()
             return _done(buffer)
         fut = _future(buffer)
         error: list = []
-        link.pending[id(fut)] = fut
-        link.thread.submit(_job(link, fut, buffer, work, error))
+        self._pending[id(fut)] = fut
+        lane.submit(_job(self._pending, fut, buffer, work, error), "a DDP bucket's reduction")
         # DDP reads the future from C++: a callback that raises marks the future it returns as failed there
         # (a Python future's set_exception is a result that DDP would try to read as the bucket's tensor).
         return fut.then(_raising(error))
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state.pop("_comm", None)
-        state.pop("_link", None)
+        state.pop("_lane", None)
+        state.pop("_pending", None)
         return state
 
     def __setstate__(self, state) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("overlap", True)  # a state pickled before the hooks overlapped
-        self._comm = None
-        self._start(owned=False)
+        self.__dict__.pop("_comm", None)
+        self._start(None, owned=False)
 
 
-class _Link:
-    """A hook state's communicator and communication thread, apart from the state, so that the thread and
-    the finalizer hold nothing of it: the state is collected with its DDP model, and :meth:`drop` then ends
-    the thread. ``pending``: the futures given to the thread and not completed yet."""
-
-    def __init__(self, comm: MPI.Intracomm | None, owned: bool):
-        self.comm = comm
-        self.rank = MPI.COMM_WORLD.Get_rank() if comm is None else comm.Get_rank()
-        self.owned = owned            # the state made the communicator (else: the library's, shared)
-        self.threaded: bool | None = None  # decided in the first hook call
-        self.thread: CommThread | None = None
-        self.pending: dict[int, torch.futures.Future] = {}
-        self.reducing = False  # the thread is inside a bucket's reduction (which may wait for other ranks)
-        self.closed = False
-
-    def begin(self) -> None:
-        ctx = context_for(self.comm)
-        ctx.beside_compute = True  # its waits nap under waiting="auto" (adasum.runtime.waiting)
-        if self.owned:
-            ctx.may_give_up = True  # drop() may give a wait there up (adasum.runtime.stall)
-        self.thread = CommThread(f"adasum-ddp-hook-{self.comm.Get_rank()}")
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self.thread is not None:
-            self.thread.close()
-        self._ended()
-
-    def drop(self) -> None:
-        """The end of a state nobody closed: never waits for a collective (as
-        :meth:`adasum.torch.overlap.OverlapEngine.drop`). The thread skips the buckets it has not begun
-        (their futures fail); a bucket inside a collective is given up where the state owns the
-        communicator (a wait there then raises within ``adasum.runtime.stall.GIVE_UP_EVERY``)."""
-        if self.closed:
-            return
-        self.closed = True
-        thread = self.thread
-        if thread is None or MPI.Is_finalized():
-            if thread is not None:
-                thread.drop()
-            self._ended()
-            return
-        reducing = self.reducing  # read before drop(): a bucket that begins after drop() is skipped
-        if not thread.drop(self._ended):
-            if not reducing:
-                thread.join(5.0)  # it is completing a future or taking the next job: ends at once
-                return
-            if self.owned:
-                ctx = context_for(self.comm)
-                ctx.broken = ctx.broken or ("the DDP hook state that owned this communicator was dropped while "
-                                            "its thread waited in a collective")
-            thread.join(GIVE_UP_WAIT)
-
-    def _ended(self) -> None:
-        """Last, once no bucket runs: fail the futures never completed, free the communicator."""
-        pending, self.pending = self.pending, {}
-        for fut in pending.values():
-            if not fut.done():  # its job never ran: the future's callback raises
-                fut.set_exception(RuntimeError("the DDP hook state was closed or dropped before this bucket's "
-                                               "reduction ran"))
-        if self.owned and self.comm is not None:
-            _free(self.comm)
-        self.comm = None
+def _fail_pending(pending: dict) -> None:
+    """Last, once no bucket runs: fail the futures whose job never ran."""
+    futures = list(pending.values())
+    pending.clear()
+    for fut in futures:
+        if not fut.done():  # its job never ran: the future's callback raises
+            fut.set_exception(RuntimeError("the DDP hook state was closed or dropped before this bucket's "
+                                           "reduction ran"))
 
 
 def _raising(error: list):
@@ -204,18 +141,16 @@ def _raising(error: list):
     return then
 
 
-def _job(link: _Link, fut: torch.futures.Future, buffer: torch.Tensor, work, error: list):
+def _job(pending: dict, fut: torch.futures.Future, buffer: torch.Tensor, work, error: list):
     def job() -> None:
         nonlocal work
-        link.reducing = True
         try:
             work()
         except BaseException as e:  # noqa: BLE001 - through the future: backward() raises it
             error.append(e)
         finally:
-            link.reducing = False
             work = None  # before the future completes: nothing on the thread holds the state afterwards
-        link.pending.pop(id(fut), None)
+        pending.pop(id(fut), None)
         fut.set_result(buffer)
     return job
 
@@ -287,6 +222,7 @@ class DeltaState(_CommState):
         self.strategy = AdasumDeltas(optimizer, StartCopy(start_copy), Wire(compression), False,
                                      bool(skip_nonfinite))
         self.buckets: list[Bucket] = []
+        self.layout = Layout(optimizer)
         self.step_was_skipped = False
         self.skipped_updates = 0
         self.updates = 0
@@ -345,11 +281,13 @@ def _delta_bucket(state: DeltaState, first: bool, last: bool, pairs: list) -> No
 
 def _finish(state: DeltaState) -> None:
     buckets, state.buckets = state.buckets, []
-    failed = failures(buckets, state.comm)
-    if failed:
+    error = next((b.error for b in buckets if b.error), None)
+    decision = agree(state.comm, {"update": state.updates + 1}, state.layout, [p for b in buckets for p in b.params],
+                     error)
+    if decision.failed:
         state.strategy.abandon(buckets)
         raise RuntimeError(f"(raised on rank {state.comm.Get_rank()}) a local step failed inside the DDP hook; "
-                           f"the parameters keep their values: {failed}")
+                           f"the parameters keep their values: {decision.failed}")
     scale = state.loss.current()
     ok = state.strategy.update(buckets)
     state.loss.update(scale, ok)
@@ -397,8 +335,3 @@ def _done(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     fut = _future(buffer)
     fut.set_result(buffer)
     return fut
-
-
-def _free(comm: MPI.Intracomm) -> None:
-    if not MPI.Is_finalized():
-        comm.Free()

@@ -1,5 +1,5 @@
-"""Local steps between combines, and the outer optimizer: ``DistributedOptimizer(local_steps=H,
-outer_lr=, outer_momentum=)``.
+"""Local steps between combines, the outer optimizer and ``delay=1``: ``DistributedOptimizer(local_steps=H,
+outer_lr=, outer_momentum=, delay=)``.
 
 Each rank's wrapped optimizer takes H local steps (one per accumulation window, each a plain
 ``optimizer.step()`` on the rank's own averaged gradients, with its hooks), with no MPI call in between.
@@ -13,32 +13,46 @@ with Nesterov momentum on the pseudo-gradient ``g = -combined delta``::
 
 With the defaults (``outer_lr=1``, ``outer_momentum=0``) that is start + combined delta.
 
-:class:`LocalSteps` is the procedure, :class:`OuterSGD` the outer optimizer; the optimizer proxy
-(:mod:`.optimizer`) counts micro-batches and calls them.
+Parameters are tracked by identity. A window's parameters are those it trained at any of its local steps:
+one frozen inside the window keeps its place (its delta since the window's start is combined, so it ends
+alike on every rank), one unfrozen or added inside it joins at its first local step, with its value then as
+its start. The ranks check at every combine that their windows hold the same parameters
+(:func:`adasum.torch.window.agree`).
+
+``delay=1``: window k's combine runs on a lane (:class:`adasum.runtime.lane.Lane`) while window k+1's local
+steps run, and is merged at the end of window k+1. Each rank keeps the last common point G (the ranks'
+shared parameters after the last merged combine). At the end of window k the rank's own delta d_k goes to
+the lane, and the rank continues from G + d_k: its own delta stands in for the combined one until that
+arrives. At the end of window k+1 the outer optimizer moves G by window k's combined delta, and the rank
+continues from the new G + d_{k+1}: the stand-in is replaced by the combined delta exactly once. The rule
+needs no extra hyperparameter, the outer optimizer sees the same sequence of combined deltas as without
+delay, one window late, and a rank's parameters never hold another rank's unmerged progress. A forced
+boundary (``force_boundary()``, ``flush()``) drains: its combine is merged at once, every rank then holds G.
+A parameter that leaves the windows (frozen) lands on G once its last combine is merged.
 """
 
 from __future__ import annotations
 
-import logging
 import numbers
+import weakref
 from typing import Any
 
 import torch
 from mpi4py import MPI
 
 from ..runtime import exchange
+from ..runtime.lane import Lane
 from .amp import LossScale
 from .compress import Wire
-from .strategy import _describe, trained_params
-from .tensors import StartCopy, all_finite, average_, grads_of
+from .strategy import _describe, all_params, trained_params
+from .tensors import Snapshot, all_finite, average_, grads_of
+from .window import Layout, agree, log_skip
 
-__all__ = ["LocalSteps", "OuterSGD", "local_problem", "uses_local_steps"]
-
-_log = logging.getLogger("adasum")
+__all__ = ["LocalSteps", "OuterSGD", "load_problem", "local_problem", "uses_local_steps"]
 
 
 def uses_local_steps(local_steps: int, outer_lr: float, outer_momentum: float, delay: int) -> bool:
-    """Whether these settings need :class:`LocalSteps` (anything but ``1, 1.0, 0.0, 0``: today's boundary)."""
+    """Whether these settings need :class:`LocalSteps` (anything but ``1, 1.0, 0.0, 0``: the boundary)."""
     return not (local_steps == 1 and outer_lr == 1.0 and outer_momentum == 0.0 and delay == 0)
 
 
@@ -61,70 +75,112 @@ def local_problem(settings: dict[str, Any]) -> str | None:
     return None
 
 
+def load_problem(own: dict[str, Any], settings: dict[str, Any] | None) -> str | None:
+    """Why a state's ``"adasum"`` entries ``own`` do not load into an optimizer with these local-steps
+    ``settings`` (None: no local steps), or None: a state taken inside a window of local steps (or with a
+    combine in flight) loads only into the same settings."""
+    taken = int(own.get("local_steps_taken", 0))
+    if not taken and own.get("combined_deltas") is None:
+        return None
+    saved = own.get("local_settings")
+    if saved is None and settings is not None:
+        return None  # a state from before the settings were saved: its shape is checked on loading
+    if saved == settings:
+        return None
+    here = "no local steps (local_steps=1, delay=0, no outer optimizer)" if settings is None else str(settings)
+    inflight = ", a combine in flight" if own.get("combined_deltas") is not None else ""
+    return (f"the state was taken inside a window of local steps ({taken} local steps taken{inflight}) of an "
+            f"optimizer with {saved if saved is not None else 'local steps'}; this optimizer has {here}. Load it "
+            "into an optimizer with the same local-steps settings, or save the state after flush() (every "
+            "window combined), which loads into any settings")
+
+
 class OuterSGD:
     """The outer optimizer: SGD on the pseudo-gradient ``g = -combined delta``, Nesterov where
-    ``momentum > 0`` (the module's formula). Its state is the momentum buffer, one tensor per trained
-    parameter (None until the first combine, and always without momentum)."""
+    ``momentum > 0`` (the module's formula). Its state is a momentum buffer per parameter, by identity."""
 
     def __init__(self, lr: float, momentum: float):
         self.lr = float(lr)
         self.momentum = float(momentum)
-        self.velocity: list[torch.Tensor] | None = None
+        self.velocity: dict[int, torch.Tensor] = {}
 
     @property
     def plain(self) -> bool:
         """start + combined delta, exactly."""
         return self.lr == 1.0 and self.momentum == 0.0
 
-    def apply_(self, deltas: list[torch.Tensor], start: StartCopy, index: list[int]) -> None:
-        """``deltas`` (the parameters themselves, holding the combined deltas) become the new parameters."""
+    def apply_(self, deltas: list[torch.Tensor], params: list[torch.Tensor], base: Snapshot) -> None:
+        """``deltas`` (the combined deltas of ``params``) become the new points: base moved by the outer step."""
         with torch.no_grad():
             if not deltas:
                 return
             if not self.plain:
                 torch._foreach_neg_(deltas)  # g
                 if self.momentum:
-                    if self.velocity is None or len(self.velocity) != len(deltas):
-                        self.velocity = [torch.zeros_like(d) for d in deltas]
-                    torch._foreach_mul_(self.velocity, self.momentum)
-                    torch._foreach_add_(self.velocity, deltas)  # v = mu * v + g
-                    torch._foreach_add_(deltas, torch._foreach_mul(self.velocity, self.momentum))  # g + mu * v
+                    v = [self._velocity(p, d) for p, d in zip(params, deltas)]
+                    torch._foreach_mul_(v, self.momentum)
+                    torch._foreach_add_(v, deltas)  # v = mu * v + g
+                    torch._foreach_add_(deltas, torch._foreach_mul(v, self.momentum))  # g + mu * v
                 torch._foreach_mul_(deltas, -self.lr)
-            start.apply(deltas, index, "add")
+            base.apply(deltas, params, "add")
 
-    def state_dict(self) -> list[torch.Tensor] | None:
-        return None if self.velocity is None else [v.detach().clone() for v in self.velocity]
+    def _velocity(self, p: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        v = self.velocity.get(id(p))
+        if v is None or v.shape != like.shape:
+            v = self.velocity[id(p)] = torch.zeros_like(like)
+        return v
 
-    def load_state_dict(self, velocity, params: list[torch.Tensor]) -> None:
-        if velocity is None:
-            self.velocity = None
+    def state_dict(self, everything: list[torch.Tensor]) -> list[torch.Tensor | None] | None:
+        """The momentum buffers, one per parameter of the optimizer (None where it has none), or None."""
+        if not self.velocity:
+            return None
+        return [None if id(p) not in self.velocity else self.velocity[id(p)].detach().clone() for p in everything]
+
+    def load_state_dict(self, state, everything: list[torch.Tensor], trained: list[torch.Tensor]) -> None:
+        self.velocity = {}
+        if state is None:
             return
-        if len(velocity) != len(params) or any(tuple(v.shape) != tuple(p.shape) for v, p in zip(velocity, params)):
-            raise ValueError(f"the state's outer momentum buffer has {len(velocity)} tensors that do not fit the "
-                             f"optimizer's {len(params)} trained parameters")
-        self.velocity = [v.detach().to(device=p.device, dtype=p.dtype, copy=True) for v, p in zip(velocity, params)]
+        params = everything if len(state) == len(everything) else trained  # else: one per trained parameter
+        if len(state) != len(params) or any(v is not None and tuple(v.shape) != tuple(p.shape)
+                                            for v, p in zip(state, params)):
+            raise ValueError(f"the state's outer momentum buffer has {len(state)} tensors that do not fit the "
+                             f"optimizer's {len(params)} parameters")
+        for p, v in zip(params, state):
+            if v is not None:
+                self.velocity[id(p)] = v.detach().to(device=p.device, dtype=p.dtype, copy=True)
 
 
 class LocalSteps:
-    """The window of local steps and its combine, for one optimizer. No reference to the proxy."""
+    """The window of local steps and its combine, for one optimizer (the module docstring). No reference to
+    the optimizer proxy."""
 
-    def __init__(self, optimizer, comm: MPI.Intracomm, op: str, steps: int, outer: OuterSGD, start: StartCopy,
-                 wire: Wire, hierarchical: bool, skip_nonfinite: bool, loss: LossScale):
-        self.optimizer = optimizer
-        self.comm = comm
-        self.op = op
-        self.steps = steps
-        self.outer = outer
-        self.start = start
-        self.wire = wire
-        self.hierarchical = hierarchical
-        self.skip_nonfinite = skip_nonfinite
-        self.loss = loss
+    def __init__(self, optimizer, comm: MPI.Intracomm, op: str, steps: int, outer: OuterSGD, where: str,
+                 wire: Wire, hierarchical: bool, skip_nonfinite: bool, loss: LossScale, layout: Layout,
+                 delay: int = 0):
+        self.optimizer, self.comm, self.op, self.steps, self.outer = optimizer, comm, op, steps, outer
+        self.wire, self.hierarchical, self.skip_nonfinite, self.loss = wire, hierarchical, skip_nonfinite, loss
+        self.delay, self.layout = delay, layout
+        self.settings = {"local_steps": steps, "delay": delay, "outer_lr": outer.lr, "outer_momentum": outer.momentum}
+        self.start = Snapshot(where)   # each member's value at the window's start (or when it joined)
+        self.members: list[torch.Tensor] = []  # the window's parameters, in the order they joined
         self.taken = 0             # local steps in the open window (skipped ones included)
         self.overflowed = False    # a local step of this window had non-finite gradients on this rank
         self.error: str | None = None  # a local step of this window raised on this rank
         self.averaged = False      # the closing accumulation window's gradients are averaged already
-        self._window = None        # a loaded open window: (start, this rank's parameters)
+        self._own: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # a loaded state's own values
+        # delay=1: G, the deltas on the lane (then combined), whether they arrived, the lane and its job
+        self.glob = Snapshot(where)
+        self.sent: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self.arrived = False
+        self.job = None
+        self.lane = Lane(comm, "adasum-delayed") if delay else None
+        if self.lane is not None:
+            weakref.finalize(self, self.lane.drop, "the optimizer that owned this communicator was dropped")
+
+    @property
+    def pending(self) -> bool:
+        """Whether a combine is on the lane, not merged yet (delay=1)."""
+        return self.sent is not None
 
     def finalize(self, count: int) -> None:
         """Average (and unscale) the gradients of the accumulation window that the next local step uses."""
@@ -134,13 +190,14 @@ class LocalSteps:
 
     def local_step(self, count: int, forced: bool) -> bool:
         """One local step from the gradients of ``count`` micro-batches; no MPI call. Returns whether the
-        window of local steps closes now (the H-th, or a forced boundary): the caller then calls
-        :meth:`combine`."""
+        window of local steps closes now (the H-th, or a forced boundary): the caller then combines."""
         params = trained_params(self.optimizer)
-        self._window = None
-        if self.taken == 0:
-            self.start.ensure(params)
-            self.start.keep(list(range(len(params))), params)
+        self._own = None
+        known = {id(p) for p in self.members}
+        joining = [p for p in params if id(p) not in known]
+        if joining:  # the window's first step, or a parameter unfrozen or added since: its start is now
+            self.start.keep(joining)
+            self.members.extend(joining)
         self.taken += 1
         try:
             self.finalize(count)
@@ -156,97 +213,213 @@ class LocalSteps:
             self.averaged = False
         return forced or self.taken >= self.steps
 
-    pending = False  # a combine in flight (delay=1, :mod:`.delayed`)
-
     def close(self) -> None:
-        """Nothing runs apart (delay=1 waits for its thread here)."""
+        """Wait for a combine on the lane and end the lane (the parameters keep their values)."""
+        if self.lane is not None:
+            self.lane.wait(self.job)
+            self.job = None
+            self.lane.close()
 
-    def combine(self, drain: bool = False) -> bool:
-        """Collective (``drain`` matters only with ``delay=1``): every parameter becomes the outer optimizer's step from the window's start along the
-        combined delta, or keeps the start where the combined delta is not finite (then False, on every rank
-        alike). A local step that raised on any rank raises here on every rank, the start restored."""
-        params = trained_params(self.optimizer)
-        index = list(range(len(params)))
-        targets = [p.detach() for p in params]
-        error, self.error, overflowed = self.error, None, self.overflowed
-        self.taken, self.overflowed = 0, False
-        failed = exchange.failures(self.comm, error, what="the combine's error vote")
-        if failed:
-            self.start.apply(targets, index, "copy")
-            raise RuntimeError(f"(raised on rank {self.comm.Get_rank()}) a local step failed in this window of "
-                               f"local steps; the parameters keep the window's start: {failed}")
+    def combine(self, ledger: dict[str, int], drain: bool = False) -> bool:
+        """Collective at the end of a window: the ranks agree, then every member becomes the outer
+        optimizer's step from its start along the combined delta (delay=1: the previous window's combine is
+        merged and this window's sent; ``drain``: merged at once too). Where a combined delta is not finite
+        the parameters keep the last common point (False, on every rank alike). A local step that raised on
+        any rank, or windows that differ, raise here on every rank, the parameters back at that point."""
+        members, taken, error, overflowed = self.members, self.taken, self.error, self.overflowed
+        self.members, self.taken, self.error, self.overflowed = [], 0, None, False
+        wire_error = self._wait()
+        decision = agree(self.comm, ledger, self.layout, members, error or wire_error, overflowed)
+        if decision.failed:
+            self._fall_back(members)
+            raise RuntimeError(f"(raised on rank {self.comm.Get_rank()}) a local step or combine failed in this "
+                               f"window of local steps; the parameters are back at the window's start: "
+                               f"{decision.failed}")
         scale = self.loss.current()
-        if self.loss.enabled:
-            overflowed = exchange.any_true(self.comm, overflowed, what="the combine's overflow vote")
+        if self.delay:
+            ok = self._merge()
+            if taken:
+                self._send(members)
+            if drain:
+                ok = self._drain() and ok
+            self.loss.update(scale, not decision.overflowed)
+            return ok
+        ok = self._combine_now(members) if taken else True
+        self.loss.update(scale, ok and not decision.overflowed)
+        return ok
+
+    def _combine_now(self, members: list[torch.Tensor]) -> bool:
+        targets = [p.detach() for p in members]
         with torch.no_grad():
-            self.start.apply(targets, index, "sub")  # the parameters hold this rank's deltas
-            names = [f"parameter {i} (shape {tuple(p.shape)})" for i, p in enumerate(params)]
-            if self.comm.Get_size() > 1 and targets:
-                if self.op == "adasum":
-                    amax = self.wire.adasum_(targets, self.comm, self.hierarchical,
-                                             names if self.wire.dtype else None)
-                else:
-                    amax = self.wire.sum_(targets, self.comm, self.op == "mean", names if self.wire.dtype else None)
-            else:
-                amax = None
+            self.start.apply(targets, members, "sub")  # the parameters hold this rank's deltas
+            amax = self._reduce(targets, self.comm, members)
             ok = not self.skip_nonfinite or all_finite(targets)
             if ok:
-                self.outer.apply_(targets, self.start, index)
+                self.outer.apply_(targets, members, self.start)
             else:
-                self.wire.explain(targets, amax, names)
-                self.start.apply(targets, index, "copy")
-        self.loss.update(scale, ok and not overflowed)
+                self.wire.explain(targets, amax, _names(members))
+                self.start.apply(targets, members, "copy")
+        return ok
+
+    def _reduce(self, deltas: list[torch.Tensor], comm: MPI.Intracomm, members: list[torch.Tensor]):
+        """The combine of ``deltas`` over ``comm``, in place; the 16-bit wire's largest magnitudes."""
+        if comm.Get_size() == 1 or not deltas:
+            return None
+        names = _names(members) if self.wire.dtype else None
+        if self.op == "adasum":
+            return self.wire.adasum_(deltas, comm, self.hierarchical, names)
+        return self.wire.sum_(deltas, comm, self.op == "mean", names)
+
+    def _fall_back(self, members: list[torch.Tensor]) -> None:
+        """Every parameter of the window (and, delay=1, every one with a common point) back at the last point
+        the ranks share; nothing stays in flight."""
+        with torch.no_grad():
+            at_start = [p for p in members if p not in self.glob]
+            self.start.apply([p.detach() for p in at_start], at_start, "copy")
+            common = self.glob.params()
+            self.glob.apply([p.detach() for p in common], common, "copy")
+        self.sent, self.arrived = None, False
+
+    # --- delay=1 ------------------------------------------------------------------------------------------
+
+    def _send(self, members: list[torch.Tensor]) -> None:
+        """This window's own deltas go to the lane; each member continues from G + its own delta (a member
+        new to G has G = its start); a parameter with a G that left the windows lands on G."""
+        targets = [p.detach() for p in members]
+        with torch.no_grad():
+            deltas = [t.clone(memory_format=torch.contiguous_format) for t in targets]
+            self.start.apply(deltas, members, "sub")  # this window's own delta d
+            known = [i for i, p in enumerate(members) if p in self.glob]
+            fresh = [members[i] for i in range(len(members)) if members[i] not in self.glob]
+            self.glob.keep(fresh, self.start.values(fresh))  # G is their start; they hold start + d already
+            if known:
+                moved = [targets[i] for i in known]
+                torch._foreach_copy_(moved, [deltas[i] for i in known])
+                self.glob.apply(moved, [members[i] for i in known], "add")  # G + d
+            inside = {id(p) for p in members}
+            left = [p for p in self.glob.params() if id(p) not in inside]
+            self.glob.apply([p.detach() for p in left], left, "copy")
+            self.glob.forget(left)
+        self.sent, self.arrived = (members, deltas), False
+        self.job = self.lane.submit(lambda: self._reduce(deltas, self.lane.comm, members), "a delayed combine")
+
+    def _wait(self) -> str | None:
+        """Wait for the combine on the lane; its error, if it failed."""
+        job, self.job = self.job, None
+        if job is None:
+            return None
+        error = self.lane.wait(job)
+        self.arrived = error is None
+        return error
+
+    def _merge(self) -> bool:
+        """G moves by the arrived combined deltas (the outer optimizer's step), or stays where they are not
+        finite (False)."""
+        if self.sent is None or not self.arrived:
+            return True
+        (params, combined), self.sent, self.arrived = self.sent, None, False
+        ok = not self.skip_nonfinite or all_finite(combined)
+        if ok:
+            self.outer.apply_(combined, params, self.glob)  # combined now holds the new G
+            self.glob.keep(params, combined)
+        return ok
+
+    def _drain(self) -> bool:
+        """Wait for the combine just sent (its error raises on every rank), merge it, and every parameter
+        with a common point takes it: every rank then holds G exactly."""
+        error = exchange.failures(self.comm, self._wait(), what="the drained combine's error vote")
+        if error:
+            self._fall_back([])
+            raise RuntimeError(f"(raised on rank {self.comm.Get_rank()}) a combine failed: {error}")
+        ok = self._merge()
+        common = self.glob.params()
+        self.glob.apply([p.detach() for p in common], common, "copy")
         return ok
 
     def log_skip(self, number: int, skipped: int) -> None:
-        if self.comm.Get_rank() == 0:
-            _log.warning("adasum: combine %d skipped on every rank: the combined weight deltas hold a NaN or "
-                         "Inf; parameters left at the window's start (%d skipped so far)", number, skipped)
+        log_skip(self.comm, "adasum: combine %d skipped on every rank: the combined weight deltas hold a NaN or "
+                 "Inf; parameters left at the window's start (%d skipped so far)", number, skipped)
 
     # --- state ---------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The open window (its local steps, this rank's parameters and the window's start, while any local
-        step was taken) and the outer optimizer's momentum buffer."""
+        """The open window (its members, local steps, this rank's values and the window's start), the
+        common point and the combine in flight (delay=1), the outer optimizer's momentum, and the settings a
+        state with an open window loads into."""
+        self.error = self.error or self._wait()
+        everything = all_params(self.optimizer)
+        pos = {id(p): i for i, p in enumerate(everything)}
         own: dict[str, Any] = {"local_steps_taken": self.taken, "local_overflowed": self.overflowed,
-                               "outer_momentum_buffer": self.outer.state_dict()}
+                               "outer_momentum_buffer": self.outer.state_dict(everything),
+                               "local_settings": dict(self.settings)}
         if self.error is not None:
             own["local_error"] = self.error
         if self.taken:
-            params = trained_params(self.optimizer)
-            start = [torch.empty_like(p, device="cpu") for p in params]
-            self.start.apply(start, list(range(len(params))), "copy")
-            own["window_start"] = start
-            own["window_parameters"] = [p.detach().clone() for p in params]
+            own["window_members"] = [pos[id(p)] for p in self.members]
+            own["window_start"] = [v.detach().to("cpu", copy=True) for v in self.start.values(self.members)]
+        common = self.glob.params()
+        if common:
+            own["global_members"] = [pos[id(p)] for p in common]
+            own["global_parameters"] = [v.detach().to("cpu", copy=True) for v in self.glob.values(common)]
+        if self.sent is not None:
+            own["sent_members"] = [pos[id(p)] for p in self.sent[0]]
+            own["combined_deltas"] = [d.detach().clone() for d in self.sent[1]]
+        mine = list({id(p): p for p in [*self.members, *common]}.values())
+        if mine:
+            own["own_members"] = [pos[id(p)] for p in mine]
+            own["own_parameters"] = [p.detach().clone() for p in mine]
         return own
 
     def load_state_dict(self, own: dict[str, Any]) -> None:
-        params = trained_params(self.optimizer)
+        self._wait()
+        everything, trained = all_params(self.optimizer), trained_params(self.optimizer)
         taken = int(own.get("local_steps_taken", 0))
-        start, now = own.get("window_start"), own.get("window_parameters")
-        if taken < 0 or (taken and (start is None or now is None)):
-            raise ValueError(f"the state's open window of local steps ({taken} taken) lacks its start or parameters")
-        for name, values in (("window_start", start), ("window_parameters", now)):
+
+        def members(key: str, default: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [_member(everything, i, key) for i in own[key]] if key in own else default
+
+        window = (members("window_members", trained), own.get("window_start")) if taken else ([], None)
+        common = (members("global_members", trained), own.get("global_parameters"))
+        sent = (members("sent_members", trained), own.get("combined_deltas"))
+        mine = (members("own_members", trained), own.get("own_parameters", own.get("window_parameters")))
+        if taken < 0 or (taken and window[1] is None):
+            raise ValueError(f"the state's open window of local steps ({taken} taken) lacks its start")
+        for name, (params, values) in (("window_start", window), ("global_parameters", common),
+                                       ("combined_deltas", sent), ("own_parameters", mine)):
             if values is not None and (len(values) != len(params) or any(
                     tuple(v.shape) != tuple(p.shape) for v, p in zip(values, params))):
-                raise ValueError(f"the state's {name} does not fit the optimizer's {len(params)} trained parameters")
-        self.outer.load_state_dict(own.get("outer_momentum_buffer"), params)
-        self.taken = taken
-        self.overflowed = bool(own.get("local_overflowed", False))
-        self.error = own.get("local_error")
+                raise ValueError(f"the state's {name} ({len(values)} tensors) does not fit the optimizer's "
+                                 f"parameters ({len(params)} of them, or other shapes)")
+        self.outer.load_state_dict(own.get("outer_momentum_buffer"), everything, trained)
+        self.taken, self.overflowed, self.error = taken, bool(own.get("local_overflowed", False)), own.get("local_error")
         self.averaged = False
-        self._window = (start, now) if taken else None
-        if taken:
-            self.start.ensure(params)
-            self.start.keep(list(range(len(params))), [s.to(p.device, p.dtype) for s, p in zip(start, params)])
-            self.restore_parameters()
+        self.members = list(window[0])
+        self.start = Snapshot(self.start.where)
+        self.start.keep(window[0], [v.to(p.device, p.dtype) for v, p in zip(window[1] or [], window[0])])
+        self.glob = Snapshot(self.glob.where)
+        if common[1] is not None:
+            self.glob.keep(common[0], [v.to(p.device, p.dtype) for v, p in zip(common[1], common[0])])
+        self.sent = None if sent[1] is None else (
+            sent[0], [d.to(p.device, p.dtype).contiguous() for d, p in zip(sent[1], sent[0])])
+        self.arrived = self.sent is not None
+        self._own = None if mine[1] is None else list(zip(mine[0], mine[1]))
+        self.restore_parameters()
 
     def restore_parameters(self) -> None:
         """Set the parameters to this rank's own values in the loaded open window (a checkpoint's model holds
         the root rank's)."""
-        window = self._window
-        if window is None:
+        if self._own is None:
             return
         with torch.no_grad():
-            for p, v in zip(trained_params(self.optimizer), window[1]):
+            for p, v in self._own:
                 p.copy_(v)
+
+
+def _names(params: list[torch.Tensor]) -> list[str]:
+    return [f"parameter {i} (shape {tuple(p.shape)})" for i, p in enumerate(params)]
+
+
+def _member(everything: list[torch.Tensor], i: int, key: str) -> torch.Tensor:
+    if not 0 <= int(i) < len(everything):
+        raise ValueError(f"the state's {key} names parameter {i}; the optimizer has {len(everything)}")
+    return everything[int(i)]

@@ -26,13 +26,13 @@ from .amp import LossScale
 from .boundary import Boundary
 from .buffers import BufferSync, buffers_of
 from .compress import Wire
-from .delayed import DelayedCombine
 from .local import LocalSteps, OuterSGD, local_problem, uses_local_steps
 from .overlap import OverlapEngine
 from .state_dict import StateDicts
 from .stepping import WindowSteps
 from .strategy import AdasumDeltas, GradientReduce, trained_params
 from .tensors import StartCopy
+from .window import Layout, Ledger
 
 __all__ = ["DistributedOptimizer"]
 
@@ -160,11 +160,12 @@ class DistributedOptimizer(WindowSteps, StateDicts, torch.optim.Optimizer):
             self._strategy = AdasumDeltas(optimizer, start, wire, self.hierarchical, self.skip_nonfinite)
         else:  # one rank: exactly the wrapped optimizer (the reduction is the identity)
             self._strategy = GradientReduce(optimizer, self.op, wire, self.skip_nonfinite)
+        self._closed = False
         self.is_boundary = False
         self.took_local_step = False
         self.step_was_skipped = False
         self.skipped_updates = 0
-        self.boundaries = 0
+        self._ledger = Ledger(self._window)  # what the ranks agree on at each combine
         self.buffers = buffers if module is not None else None
         kept = [] if self.buffers is None else buffers_of(module)
         local = {"local_steps": local_steps, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
@@ -195,19 +196,21 @@ class DistributedOptimizer(WindowSteps, StateDicts, torch.optim.Optimizer):
         """Make the parts the settings ask for: local steps, the buffers' sync, the overlap engine (dropped,
         never waited for, once this optimizer is collected) and the boundary procedure."""
         optimizer, comm = self.optimizer, self.comm
+        self._layout = Layout(optimizer)  # how the ranks compare the parameters of their windows
         self._local: LocalSteps | None = None
         if uses_local_steps(self.local_steps, self.outer_lr, self.outer_momentum, self.delay):
-            self._local = (DelayedCombine if self.delay else LocalSteps)(optimizer, comm, self.op, self.local_steps,
-                                     OuterSGD(self.outer_lr, self.outer_momentum), start, wire, self.hierarchical,
-                                     self.skip_nonfinite, self._loss)
+            self._local = self._ledger.local = LocalSteps(optimizer, comm, self.op, self.local_steps,
+                                     OuterSGD(self.outer_lr, self.outer_momentum), start.where, wire,
+                                     self.hierarchical, self.skip_nonfinite, self._loss, self._layout, self.delay)
         source = module if isinstance(module, torch.nn.Module) else None
         self._buffers = None if self.buffers is None else BufferSync(self.buffers, kept, comm, source)
         self._engine: OverlapEngine | None = None
         if overlap:
             self._engine = OverlapEngine(optimizer, self._strategy, self._window, self._loss, comm,
-                                         self.bucket_bytes)
+                                         self.bucket_bytes, self._ledger, self._layout)
             weakref.finalize(self, self._engine.drop)  # never waits for a collective (OverlapEngine.drop)
-        self._boundary = Boundary(optimizer, comm, self._strategy, self._window, self._loss, self._engine)
+        self._boundary = Boundary(optimizer, comm, self._strategy, self._window, self._loss, self._engine,
+                                  self._layout)
 
     # --- the wrapped optimizer's own attributes ------------------------------------------------------------
 
@@ -228,7 +231,10 @@ class DistributedOptimizer(WindowSteps, StateDicts, torch.optim.Optimizer):
         return self.optimizer.defaults
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to the wrapped optimizer. Collective in effect: every rank must add the same shapes."""
+        """Add a group to the wrapped optimizer. Collective in effect: every rank must add the same shapes
+        (the next combine checks it). Inside a window of local steps the group's parameters join the window
+        at their first local step."""
+        self._check_open("add_param_group()")
         self.optimizer.add_param_group(param_group)
         if self._engine is not None:
             self._engine.install()
@@ -256,20 +262,53 @@ class DistributedOptimizer(WindowSteps, StateDicts, torch.optim.Optimizer):
     def timeline(self) -> list[dict]:
         return [] if self._engine is None else list(self._engine.timeline)
 
-    def close(self) -> None:
-        """Stop the overlap thread, remove the hooks and free the thread's communicator. A window whose
-        buckets are on the thread is abandoned: the parameters keep their values. Later boundaries run
-        without overlap. Collective: every rank closes alike. Where a closing backward ran, it first hands
-        the buckets that backward has not handed over to the thread and waits until the thread reduced them
-        all; since every rank then hands over every bucket, the collectives match even where the ranks had
-        handed different buckets over, and it returns once every rank closed. An optimizer collected
-        without ``close()`` gives its thread up instead of waiting for it
-        (:meth:`~adasum.torch.overlap.OverlapEngine.drop`)."""
-        if self.overlap:
-            self._engine.finish()
-            self._engine.close()
-        if self._local is not None:
-            self._local.close()
+    def close(self, *, combine: bool = True) -> None:
+        """End the optimizer: with local steps, first combine what is open (``flush()``, collective; pass
+        ``combine=False`` to leave each rank's own model as it is), then stop the lanes (overlap's,
+        ``delay=1``'s), remove the hooks and free their communicators. Every later call raises at once.
+        Collective: every rank closes alike. Where a closing backward ran, it first hands the buckets that
+        backward has not handed over to the lane and waits until they are reduced (every rank then hands
+        over every bucket, so the collectives match even where the ranks had handed different buckets
+        over). A window whose buckets were reduced during backward and not stepped is abandoned: the
+        parameters keep their values. An optimizer collected without ``close()`` drops its lanes instead,
+        never waiting for a collective (:meth:`adasum.runtime.lane.Lane.drop`)."""
+        if self._closed:
+            return
+        try:
+            if combine and self._local is not None:
+                self.flush()
+        finally:
+            self._closed = True
+            if self.overlap:
+                self._engine.finish()
+                self._engine.close()
+            if self._local is not None:
+                self._local.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def boundaries(self) -> int:
+        """Windows closed with a combine so far (with ``local_steps``: combines)."""
+        return self._ledger.combines
+
+    @boundaries.setter
+    def boundaries(self, n: int) -> None:
+        self._ledger.combines = int(n)
+
+    @property
+    def _vote_comm(self) -> MPI.Intracomm:
+        """Where the window's agreements run: the overlap's lane while there is one (its first job at a
+        closing backward is the agreement, so a rank whose windows are out of step meets it there), else
+        ``comm``."""
+        return self._engine.comm if self.overlap else self.comm
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"rank {self.comm.Get_rank()}: {what} after close(): this DistributedOptimizer "
+                               "was closed; make a new one (its state_dict() still works)")
 
     def __getattr__(self, name: str):
         optimizer = self.__dict__.get("optimizer")

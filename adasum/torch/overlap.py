@@ -41,12 +41,12 @@ import torch
 from mpi4py import MPI
 
 from ..runtime import exchange
-from ..runtime.context import context_for, library_comm
+from ..runtime.lane import Job, Lane
 from .buckets import FIRST_BUCKET_BYTES, Backward, BucketPlan, plan_from  # noqa: F401 (importable here)
 from .strategy import Bucket, trained_params
-from .threads import GIVE_UP_WAIT, CommThread, Job
+from .window import Layout, Ledger, agree
 
-__all__ = ["BucketPlan", "CommThread", "Job", "OverlapEngine"]
+__all__ = ["BucketPlan", "OverlapEngine"]
 
 
 class OverlapEngine:
@@ -56,18 +56,16 @@ class OverlapEngine:
     whether the backward in progress closes a window; ``loss_scale`` gives the scale of its gradients.
     """
 
-    def __init__(self, optimizer, strategy, window, loss_scale, comm: MPI.Intracomm, bucket_bytes: int):
-        self.comm = comm.Dup()
-        library_comm(self.comm)  # the library's own duplicate, made here on the main thread
-        ctx = context_for(self.comm)
-        ctx.beside_compute = True  # its waits leave the core to backward (adasum.runtime.waiting)
-        ctx.may_give_up = True  # drop() may give a wait there up (adasum.runtime.stall)
-        self._thread = CommThread(f"adasum-overlap-{self.comm.Get_rank()}")  # the wire
-        self._local = CommThread(f"adasum-local-{self.comm.Get_rank()}")
+    def __init__(self, optimizer, strategy, window, loss_scale, comm: MPI.Intracomm, bucket_bytes: int,
+                 ledger: Ledger, layout: Layout):
+        # the wire's thread and communicator, and a worker thread for the buckets' local parts
+        self.lane = Lane(comm, "adasum-overlap", threaded=True, worker=True)
+        self.comm = self.lane.comm
         self._optimizer = optimizer
         self._strategy = strategy
         self._window = window
         self._loss_scale = loss_scale
+        self._ledger, self._layout = ledger, layout
         self.bucket_bytes = bucket_bytes
         self._hooks: list = []
         self._hooked: list[int] = []
@@ -136,6 +134,10 @@ class OverlapEngine:
         bw = self._bw = Backward(params, ids, pos, plan, self._window.seen + 1, self._loss_scale.current())
         if plan is not None:
             self._strategy.prepare(params)
+            # The lane's first job: the ranks agree on the window (its number, micro-batches, parameters)
+            # before any bucket goes on the wire, so a rank whose windows are out of step raises everywhere.
+            self.lane.submit(_agreement_job(bw, self.comm, self._ledger.at(bw.count), self._layout),
+                             "the window's agreement")
             self._launch_ready(bw)
         return bw
 
@@ -150,9 +152,10 @@ class OverlapEngine:
         bw.next += 1
         bucket = Bucket([bw.params[i] for i in idx], idx, bw.count, bw.scale)
         bw.buckets.append(bucket)
-        local = self._local.submit(_local_job(self._strategy, bucket))
+        local = self.lane.submit_work(_local_job(self._strategy, bucket), "a bucket's local step")
         bw.local_jobs.append(local)
-        bw.jobs.append(self._thread.submit(_wire_job(self._strategy, bucket, self.comm, local)))
+        bw.jobs.append(self.lane.submit(_wire_job(self._strategy, bucket, self.comm, local, bw),
+                                        "a bucket's reduction"))
 
     # --- at the boundary ----------------------------------------------------------------------------------
 
@@ -161,10 +164,11 @@ class OverlapEngine:
         """Whether buckets of the closing window were handed to the thread already."""
         return self._bw is not None and not self._bw.observe
 
-    def finish(self) -> tuple[list[Bucket], float] | None:
+    def finish(self) -> tuple[list[Bucket], float, str | None] | None:
         """Hand over the remaining buckets and wait for all of them; returns them with the loss scale their
-        gradients carried, or None where this boundary's backward was not overlapped. An error of a job is
-        kept on its bucket."""
+        gradients carried and what failed the window's agreement (None where it passed; no bucket was
+        reduced then), or None where this boundary's backward was not overlapped. An error of a job is kept
+        on its bucket."""
         bw = self._bw
         if bw is None or bw.observe:
             return None
@@ -174,9 +178,9 @@ class OverlapEngine:
         while bw.next < len(self._plan.buckets):
             self._submit(bw)
         for job, bucket in zip(bw.jobs, bw.buckets):
-            job.wait()
-            if job.error and bucket.error is None:
-                bucket.error = job.error
+            error = self.lane.wait(job)
+            if error and bucket.error is None:
+                bucket.error = error
         if bw.late is not None and bw.buckets and bw.buckets[0].error is None:
             bw.buckets[0].error = bw.late
         self.overlapped_boundaries += 1
@@ -185,7 +189,7 @@ class OverlapEngine:
                           "began": job.times[1] - bw.began, "ended": job.times[2] - bw.began,
                           "step": called - bw.began}
                          for b, (job, local, bucket) in enumerate(zip(bw.jobs, bw.local_jobs, bw.buckets))]
-        return bw.buckets, bw.scale
+        return bw.buckets, bw.scale, bw.refused
 
     def after_boundary(self) -> None:
         """Collective, at the end of every boundary: where no plan exists for the trained parameters (none
@@ -233,45 +237,27 @@ class OverlapEngine:
     # --- lifetime ---------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Remove the hooks, let the threads run what they were given and end, free the communicator. It
-        waits for the threads: call it where every rank has handed the same buckets over (after
-        :meth:`finish` on every rank, as ``DistributedOptimizer.close()`` does)."""
+        """Remove the hooks and close the lane (its threads run what they were given and end, its
+        communicator is freed). It waits for the threads: call it where every rank has handed the same
+        buckets over (after :meth:`finish` on every rank, as ``DistributedOptimizer.close()`` does)."""
         if self.closed:
             return
         self.closed = True
         self._remove_hooks()
         self._bw = None
-        self._local.close()
-        self._thread.close()
-        _free(self.comm)
+        self.lane.close()
 
     def drop(self) -> None:
-        """The end of an engine nobody closed (its optimizer collected, or the interpreter exiting): never
-        waits for a collective. Removes the hooks; the threads skip the buckets they have not begun and end.
-        A thread inside a bucket's collective is not waited for: the other ranks may never enter that
-        collective (they handed other buckets over, or none). The thread's communicator is marked as given
-        up (its context's ``broken``): a wait there raises within ``adasum.runtime.stall.GIVE_UP_EVERY`` seconds (the
-        error stays on the dropped bucket) and no later call starts there; the thread then frees the
-        communicator and ends. This waits at most ``GIVE_UP_WAIT`` seconds for that, so that the thread is
-        out of the MPI library before the interpreter's exit finalizes it. The user's communicator is
-        untouched: its next collective works as before."""
+        """The end of an engine nobody closed (its optimizer collected, or the interpreter exiting): the
+        hooks are removed and the lane dropped, which never waits for a collective
+        (:meth:`adasum.runtime.lane.Lane.drop`): a bucket inside one has the lane's communicator given up,
+        its error stays on the dropped bucket. The user's communicator is untouched."""
         if self.closed:
             return
         self.closed = True
         self._remove_hooks()
         self._bw = None
-        comm = self.comm
-        self._local.drop()
-        if MPI.Is_finalized():
-            self._thread.drop()
-            return
-        ctx = context_for(comm)
-        if not self._thread.drop(lambda: _free(comm)):
-            ctx.broken = ctx.broken or ("the optimizer that owned this communicator was dropped while its "
-                                        "overlap thread waited in a collective")
-            # A wait there now ends within GIVE_UP_EVERY; a collective every rank entered ends on its own.
-            # Either way the thread is out of the MPI library before the interpreter's exit finalizes it.
-            self._thread.join(GIVE_UP_WAIT)
+        self.lane.drop("the optimizer that owned this communicator was dropped")
 
     def _remove_hooks(self) -> None:
         for h in self._hooks:
@@ -287,20 +273,24 @@ def _hook(owner: "weakref.ref[OverlapEngine]"):
     return hook
 
 
-def _free(comm: MPI.Intracomm) -> None:
-    if not MPI.Is_finalized():
-        comm.Free()  # the library's state on it (and its own duplicate) goes with it
-
-
 def _local_job(strategy, bucket: Bucket) -> Callable[[], None]:
     def job() -> None:
         strategy.local(bucket, side=True)
     return job
 
 
-def _wire_job(strategy, bucket: Bucket, comm: MPI.Intracomm, local: Job) -> Callable[[], None]:
+def _agreement_job(bw: Backward, comm: MPI.Intracomm, ledger: dict[str, int], layout: Layout) -> Callable[[], None]:
+    def job() -> None:
+        decision = agree(comm, ledger, layout, bw.params, None)
+        bw.refused = decision.failed
+    return job
+
+
+def _wire_job(strategy, bucket: Bucket, comm: MPI.Intracomm, local: Job, bw: Backward) -> Callable[[], None]:
     def job() -> None:
         local.wait()
+        if bw.refused is not None:  # the ranks' windows differ: nothing goes on the wire
+            return
         if local.error and bucket.error is None:
             bucket.error = local.error  # the bucket still takes part in the collective, with NaN deltas
         strategy.combine(bucket, comm)

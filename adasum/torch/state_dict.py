@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .arguments import check_accumulated
+from .local import load_problem
 
 __all__ = ["StateDicts"]
 
@@ -36,11 +37,15 @@ class StateDicts:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state from :meth:`state_dict`, or a plain state of the wrapped optimizer (the counters then
         start from zero)."""
+        self._check_open("load_state_dict()")
         state = dict(state_dict)
         own = state.pop("adasum", None) or {}
         grads = own.get("accumulated_grads")
         params = self._params()
         check_accumulated(grads, params)
+        problem = load_problem(own, None if self._local is None else self._local.settings)
+        if problem is not None:
+            raise ValueError(f"rank {self.comm.Get_rank()}: {problem}")
         self.optimizer.load_state_dict(state)
         self._window.load_state_dict(own)
         self.boundaries = int(own.get("boundaries", 0))

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from .boundary import log_skip
+from .window import agree
 
 __all__ = ["WindowSteps"]
 
@@ -41,30 +42,41 @@ class WindowSteps:
     def force_boundary(self) -> None:
         """Make the next ``step()`` close the window, however few micro-batches it holds (the end of the
         data, before evaluating or saving). Every rank must force the same step."""
+        self._check_open("force_boundary()")
         self._window.force()
 
     def flush(self) -> bool:
-        """Close the open window now, without a new micro-batch, if it holds any; returns whether it did.
+        """Close and combine what is open, now, without a new micro-batch: the accumulation window (if it
+        holds micro-batches), and with local steps the window of local steps (and ``delay=1``'s combine in
+        flight). Returns whether it combined anything. Afterwards every rank holds the same parameters.
 
-        For loops that learn only after the last micro-batch that the data ended. Collective: every rank
-        must have the same number of micro-batches in its window.
+        For loops that learn only after the last micro-batch that the data ended, and at the end of
+        training. Collective, even where nothing is open: the ranks check that they recorded as many
+        micro-batches and windows as each other, and a rank that skipped or added a ``step()`` makes every
+        rank raise, naming the ranks and their counts.
         """
+        self._check_open("flush()")
         self.is_boundary = self.step_was_skipped = False
         self.took_local_step = False
-        if self._window.seen == 0:
-            if self._local is None or not (self._local.taken or self._local.pending):
-                return False
+        if self._window.seen:
+            self._window.force()  # with local steps: the combine follows this local step
+            self._close_window(self._window.seen)
+            return True
+        if self._local is not None and (self._local.taken or self._local.pending):
             self._combine(drain=True)
             return True
-        self._window.force()  # with local steps: the combine follows this local step
-        self._close_window(self._window.seen)
-        return True
+        decision = agree(self._vote_comm, self._ledger.at(0), self._layout, self._params(), None)
+        if decision.failed:
+            raise RuntimeError(f"(raised on rank {self.comm.Get_rank()}) flush() found the ranks out of step; "
+                               f"nothing was changed: {decision.failed}")
+        return False
 
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside do not close a window, whatever the count says: their gradients only
         accumulate, and with ``overlap`` no bucket is reduced during them. For frameworks that count the
         micro-batches themselves and call ``step()`` once per window (``accumulation_steps=1``)."""
+        self._check_open("no_sync()")
         if self._engine is None:
             yield
             return
@@ -76,6 +88,7 @@ class WindowSteps:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients, unless a window is open (then the gradients are still accumulating)."""
+        self._check_open("zero_grad()")
         if self._engine is not None:
             self._engine.refuse_unfinished("zero_grad()")
         if self._window.seen:
@@ -102,12 +115,13 @@ class WindowSteps:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
         """
+        self._check_open("finalize_gradients()")
         if not self._window.closes_next:
             return False
         if self._local is not None:
             self._local.finalize(self._window.seen + 1)  # each rank's own, before its local step
         else:
-            self._boundary.finalize()
+            self._boundary.finalize(self._ledger.at(self._window.seen + 1))
         return True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs) -> torch.Tensor | None:
@@ -130,6 +144,7 @@ class WindowSteps:
         evaluated first, once, at every call; its loss is returned. The wrapped optimizer then steps
         without it, so optimizers that evaluate the closure several times (LBFGS) are not supported.
         """
+        self._check_open("step()")
         if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
             self.__dict__.pop("grad_scale", None)
             self.__dict__.pop("found_inf", None)
@@ -153,12 +168,12 @@ class WindowSteps:
             if self._local.local_step(count, forced):
                 self._combine(drain=forced)
             return
-        if not self._boundary.run(count):
+        if not self._boundary.run(count, self._ledger.at(count)):
             self._record_skip()
         self._after_boundary()
 
     def _combine(self, drain: bool = False) -> None:
-        if not self._local.combine(drain):
+        if not self._local.combine(self._ledger.at(0), drain):
             self._record_skip()
         self._after_boundary()
 

@@ -34,7 +34,7 @@ from mpi4py import MPI
 from .compress import Wire
 from .tensors import StartCopy, all_finite, average_, grads_of, mark_nonfinite
 
-__all__ = ["Bucket", "AdasumDeltas", "GradientReduce", "ShadowState", "step_hooks", "step_on",
+__all__ = ["Bucket", "AdasumDeltas", "GradientReduce", "ShadowState", "all_params", "step_hooks", "step_on",
            "trained_params"]
 
 
@@ -253,6 +253,11 @@ class GradientReduce:
 
     def abandon(self, buckets: list[Bucket]) -> None:
         """Nothing to undo: the parameters have not changed."""
+
+
+def all_params(optimizer) -> list[torch.Tensor]:
+    """Every parameter of ``optimizer``, trained or frozen, each once, in the order of its param groups."""
+    return list({id(p): p for group in optimizer.param_groups for p in group["params"]}.values())
 
 
 def trained_params(optimizer) -> list[torch.Tensor]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["StartCopy", "all_finite", "average_", "grads_of", "mark_nonfinite"]
+__all__ = ["Snapshot", "StartCopy", "all_finite", "average_", "grads_of", "mark_nonfinite"]
 
 
 def grads_of(params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -135,3 +135,61 @@ class StartCopy:
 def _host_like(p: torch.Tensor) -> torch.Tensor:
     """An empty host tensor for ``p``'s values, page-locked where ``p`` is on a GPU."""
     return torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=p.device.type == "cuda")
+
+
+class Snapshot:
+    """Values kept per parameter, by identity (not position): a window's start, or ``delay=1``'s last
+    common point. ``where="device"`` keeps them next to the parameters, ``"host"`` in host memory
+    (page-locked for CUDA parameters). A buffer is made on first use and kept while its parameter keeps
+    its shape, dtype and device; the parameter is held with it, so its identity is never reused."""
+
+    def __init__(self, where: str):
+        self.where = where
+        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (parameter, value)
+
+    def __contains__(self, p: torch.Tensor) -> bool:
+        return id(p) in self._kept
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def params(self) -> list[torch.Tensor]:
+        """The parameters with a kept value, in the order they were first kept."""
+        return [p for p, _ in self._kept.values()]
+
+    def keep(self, params: list[torch.Tensor], values: list[torch.Tensor] | None = None) -> None:
+        """Keep ``values`` (default: the parameters' own) as the values of ``params``."""
+        values = params if values is None else values
+        with torch.no_grad():
+            for p, v in zip(params, values):
+                held = self._kept.get(id(p))
+                buf = None if held is None else held[1]
+                if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or (
+                        self.where == "device" and buf.device != p.device):
+                    buf = _host_like(p) if self.where == "host" else torch.empty_like(
+                        p, memory_format=torch.contiguous_format)
+                    self._kept[id(p)] = (p, buf)
+                buf.copy_(v.detach(), non_blocking=self.where == "host")
+
+    def forget(self, params: list[torch.Tensor]) -> None:
+        for p in params:
+            self._kept.pop(id(p), None)
+
+    def values(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The kept values of ``params`` (where they are kept)."""
+        return [self._kept[id(p)][1] for p in params]
+
+    def apply(self, targets: list[torch.Tensor], params: list[torch.Tensor], how: str) -> None:
+        """``target -= kept`` ("sub"), ``target += kept`` ("add") or ``target = kept`` ("copy"), in place,
+        with the kept values of ``params``."""
+        if not targets:
+            return
+        kept = self.values(params)
+        with torch.no_grad():
+            if self.where == "device":
+                {"sub": torch._foreach_sub_, "add": torch._foreach_add_, "copy": torch._foreach_copy_}[how](
+                    targets, kept)
+                return
+            for t, s in zip(targets, kept):
+                s = s.to(t.device, non_blocking=True)  # one parameter's worth of device memory at a time
+                {"sub": t.sub_, "add": t.add_, "copy": t.copy_}[how](s)

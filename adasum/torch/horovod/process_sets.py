@@ -1,8 +1,8 @@
 """Initialisation and process sets of :mod:`adasum.horovod`.
 
-``init()`` (collective) makes the façade's second communicator, a duplicate of the world on which the
-asynchronous calls run, and the communication thread that runs them (:class:`adasum.torch.overlap.CommThread`;
-its waits nap, :mod:`adasum.runtime.waiting`). The synchronous calls run on the calling thread over the
+``init()`` (collective) makes the façade's lane (:class:`adasum.runtime.lane.Lane`): a second communicator,
+a duplicate of the world on which the asynchronous calls run, and the communication thread that runs them
+(its waits nap, :mod:`adasum.runtime.waiting`). The synchronous calls run on the calling thread over the
 world's communicator; the two never share a communicator, so a pending handle never meets a call of the
 main thread.
 
@@ -20,8 +20,8 @@ from typing import Callable, Iterable
 from mpi4py import MPI
 
 from ...runtime import world
-from ...runtime.context import context_for, library_comm
-from ..overlap import CommThread
+from ...runtime.context import library_comm
+from ...runtime.lane import Lane
 from .negotiate import Call, execute
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "init", "shutdown",
@@ -30,7 +30,7 @@ __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_proces
 
 class _State:
     stream: MPI.Intracomm | None = None  # the world's duplicate for the handles
-    thread: CommThread | None = None
+    thread: Lane | None = None  # the handles' lane
     ids = itertools.count(1)
     sets: dict = {}
 
@@ -93,11 +93,9 @@ def init(comm=None, process_sets=None) -> None:
                          "process_sets= or add_process_set() for subsets, or pass comm= to adasum's own API")
     if _State.stream is None:
         world.local_rank()  # the node layout, found collectively here: local_rank() and the others are local after
-        stream = MPI.COMM_WORLD.Dup()
-        library_comm(stream)  # the library's duplicate, made here on the calling thread
-        context_for(stream).beside_compute = True  # its waits nap (adasum.runtime.waiting)
-        _State.thread = CommThread(f"adasum-horovod-{world.rank()}")
-        _State.stream = stream
+        # the handles' lane: its own duplicate of the world and the thread that runs them (its waits nap)
+        _State.thread = Lane(MPI.COMM_WORLD, "adasum-horovod", threaded=True, may_give_up=False)
+        stream = _State.stream = _State.thread.comm
         global_process_set._stream = stream
         atexit.register(_finish)
     for ps in process_sets or ():
@@ -126,13 +124,12 @@ def shutdown() -> None:
     for ps in list(_State.sets.values()):
         _free(ps)
     _State.sets.clear()
-    _finish()
-    _State.stream.Free()
+    _finish()  # the lane frees its communicator
     _State.stream = _State.thread = None
     global_process_set._stream = None
 
 
-def thread() -> CommThread:
+def thread() -> Lane:
     ensure()
     return _State.thread
 

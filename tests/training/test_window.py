@@ -1,0 +1,242 @@
+"""The window's rules on every path of DistributedOptimizer: parameters tracked by identity (freeze, unfreeze
+and add a group at every position of a window, ``delay`` 0 and 1) against the same training written by hand,
+ranks whose parameters differ, a skipped ``step()`` found at the latest by ``flush()``, a mid-window state
+loaded into other settings, ``close()`` combining what is open and refusing every later call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import adasum
+from adasum.torch import DistributedOptimizer
+
+from helpers import assert_identical_across_ranks, raw_bytes
+
+pytestmark = pytest.mark.timeout(300)
+
+H = 3  # local steps per window
+
+
+def model3() -> torch.nn.Module:
+    """Three layers of one shape: matching parameters by position instead of identity goes unnoticed."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4), torch.nn.Tanh(),
+                                   torch.nn.Linear(4, 4)).double()
+
+
+def micro(model, rank: int, step: int) -> None:
+    g = torch.Generator().manual_seed(100 * rank + step + 1)
+    x, y = torch.randn(5, 4, generator=g, dtype=torch.float64), torch.randn(5, 4, generator=g, dtype=torch.float64)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def change(model, event: str, opt) -> None:
+    """``freeze``: the last layer stops training; ``unfreeze``: it starts; ``add``: its group is added."""
+    last = model[4]
+    if event == "freeze":
+        last.requires_grad_(False)
+    elif event == "unfreeze":
+        last.requires_grad_(True)
+    else:
+        opt.add_param_group({"params": list(last.parameters())})
+
+
+def initial(model, event: str) -> list[torch.Tensor]:
+    """The parameters the optimizer starts with, the last layer set up for ``event``."""
+    if event == "unfreeze":
+        model[4].requires_grad_(False)
+    if event == "add":
+        return [p for layer in (model[0], model[2]) for p in layer.parameters()]
+    return list(model.parameters())
+
+
+def train(comm, event: str, when: int, steps: int, delay: int) -> torch.nn.Module:
+    model = model3()
+    opt = DistributedOptimizer(torch.optim.SGD(initial(model, event), lr=0.2), local_steps=H, delay=delay)
+    for s in range(steps):
+        if s == when:
+            change(model, event, opt)
+        micro(model, comm.Get_rank(), s)
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+    return model
+
+
+def by_hand(comm, event: str, when: int, steps: int) -> torch.nn.Module:
+    """The defined result, written out (delay=0): each parameter's delta since the window's start, or since
+    the local step it joined the window at, combined with ``adasum.adasum_allreduce``; a parameter frozen
+    inside a window keeps its place in it."""
+    model = model3()
+    sgd = torch.optim.SGD(initial(model, event), lr=0.2)
+    members: list[torch.Tensor] = []
+    start: dict[int, torch.Tensor] = {}
+    taken = 0
+
+    def combine() -> None:
+        deltas = [p.detach() - start[id(p)] for p in members]
+        combined = adasum.adasum_allreduce(deltas, comm=comm)
+        with torch.no_grad():
+            for p, d in zip(members, combined):
+                p.copy_(start[id(p)] + d)
+        members.clear()
+
+    for s in range(steps):
+        if s == when:
+            change(model, event, sgd)
+        for p in (p for g in sgd.param_groups for p in g["params"] if p.requires_grad):
+            if all(p is not m for m in members):
+                members.append(p)
+                start[id(p)] = p.detach().clone()
+        micro(model, comm.Get_rank(), s)
+        sgd.step()
+        sgd.zero_grad()
+        taken += 1
+        if taken == H:
+            combine()
+            taken = 0
+    if taken:
+        combine()
+    return model
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("delay", [0, 1])
+@pytest.mark.parametrize("event", ["freeze", "unfreeze", "add"])
+def test_parameters_change_at_every_position_of_a_window(comm, event, delay):
+    """At every position of two windows (before their first, second and third local step), for
+    ``delay`` 0 and 1: every rank ends with the same parameters, and for ``delay=0`` with the defined
+    result, bitwise."""
+    for when in range(2 * H):
+        got = train(comm, event, when, 3 * H + 1, delay)
+        assert_identical_across_ranks(comm, list(got.parameters()))
+        assert all(torch.isfinite(p).all() for p in got.parameters())
+        if delay == 0:
+            want = by_hand(comm, event, when, 3 * H + 1)
+            assert [raw_bytes(p) for p in got.parameters()] == [raw_bytes(p) for p in want.parameters()], \
+                f"{event} before local step {when}"
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("delay", [0, 1])
+def test_delay_one_freeze_then_unfreeze_lands_on_the_common_point(comm, delay):
+    """With ``delay=1`` a parameter frozen at a combine boundary lands on the common point once its last
+    combine is merged, and joins again from there when unfrozen."""
+    model = model3()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), local_steps=H, delay=delay)
+    for s in range(5 * H):
+        if s == H:
+            model[4].requires_grad_(False)
+        if s == 3 * H:
+            model[4].requires_grad_(True)
+        micro(model, comm.Get_rank(), s)
+        opt.step()
+        opt.zero_grad()
+        if s == 3 * H - 1:  # two windows after the freeze: the frozen layer has landed on G everywhere
+            assert_identical_across_ranks(comm, list(model[4].parameters()))
+    opt.flush()
+    assert_identical_across_ranks(comm, list(model.parameters()))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("delay", [0, 1])
+def test_ranks_that_train_other_parameters_raise_on_every_rank(comm, delay):
+    """Rank 0 freezes the first layer, the others the last (all of one shape): the next combine raises on
+    every rank, naming the optimizer's parameters, and every rank is back at the window's start."""
+    model = model3()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), local_steps=H, delay=delay)
+    for s in range(H):
+        micro(model, comm.Get_rank(), s)
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+    before = [p.detach().clone() for p in model.parameters()]
+    (model[0] if comm.Get_rank() == 0 else model[4]).requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"the window's parameter 0 is the optimizer's parameter 0 \(shape "
+                                           r"\(4, 4\), float64\) on rank 1 and the optimizer's parameter 2 "):
+        for s in range(H):
+            micro(model, comm.Get_rank(), H + s)
+            opt.step()
+            opt.zero_grad()
+    assert [raw_bytes(p) for p in model.parameters()] == [raw_bytes(p) for p in before]
+
+
+def skipping_loop(comm, opt, model, steps: int, skip: int) -> None:
+    for s in range(steps):
+        if comm.Get_rank() == 0 and s == skip:
+            continue  # rank 0 skips this micro-batch: no backward, no step()
+        micro(model, comm.Get_rank(), s)
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("settings", [{"local_steps": H}, {"local_steps": H, "delay": 1},
+                                      {"accumulation_steps": 2}, {"accumulation_steps": 2, "overlap": True}],
+                         ids=["local-steps", "delay", "accumulation", "overlap"])
+def test_a_skipped_step_raises_on_every_rank_at_the_latest_at_flush(comm, settings):
+    model = model3()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), **settings)
+    with pytest.raises(RuntimeError, match=r"the ranks' windows differ \(a rank skipped or added a step\(\).*"
+                                           r"rank 0 has \{'combine': \d+, 'micro-batches': \d+"):
+        skipping_loop(comm, opt, model, 4 * H, 2)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_flush_with_nothing_open_passes_where_the_ranks_agree(comm):
+    model = model3()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), accumulation_steps=2)
+    for s in range(4):
+        micro(model, comm.Get_rank(), s)
+        opt.step()
+        opt.zero_grad()
+    assert opt.flush() is False and opt.boundaries == 2
+    assert_identical_across_ranks(comm, list(model.parameters()))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("saved, loaded", [({"local_steps": 3}, {}), ({"local_steps": 3, "delay": 1}, {}),
+                                           ({"local_steps": 3, "delay": 1}, {"local_steps": 3}),
+                                           ({"local_steps": 3}, {"local_steps": 2})])
+def test_a_mid_window_state_loads_only_into_the_same_settings(comm, saved, loaded):
+    model = model3()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), **saved)
+    for s in range(H + 1):  # delay=1: one combine in flight, one local step taken
+        micro(model, comm.Get_rank(), s)
+        opt.step()
+        opt.zero_grad()
+    state = opt.state_dict()
+    other = model3()
+    target = DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.2), **loaded)
+    before = [raw_bytes(p) for p in other.parameters()]
+    with pytest.raises(ValueError, match=rf"rank {comm.Get_rank()}: the state was taken inside a window of local "
+                                         r"steps .* Load it into an optimizer with the same local-steps settings"):
+        target.load_state_dict(state)
+    assert [raw_bytes(p) for p in other.parameters()] == before and target.boundaries == 0
+    opt.flush()
+    target.load_state_dict(opt.state_dict())  # every window combined: loads anywhere
+    assert_identical_across_ranks(comm, list(model.parameters()))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("settings", [{"local_steps": H}, {"local_steps": H, "delay": 1}, {"overlap": True}, {}],
+                         ids=["local-steps", "delay", "overlap", "plain"])
+def test_close_combines_what_is_open_and_every_later_call_raises(comm, settings):
+    model = model3()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), **settings)
+    for s in range(H + 1):
+        micro(model, comm.Get_rank(), s)
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    assert opt.closed
+    assert_identical_across_ranks(comm, list(model.parameters()))
+    micro(model, comm.Get_rank(), 99)
+    for call in (opt.step, opt.flush, opt.zero_grad, opt.force_boundary, opt.finalize_gradients):
+        with pytest.raises(RuntimeError, match=rf"rank {comm.Get_rank()}: .* after close\(\)"):
+            call()
+    opt.close()  # again: nothing
+    assert "adasum" in opt.state_dict()
