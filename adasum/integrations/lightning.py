@@ -40,6 +40,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from mpi4py import MPI
 
 from ..runtime import exchange, world
+from ..torch.options import Options
 from ..call.allreduce import adasum_allreduce
 from ..runtime.context import check_comm
 from ..torch import DistributedOptimizer, broadcast_parameters
@@ -92,31 +93,22 @@ class MPIEnvironment(ClusterEnvironment):
 class AdasumStrategy(ParallelStrategy):
     """Data-parallel training over MPI with :class:`adasum.torch.DistributedOptimizer`.
 
-    ``op``, ``overlap``, ``compression``, ``hierarchical``, ``bucket_bytes``, ``start_copy`` and
-    ``skip_nonfinite``, and ``local_steps``, ``outer_lr``, ``outer_momentum``, ``delay`` (local steps between
-    combines and the outer optimizer: each of Lightning's optimizer steps is a local step) go to every
-    wrapped optimizer; ``comm`` (default ``MPI.COMM_WORLD``) is the world.
-    ``buffers`` (``"average"``, the default, ``"broadcast"`` or None) is how the first optimizer keeps the
-    module's buffers alike at each window's end (``DistributedOptimizer(..., module=, buffers=)``).
+    The settings (keywords, or ``options=``: the fields of :class:`adasum.torch.options.Options`, such as
+    ``op``, ``overlap``, ``compression``, ``local_steps``, ``delay``) go to every wrapped optimizer; with local
+    steps each of Lightning's optimizer steps is a local step. ``buffers`` (``"average"``, the default,
+    ``"broadcast"`` or None) is how the first optimizer keeps the module's buffers alike at each window's
+    end. ``comm`` (default ``MPI.COMM_WORLD``) is the world.
     """
 
     strategy_name = "adasum"
 
-    def __init__(self, *, op: str = "adasum", overlap: bool = False, compression: str | None = None,
-                 hierarchical: bool = False, bucket_bytes: int = 25 << 20, start_copy: str = "device",
-                 skip_nonfinite: bool = True, buffers: str | None = "average", local_steps: int = 1,
-                 outer_lr: float = 1.0, outer_momentum: float = 0.0, delay: int = 0,
-                 comm: MPI.Intracomm | None = None, accelerator=None,
-                 checkpoint_io=None, precision_plugin=None):
+    def __init__(self, *, comm: MPI.Intracomm | None = None, accelerator=None, checkpoint_io=None,
+                 precision_plugin=None, options: Options | None = None, **settings):
+        self.options = Options.of(options, settings, "AdasumStrategy")
         env = MPIEnvironment(comm)
         super().__init__(accelerator=accelerator, parallel_devices=None, cluster_environment=env,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.comm = env.comm
-        self.options = {"op": op, "overlap": overlap, "compression": compression, "hierarchical": hierarchical,
-                        "bucket_bytes": bucket_bytes, "start_copy": start_copy, "skip_nonfinite": skip_nonfinite,
-                        "local_steps": local_steps, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
-                        "delay": delay}
-        self.buffer_mode = buffers
 
     # --- the world ----------------------------------------------------------------------------------------
 
@@ -151,9 +143,8 @@ class AdasumStrategy(ParallelStrategy):
             scaler = self._scaler()
             # the first optimizer keeps the module's buffers alike (one sum per window, not one per optimizer)
             self.optimizers = [o if isinstance(o, DistributedOptimizer) else
-                               DistributedOptimizer(o, comm=self.comm, grad_scaler=scaler, **self.options,
-                                                    module=self.lightning_module if i == 0 else None,
-                                                    buffers=self.buffer_mode)
+                               DistributedOptimizer(o, comm=self.comm, grad_scaler=scaler, options=self.options,
+                                                    module=self.lightning_module if i == 0 else None)
                                for i, o in enumerate(self.optimizers)]
 
     def model_to_device(self) -> None:

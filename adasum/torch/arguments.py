@@ -10,7 +10,6 @@ import torch
 from mpi4py import MPI
 
 from ..runtime import exchange
-from .buffers import BUFFER_MODES
 
 __all__ = ["check_agreement", "check_arguments", "check_buffers", "check_accumulated"]
 
@@ -47,17 +46,13 @@ def check_agreement(comm: MPI.Intracomm, mine: dict[str, Any], params: list[torc
                          f"{', '.join(map(str, odd))} differ from rank 0's")
 
 
-def check_arguments(optimizer, bucket_bytes) -> None:
+def check_arguments(optimizer) -> None:
     if not callable(getattr(optimizer, "step", None)) or not hasattr(optimizer, "param_groups"):
         raise TypeError(f"optimizer must be a torch optimizer with param_groups and step(), got "
                         f"{type(optimizer).__name__}")
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
 
 
 def check_buffers(module, buffers) -> None:
-    if buffers is not None and buffers not in BUFFER_MODES:
-        raise ValueError(f"buffers must be 'average', 'broadcast' or None, got {buffers!r}")
     if module is None and buffers == "broadcast":
         raise ValueError("buffers='broadcast' needs the model: pass module=model (or an iterable of its buffers)")
 

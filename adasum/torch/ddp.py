@@ -45,6 +45,7 @@ from ..runtime.context import check_comm
 from ..runtime.lane import Lane
 from .amp import LossScale
 from .compress import Wire
+from .options import Options
 from .strategy import AdasumDeltas, Bucket, trained_params
 from .tensors import StartCopy
 from .window import Layout, agree
@@ -184,6 +185,10 @@ def adasum_hook(state: AdasumState, bucket) -> torch.futures.Future[torch.Tensor
     return state._submit(bucket.buffer(), work)
 
 
+# The settings of :class:`~adasum.torch.options.Options` that the delta hook's state takes.
+_DELTA_SETTINGS = {"compression", "start_copy", "accumulation_steps", "skip_nonfinite", "overlap"}
+
+
 class DeltaState(_CommState):
     """The state of :func:`adasum_delta_hook`: the optimizer whose step runs inside backward, per bucket,
     and what :class:`DistributedOptimizer` keeps for a boundary (the shadows, the wire, the loss scale).
@@ -209,11 +214,15 @@ class DeltaState(_CommState):
     bucket's gradients were taken, as without overlap. ``overlap=False``: inside each hook call.
     """
 
-    def __init__(self, optimizer, comm: MPI.Intracomm | None = None, *, compression: str | None = None,
-                 start_copy: str = "device", accumulation_steps: int = 1, grad_scaler=None,
-                 skip_nonfinite: bool = True, overlap: bool = True):
-        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be a positive integer, got {accumulation_steps!r}")
+    def __init__(self, optimizer, comm: MPI.Intracomm | None = None, *, grad_scaler=None,
+                 options: Options | None = None, **settings):
+        unused = sorted(set(settings) - _DELTA_SETTINGS)
+        if unused:
+            raise TypeError(f"DeltaState takes the settings {', '.join(sorted(_DELTA_SETTINGS))}, not "
+                            f"{', '.join(map(repr, unused))} (those belong to DistributedOptimizer)")
+        opts = Options.of(options or Options(overlap=True), settings, "DeltaState")
+        compression, start_copy, accumulation_steps, skip_nonfinite, overlap = (
+            opts.compression, opts.start_copy, opts.accumulation_steps, opts.skip_nonfinite, opts.overlap)
         _claim(optimizer, self)
         super().__init__(comm, overlap)
         self.optimizer = optimizer

@@ -12,12 +12,11 @@ so an error on one rank is an error on every rank. Every MPI call goes through t
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from mpi4py import MPI
 
-from ..call.allreduce import Op
 from ..runtime.context import check_comm
 from ..runtime.launch import check_launch
 from .arguments import check_agreement, check_arguments, check_buffers
@@ -28,8 +27,9 @@ from .buffers import BufferSync, buffers_of
 from .compress import Wire
 from .local import LocalSteps, OuterSGD, local_problem, uses_local_steps
 from .overlap import OverlapEngine
-from .state_dict import StateDicts
-from .stepping import WindowSteps
+from . import state_dict as state_dicts
+from .options import Options
+from .stepping import Parts, Steps
 from .strategy import AdasumDeltas, GradientReduce, trained_params
 from .tensors import StartCopy
 from .window import Layout, Ledger
@@ -37,7 +37,7 @@ from .window import Layout, Ledger
 __all__ = ["DistributedOptimizer"]
 
 
-class DistributedOptimizer(WindowSteps, StateDicts, torch.optim.Optimizer):
+class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer`` (SGD, Adam, AdamW, anything with ``param_groups`` and ``step()``) for training on
     every rank of ``comm``. It holds the wrapped optimizer (``.optimizer``) rather than re-implementing it:
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own.
@@ -57,57 +57,17 @@ class DistributedOptimizer(WindowSteps, StateDicts, torch.optim.Optimizer):
 
     Args:
         optimizer: the torch optimizer to wrap; it keeps doing the actual update.
-        op: ``"adasum"`` (reduce the weight deltas of each rank's local step with Adasum), ``"sum"`` or
-            ``"mean"`` (reduce the gradients before the local step).
-        accumulation_steps: micro-batches per window. Their gradients add up in ``.grad``; at the boundary
-            they are divided by the number of micro-batches the window actually held, so the loss of each
-            micro-batch should be a mean over its samples and must not be divided by ``accumulation_steps``.
         comm: an mpi4py intracommunicator; default ``MPI.COMM_WORLD``.
-        start_copy: ``op="adasum"`` only: where the window's starting values are kept, ``"device"`` (next to
-            the parameters) or ``"host"`` (pinned host memory for CUDA parameters; device memory grows only
-            by the largest parameter, at the price of copies). See :class:`~adasum.torch.tensors.StartCopy`.
         grad_scaler: a ``torch.amp.GradScaler`` whose ``scale(loss).backward()`` produced the gradients. The
             optimizer then unscales at the boundary and updates the scale itself, from the non-finite check
             that all ranks share, so every rank keeps the same scale. Do not call the scaler's ``step``,
             ``unscale_`` or ``update`` yourself.
-        hierarchical: ``op="adasum"`` only: the deltas are averaged over the ranks of each node, then combined
-            with Adasum across nodes (``adasum_allreduce(..., hierarchical=True)``): fewer bytes between
-            nodes, Adasum's benefit kept for the node count.
-        skip_nonfinite: skip an update, on every rank, when the reduced gradients (sum/mean) or weight deltas
-            (adasum) hold a NaN or Inf; the parameters are left as they were, ``skipped_updates`` counts it
-            and rank 0 logs it once (logger ``"adasum"``). With adasum a rank whose own gradients are
-            non-finite skips its local step (its optimizer state stays finite); the other ranks have taken
-            theirs, and their optimizer state keeps it. Off: non-finite values reach the parameters.
-        overlap: communicate during backward (default off: where every rank has one core, the thread
-            competes with backward for it). On the backward that closes a window, buckets of parameters go
-            to a background thread as backward finishes them, which reduces them (for adasum, after their
-            local step; the parameters still change only inside ``step()``); ``step()`` waits and applies.
-            Bitwise the results of ``overlap=False`` for adasum. The rules are in docs/training.md.
-        bucket_bytes: with ``overlap``, the smallest bucket in bytes of parameters (the last may be smaller).
-        compression: ``None``, ``"fp16"`` or ``"bf16"``: the deltas (adasum) or gradients (sum/mean) travel
-            as 16-bit floats, half the bytes, and are combined in float32 or wider (see
-            :class:`~adasum.torch.compress.Wire`: fp16 travels scaled per layer by an agreed power of two).
         module: the model (its ``buffers()``) or an iterable of buffer tensors to keep alike on every rank
-            at each boundary, as ``buffers`` says; None (the default): the buffers are left alone (each rank's
-            BatchNorm statistics then follow its own batches).
-        buffers: with ``module``, how its buffers are kept alike, at the end of every ``step()`` that closes
-            a window (collective there): ``"average"`` (the default: each buffer's change since the last
-            boundary is averaged over the ranks, integers rounded down; the constructor first copies rank
-            0's buffers to every rank), ``"broadcast"`` (rank 0's buffers are copied to every rank) or None
-            (left alone). See :mod:`adasum.torch.buffers` for why averaging is the default.
-        local_steps: local steps between combines (default 1: a combine at every window). With H > 1 the
-            wrapped optimizer takes a plain step at every window (each rank on its own averaged gradients,
-            no MPI call), and every H windows the ranks combine each parameter's delta since the start of
-            the H windows (``op="adasum"``: Adasum; ``"mean"``/``"sum"``: mean/sum of the deltas, i.e. model
-            averaging) and continue from start + combined delta (see ``outer_lr``). See :mod:`.local`.
-        outer_lr: the outer optimizer's rate at each combine (default 1.0): DiLoCo's outer SGD on
-            g = -(combined delta): v <- mu·v + g, params = start - outer_lr·(g + mu·v). Any other value of
-            it or of ``outer_momentum``, like ``local_steps > 1``, makes every window's step a plain local
-            step (also with ``op="mean"``).
-        outer_momentum: mu above, Nesterov where > 0 (default 0.0: params = start + combined delta).
-        delay: 0 (the combine runs in the ``step()`` of the H-th local step) or 1 (it runs on a thread during
-            the next window's local steps and is merged at its end; rule in :mod:`.delayed`). A forced
-            boundary (``force_boundary()``, ``flush()``) merges at once: every rank then holds the same values.
+            at each boundary, as the ``buffers`` setting says; None (the default): the buffers are left alone
+            (each rank's BatchNorm statistics then follow its own batches).
+        options: an :class:`~adasum.torch.options.Options`; keywords replace its fields.
+        **settings: the fields of :class:`~adasum.torch.options.Options` (``op``, ``accumulation_steps``,
+            ``overlap``, ``compression``, ``local_steps``, ``delay`` …), which says what each one does.
 
     Attributes:
         is_boundary: whether the last ``step()`` combined the ranks' updates (without local steps: closed a
@@ -128,89 +88,183 @@ class DistributedOptimizer(WindowSteps, StateDicts, torch.optim.Optimizer):
     # pass the scaler to the constructor instead (the scaler's own update would diverge across ranks).
     _step_supports_amp_scaling = True
 
-    def __init__(self, optimizer, *, op: str | Op = "adasum", accumulation_steps: int = 1,
-                 comm: MPI.Intracomm | None = None, start_copy: str = "device", grad_scaler=None,
-                 skip_nonfinite: bool = True, hierarchical: bool = False, overlap: bool = False,
-                 bucket_bytes: int = 25 << 20, compression: str | None = None, module=None,
-                 buffers: str | None = "average", local_steps: int = 1, outer_lr: float = 1.0,
-                 outer_momentum: float = 0.0, delay: int = 0):
+    def __init__(self, optimizer, *, comm: MPI.Intracomm | None = None, grad_scaler=None, module=None,
+                 options: Options | None = None, **settings):
         # torch.optim.Optimizer.__init__ is not called: the wrapped optimizer owns groups, state, defaults.
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer; wrap the torch optimizer only once")
-        check_arguments(optimizer, bucket_bytes)
-        check_buffers(module, buffers)
-        self.op = _op_name(op)
+        check_arguments(optimizer)
+        opts = self.options = Options.of(options, settings, "DistributedOptimizer")
+        check_buffers(module, opts.buffers)
         comm = check_comm(comm)
         check_launch()  # a job whose processes MPI does not see raises here
-        if hierarchical and self.op != "adasum":
-            raise ValueError(f"hierarchical=True needs op 'adasum', got op '{self.op}'")
-        self.optimizer = optimizer
-        self.comm = comm
-        wire = Wire(compression)
-        self.compression = wire.name
-        self.bucket_bytes = bucket_bytes
-        start = StartCopy(start_copy)
-        self.start_copy = start_copy
-        self.grad_scaler = grad_scaler
-        self._loss = LossScale(grad_scaler)
-        self.skip_nonfinite = bool(skip_nonfinite)
-        self.hierarchical = bool(hierarchical)
-        self._window = AccumulationWindow(accumulation_steps)
-        if self.op == "adasum" and comm.Get_size() > 1:
-            self._strategy = AdasumDeltas(optimizer, start, wire, self.hierarchical, self.skip_nonfinite)
-        else:  # one rank: exactly the wrapped optimizer (the reduction is the identity)
-            self._strategy = GradientReduce(optimizer, self.op, wire, self.skip_nonfinite)
+        self.optimizer, self.comm, self.grad_scaler = optimizer, comm, grad_scaler
+        wire = Wire(opts.compression)
+        self.op, self.compression, self.bucket_bytes, self.start_copy = (
+            opts.op, wire.name, opts.bucket_bytes, opts.start_copy)
+        self.skip_nonfinite, self.hierarchical = bool(opts.skip_nonfinite), bool(opts.hierarchical)
+        self.overlap_requested = bool(opts.overlap)
+        self.buffers = opts.buffers if module is not None else None
         self._closed = False
-        self.is_boundary = False
-        self.took_local_step = False
-        self.step_was_skipped = False
-        self.skipped_updates = 0
-        self._ledger = Ledger(self._window)  # what the ranks agree on at each combine
-        self.buffers = buffers if module is not None else None
         kept = [] if self.buffers is None else buffers_of(module)
-        local = {"local_steps": local_steps, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
-                 "delay": delay, "overlap_requested": bool(overlap)}
-        self.overlap_requested = bool(overlap)
-        overlap = self._agree(accumulation_steps, overlap, wire, kept, local)
+        loss = LossScale(grad_scaler)
+        overlap = self._agree(wire, kept, loss)
         self.local_steps, self.outer_lr, self.outer_momentum, self.delay = (
-            int(local_steps), float(outer_lr), float(outer_momentum), int(delay))
-        self._assemble(module, kept, start, wire, overlap)
+            int(opts.local_steps), float(opts.outer_lr), float(opts.outer_momentum), int(opts.delay))
+        self._parts = self._assemble(module, kept, wire, loss, overlap)
+        self._steps = Steps(self._parts)
 
-    def _agree(self, accumulation_steps: int, overlap: bool, wire: Wire, kept: list[torch.Tensor],
-               local: dict[str, Any]) -> bool:
+    def _agree(self, wire: Wire, kept: list[torch.Tensor], loss: LossScale) -> bool:
         """Check every rank's settings, parameters and buffers against the others' (collective; a difference
         raises on every rank); returns whether the boundaries may overlap with backward."""
         # Overlap needs a second thread in MPI; without MPI_THREAD_MULTIPLE every boundary runs in step().
-        comm = self.comm
-        overlap = bool(overlap) and comm.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
-        check_agreement(comm, {"op": self.op, "accumulation_steps": accumulation_steps,
-                               "start_copy": self.start_copy, "skip_nonfinite": self.skip_nonfinite,
-                               "hierarchical": self.hierarchical, "grad_scaler": self._loss.enabled,
-                               "overlap": overlap, "bucket_bytes": self.bucket_bytes,
-                               "compression": str(wire.dtype), "buffers": self.buffers, "buffer_count": len(kept),
-                               **local},
-                        self._params(), [(tuple(b.shape), str(b.dtype)) for b in kept], local_problem)
+        opts, comm = self.options, self.comm
+        overlap = opts.overlap and comm.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        mine = dict(opts.as_dict(), skip_nonfinite=self.skip_nonfinite, hierarchical=self.hierarchical,
+                    grad_scaler=loss.enabled, overlap=overlap, compression=str(wire.dtype), buffers=self.buffers,
+                    buffer_count=len(kept), overlap_requested=self.overlap_requested)
+        check_agreement(comm, mine, trained_params(self.optimizer), [(tuple(b.shape), str(b.dtype)) for b in kept],
+                        local_problem)
         return overlap
 
-    def _assemble(self, module, kept: list[torch.Tensor], start: StartCopy, wire: Wire, overlap: bool) -> None:
-        """Make the parts the settings ask for: local steps, the buffers' sync, the overlap engine (dropped,
-        never waited for, once this optimizer is collected) and the boundary procedure."""
-        optimizer, comm = self.optimizer, self.comm
-        self._layout = Layout(optimizer)  # how the ranks compare the parameters of their windows
-        self._local: LocalSteps | None = None
+    def _assemble(self, module, kept: list[torch.Tensor], wire: Wire, loss: LossScale, overlap: bool) -> Parts:
+        """Make the parts the settings ask for: the strategy, local steps, the buffers' sync, the overlap
+        engine (dropped, never waited for, once this optimizer is collected) and the boundary."""
+        optimizer, comm, opts = self.optimizer, self.comm, self.options
+        window = AccumulationWindow(opts.accumulation_steps)
+        ledger, layout = Ledger(window), Layout(optimizer)
+        if self.op == "adasum" and comm.Get_size() > 1:
+            strategy = AdasumDeltas(optimizer, StartCopy(self.start_copy), wire, self.hierarchical,
+                                    self.skip_nonfinite)
+        else:  # one rank: exactly the wrapped optimizer (the reduction is the identity)
+            strategy = GradientReduce(optimizer, self.op, wire, self.skip_nonfinite)
+        local = None
         if uses_local_steps(self.local_steps, self.outer_lr, self.outer_momentum, self.delay):
-            self._local = self._ledger.local = LocalSteps(optimizer, comm, self.op, self.local_steps,
-                                     OuterSGD(self.outer_lr, self.outer_momentum), start.where, wire,
-                                     self.hierarchical, self.skip_nonfinite, self._loss, self._layout, self.delay)
+            local = ledger.local = LocalSteps(optimizer, comm, self.op, self.local_steps,
+                                              OuterSGD(self.outer_lr, self.outer_momentum), self.start_copy, wire,
+                                              self.hierarchical, self.skip_nonfinite, loss, layout, self.delay)
         source = module if isinstance(module, torch.nn.Module) else None
-        self._buffers = None if self.buffers is None else BufferSync(self.buffers, kept, comm, source)
-        self._engine: OverlapEngine | None = None
+        buffers = None if self.buffers is None else BufferSync(self.buffers, kept, comm, source)
+        engine = None
         if overlap:
-            self._engine = OverlapEngine(optimizer, self._strategy, self._window, self._loss, comm,
-                                         self.bucket_bytes, self._ledger, self._layout)
-            weakref.finalize(self, self._engine.drop)  # never waits for a collective (OverlapEngine.drop)
-        self._boundary = Boundary(optimizer, comm, self._strategy, self._window, self._loss, self._engine,
-                                  self._layout)
+            engine = OverlapEngine(optimizer, strategy, window, loss, comm, self.bucket_bytes, ledger, layout)
+            weakref.finalize(self, engine.drop)  # never waits for a collective (OverlapEngine.drop)
+        boundary = Boundary(optimizer, comm, strategy, window, loss, engine, layout)
+        return Parts(optimizer, comm, window, ledger, layout, loss, strategy, boundary, local, engine, buffers)
+
+    # --- the loop ---------------------------------------------------------------------------------------------
+
+    def step(self, closure: Callable[[], Any] | None = None):
+        """Record one micro-batch; where it closes a window, reduce and update (collective there).
+
+        ``closure`` (forward and backward of this micro-batch, as torch optimizers and Lightning pass it) is
+        evaluated first, once, at every call; its loss is returned. The wrapped optimizer then steps
+        without it, so optimizers that evaluate the closure several times (LBFGS) are not supported.
+        """
+        self._check_open("step()")
+        if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise RuntimeError("DistributedOptimizer was passed to GradScaler.step(); instead give the scaler "
+                               "to the constructor (DistributedOptimizer(..., grad_scaler=scaler)) and call "
+                               "optimizer.step() directly: the scaler's own update would differ across ranks")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._steps.step()
+        return loss
+
+    def force_boundary(self) -> None:
+        """Make the next ``step()`` close the window, however few micro-batches it holds (the end of the
+        data, before evaluating or saving). Every rank must force the same step."""
+        self._check_open("force_boundary()")
+        self._steps.force_boundary()
+
+    def flush(self) -> bool:
+        """Close and combine what is open, now, without a new micro-batch: the accumulation window (if it
+        holds micro-batches), and with local steps the window of local steps (and ``delay=1``'s combine in
+        flight). Returns whether it combined anything. Afterwards every rank holds the same parameters.
+
+        For loops that learn only after the last micro-batch that the data ended, and at the end of
+        training. Collective, even where nothing is open: the ranks check that they recorded as many
+        micro-batches and windows as each other, and a rank that skipped or added a ``step()`` makes every
+        rank raise, naming the ranks and their counts.
+        """
+        self._check_open("flush()")
+        return self._steps.flush()
+
+    def no_sync(self):
+        """Backward passes inside do not close a window, whatever the count says: their gradients only
+        accumulate, and with ``overlap`` no bucket is reduced during them. For frameworks that count the
+        micro-batches themselves and call ``step()`` once per window (``accumulation_steps=1``)."""
+        self._check_open("no_sync()")
+        return self._steps.no_sync()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients, unless a window is open (then the gradients are still accumulating)."""
+        self._check_open("zero_grad()")
+        self._steps.zero_grad(set_to_none)
+
+    def finalize_gradients(self) -> bool:
+        """If the next ``step()`` closes a window, make ``.grad`` what the local step will use, now: divided
+        by the window's micro-batch count, unscaled by the ``grad_scaler``, and for ``op="sum"``/``"mean"``
+        reduced over the ranks (collective). Returns whether it did; off the boundary it does nothing.
+
+        Call it before clipping or inspecting gradients::
+
+            if optimizer.finalize_gradients():
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+        """
+        self._check_open("finalize_gradients()")
+        return self._steps.finalize_gradients()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs) -> torch.Tensor | None:
+        """At a boundary: :meth:`finalize_gradients`, then ``torch.nn.utils.clip_grad_norm_`` over the
+        parameters, returning the total norm; off the boundary nothing, returning None.
+
+        With ``op="sum"``/``"mean"`` this clips the reduced gradient (the same norm on every rank), with
+        ``op="adasum"`` each rank's own averaged gradient before its local step.
+        """
+        if not self.finalize_gradients():
+            return None
+        return torch.nn.utils.clip_grad_norm_(self._params(), max_norm, norm_type, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict plus one key, ``"adasum"``: the window's micro-batch count and
+        forced flag, the boundary and skip counters, the loss-scale growth tracker, and, while a window is
+        open, the accumulated gradients (one entry per parameter, None where there is none) and the open
+        window of local steps. Per rank: with ``op="adasum"`` the wrapped optimizer's state differs between
+        ranks."""
+        return state_dicts.state_dict(self._parts, self._steps)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state from :meth:`state_dict`, or a plain state of the wrapped optimizer (the counters then
+        start from zero). A state taken inside a window of local steps loads only into the same local-steps
+        settings (a ValueError otherwise, before anything changes)."""
+        self._check_open("load_state_dict()")
+        state_dicts.load_state_dict(self._parts, self._steps, state_dict)
+
+    def _restore_window(self) -> None:
+        """After a checkpoint's model (the root rank's parameters) was loaded over a loaded open window of
+        local steps: this rank's own parameters again."""
+        if self._parts.local is not None:
+            self._parts.local.restore_parameters()
+
+    # --- what the loop shows ------------------------------------------------------------------------------
+
+    accumulation_steps = property(lambda self: self._parts.window.steps)
+    micro_steps = property(lambda self: self._parts.window.seen,
+                           doc="Micro-batches recorded in the open window (0 right after a boundary).")
+    sync_gradients = property(lambda self: self._parts.window.closes_next,
+                              doc="Whether the next ``step()`` closes a window (the moment to clip).")
+    is_boundary = property(lambda self: self._steps.is_boundary)
+    took_local_step = property(lambda self: self._steps.took_local_step)
+    step_was_skipped = property(lambda self: self._steps.step_was_skipped)
+    skipped_updates = property(lambda self: self._steps.skipped_updates)
+    boundaries = property(lambda self: self._parts.ledger.combines,
+                          doc="Windows closed with a combine so far (with ``local_steps``: combines).")
 
     # --- the wrapped optimizer's own attributes ------------------------------------------------------------
 
@@ -236,31 +290,31 @@ class DistributedOptimizer(WindowSteps, StateDicts, torch.optim.Optimizer):
         at their first local step."""
         self._check_open("add_param_group()")
         self.optimizer.add_param_group(param_group)
-        if self._engine is not None:
-            self._engine.install()
+        if self._parts.engine is not None:
+            self._parts.engine.install()
 
     @property
     def overlap(self) -> bool:
         """Whether boundaries may be reduced during backward (False once closed)."""
-        return self._engine is not None and not self._engine.closed
+        return self._parts.engine is not None and not self._parts.engine.closed
 
     @property
     def overlap_comm(self) -> MPI.Intracomm | None:
         """The communicator the overlap thread reduces on (a duplicate of ``comm``; None without overlap):
         ``adasum.count_traffic(opt.overlap_comm)`` counts what the overlapped buckets send."""
-        return self._engine.comm if self.overlap else None
+        return self._parts.engine.comm if self.overlap else None
 
     @property
     def overlapped_boundaries(self) -> int:
-        return 0 if self._engine is None else self._engine.overlapped_boundaries
+        return 0 if self._parts.engine is None else self._parts.engine.overlapped_boundaries
 
     @property
     def buckets_started_in_backward(self) -> int:
-        return 0 if self._engine is None else self._engine.buckets_started_in_backward
+        return 0 if self._parts.engine is None else self._parts.engine.buckets_started_in_backward
 
     @property
     def timeline(self) -> list[dict]:
-        return [] if self._engine is None else list(self._engine.timeline)
+        return [] if self._parts.engine is None else list(self._parts.engine.timeline)
 
     def close(self, *, combine: bool = True) -> None:
         """End the optimizer: with local steps, first combine what is open (``flush()``, collective; pass
@@ -275,35 +329,19 @@ class DistributedOptimizer(WindowSteps, StateDicts, torch.optim.Optimizer):
         if self._closed:
             return
         try:
-            if combine and self._local is not None:
+            if combine and self._parts.local is not None:
                 self.flush()
         finally:
             self._closed = True
             if self.overlap:
-                self._engine.finish()
-                self._engine.close()
-            if self._local is not None:
-                self._local.close()
+                self._parts.engine.finish()
+                self._parts.engine.close()
+            if self._parts.local is not None:
+                self._parts.local.close()
 
     @property
     def closed(self) -> bool:
         return self._closed
-
-    @property
-    def boundaries(self) -> int:
-        """Windows closed with a combine so far (with ``local_steps``: combines)."""
-        return self._ledger.combines
-
-    @boundaries.setter
-    def boundaries(self, n: int) -> None:
-        self._ledger.combines = int(n)
-
-    @property
-    def _vote_comm(self) -> MPI.Intracomm:
-        """Where the window's agreements run: the overlap's lane while there is one (its first job at a
-        closing backward is the agreement, so a rank whose windows are out of step meets it there), else
-        ``comm``."""
-        return self._engine.comm if self.overlap else self.comm
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -329,10 +367,3 @@ class DistributedOptimizer(WindowSteps, StateDicts, torch.optim.Optimizer):
 
     def _params(self) -> list[torch.Tensor]:
         return trained_params(self.optimizer)
-
-
-def _op_name(op: str | Op) -> str:
-    try:
-        return Op(op).value
-    except ValueError:
-        raise ValueError(f"op must be one of 'adasum', 'sum', 'mean', got {op!r}") from None

@@ -197,3 +197,38 @@ def test_local_steps_and_outer_optimizer_pass_through(comm):
             hand.zero_grad()
     for a, b in zip(module.net.parameters(), net.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+class ValidatedBN(BNModule):
+    """Records, at every validation, a checksum of its parameters and buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.validated: list[float] = []
+
+    def validation_step(self, batch, batch_idx):
+        if batch_idx == 0:
+            self.validated.append(float(sum(t.double().sum() for t in [*self.parameters(), *self.buffers()])))
+        _, x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("options", [{"local_steps": 5}, {"local_steps": 5, "delay": 1}, {"local_steps": 2, "delay": 1}],
+                         ids=["local5", "local5-delay", "local2-delay"])
+def test_fit_with_local_steps_ends_and_validates_on_the_common_model(comm, options):
+    """Windows of local steps that the epochs cut short: every validation during fit() and the end of fit()
+    see one model on every rank (parameters and BatchNorm buffers), whatever window was open."""
+    module = ValidatedBN()
+    trainer = L.Trainer(strategy=AdasumStrategy(**options), accelerator="cpu", max_epochs=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, DataLoader(dataset(), batch_size=4, shuffle=False),
+                    DataLoader(dataset(), batch_size=8, shuffle=False))
+    assert_identical_across_ranks(comm, list(module.net.parameters()) + list(module.net.buffers()))
+    # the sanity check and the two epochs' validations, each the same on every rank
+    assert len(module.validated) == 3
+    assert comm.allgather(module.validated) == [module.validated] * comm.Get_size()
+    opt = trainer.strategy.optimizers[0]
+    assert opt.closed and opt.boundaries >= 2

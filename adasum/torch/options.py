@@ -1,0 +1,98 @@
+"""The settings of data-parallel training with adasum, defined once: :class:`Options`. ``DistributedOptimizer``,
+the Lightning strategy and the DDP delta hook's state take them as keywords (or as an ``Options``), check
+them here, and every rank agrees on them at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any
+
+from ..call.allreduce import Op
+
+__all__ = ["Options"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How the ranks train together (every rank the same).
+
+    Attributes:
+        op: ``"adasum"`` (reduce the weight deltas of each rank's local step with Adasum), ``"sum"`` or
+            ``"mean"`` (reduce the gradients before the local step).
+        accumulation_steps: micro-batches per window. Their gradients add up in ``.grad``; at the boundary
+            they are divided by the number of micro-batches the window actually held, so the loss of each
+            micro-batch should be a mean over its samples and must not be divided by ``accumulation_steps``.
+        start_copy: ``op="adasum"`` only: where the window's starting values are kept, ``"device"`` (next to
+            the parameters) or ``"host"`` (pinned host memory for CUDA parameters; device memory grows only
+            by the largest parameter, at the price of copies).
+        skip_nonfinite: skip an update, on every rank, when the reduced gradients (sum/mean) or weight deltas
+            (adasum) hold a NaN or Inf; the parameters are left as they were, ``skipped_updates`` counts it
+            and rank 0 logs it once (logger ``"adasum"``). With adasum a rank whose own gradients are
+            non-finite skips its local step (its optimizer state stays finite). Off: non-finite values reach
+            the parameters.
+        hierarchical: ``op="adasum"`` only: the deltas are averaged over the ranks of each node, then combined
+            with Adasum across nodes: fewer bytes between nodes, Adasum's benefit kept for the node count.
+        overlap: communicate during backward (default off: where every rank has one core, the thread
+            competes with backward for it). On the backward that closes a window, buckets of parameters go
+            to the lane as backward finishes them; ``step()`` waits and applies. Bitwise the results of
+            ``overlap=False`` for adasum.
+        bucket_bytes: with ``overlap``, the smallest bucket in bytes of parameters (the last may be smaller).
+        compression: ``None``, ``"fp16"`` or ``"bf16"``: the deltas (adasum) or gradients (sum/mean) travel
+            as 16-bit floats, half the bytes, and are combined in float32 or wider (fp16 travels scaled per
+            layer by an agreed power of two).
+        buffers: with the optimizer's ``module``, how its buffers are kept alike at the end of every window
+            (collective there): ``"average"`` (each buffer's change since the last boundary averaged over
+            the ranks), ``"broadcast"`` (rank 0's copied to every rank) or None (left alone).
+        local_steps: local steps between combines (1: a combine at every window). With H > 1 the wrapped
+            optimizer takes a plain step at every window (no MPI call), and every H windows the ranks combine
+            each parameter's delta since the window's start.
+        outer_lr: the outer optimizer's rate at each combine: DiLoCo's outer SGD on g = -(combined delta):
+            v <- mu·v + g, params = start - outer_lr·(g + mu·v).
+        outer_momentum: mu above, Nesterov where > 0 (0: params = start + combined delta).
+        delay: 0 (the combine runs in the ``step()`` of the H-th local step) or 1 (it runs on a lane during
+            the next window's local steps and is merged at its end).
+    """
+
+    op: str = "adasum"
+    accumulation_steps: int = 1
+    start_copy: str = "device"
+    skip_nonfinite: bool = True
+    hierarchical: bool = False
+    overlap: bool = False
+    bucket_bytes: int = 25 << 20
+    compression: str | None = None
+    buffers: str | None = "average"
+    local_steps: int = 1
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    delay: int = 0
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "op", Op(self.op).value)
+        except ValueError:
+            raise ValueError(f"op must be one of 'adasum', 'sum', 'mean', got {self.op!r}") from None
+        for name in ("accumulation_steps", "bucket_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.start_copy not in ("device", "host"):
+            raise ValueError(f"start_copy must be 'device' or 'host', got {self.start_copy!r}")
+        if self.buffers not in (None, "average", "broadcast"):
+            raise ValueError(f"buffers must be 'average', 'broadcast' or None, got {self.buffers!r}")
+        if self.hierarchical and self.op != "adasum":
+            raise ValueError(f"hierarchical=True needs op 'adasum', got op '{self.op}'")
+
+    @classmethod
+    def of(cls, options: "Options | None", settings: dict[str, Any], who: str) -> "Options":
+        """``options`` with ``settings`` (keywords) replacing its fields; an unknown keyword is a TypeError
+        that names ``who`` and the settings there are."""
+        unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"{who} got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; its "
+                            f"settings are {', '.join(f.name for f in dataclasses.fields(cls))}")
+        return dataclasses.replace(options or cls(), **settings)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
