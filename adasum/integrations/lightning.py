@@ -93,7 +93,7 @@ class MPIEnvironment(ClusterEnvironment):
 class AdasumStrategy(ParallelStrategy):
     """Data-parallel training over MPI with :class:`adasum.torch.DistributedOptimizer`.
 
-    The settings (keywords, or ``options=``: the fields of :class:`adasum.torch.options.Options`, such as
+    The settings (keywords, or ``options=``: the fields of :class:`adasum.torch.Options`, such as
     ``op``, ``overlap``, ``compression``, ``local_steps``, ``delay``) go to every wrapped optimizer; with local
     steps each of Lightning's optimizer steps is a local step. ``buffers`` (``"average"``, the default,
     ``"broadcast"`` or None) is how the first optimizer keeps the module's buffers alike at each window's

@@ -8,9 +8,11 @@ from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 from .distributed import init_process_group
 from .optimizer import DistributedOptimizer
+from .options import Options
 
 __all__ = [
     "DistributedOptimizer",
+    "Options",
     "AccumulationWindow",
     "BoundaryScheduler",
     "broadcast_parameters",

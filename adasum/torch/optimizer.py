@@ -65,8 +65,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         module: the model (its ``buffers()``) or an iterable of buffer tensors to keep alike on every rank
             at each boundary, as the ``buffers`` setting says; None (the default): the buffers are left alone
             (each rank's BatchNorm statistics then follow its own batches).
-        options: an :class:`~adasum.torch.options.Options`; keywords replace its fields.
-        **settings: the fields of :class:`~adasum.torch.options.Options` (``op``, ``accumulation_steps``,
+        options: an :class:`~adasum.torch.Options`; keywords replace its fields.
+        **settings: the fields of :class:`~adasum.torch.Options` (``op``, ``accumulation_steps``,
             ``overlap``, ``compression``, ``local_steps``, ``delay`` …), which says what each one does.
 
     Attributes:

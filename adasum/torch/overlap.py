@@ -23,7 +23,7 @@ at least one gradient of each of its parameters: a parameter that gets none in s
 over, so no bucket is reduced before a gradient it could still receive. A parameter that receives more
 accumulations than planned after its bucket went to the thread makes the boundary fail on every rank.
 
-The bucket plan and a backward's progress are in :mod:`.buckets`, the threads in :mod:`.threads`.
+The bucket plan and a backward's progress are in :mod:`.buckets`, the lane in :mod:`adasum.runtime.lane`.
 
 Nothing here refers to the optimizer proxy: the hooks hold the engine weakly, the thread holds only its
 queue, and a job holds the strategy and its bucket. So an optimizer that is no longer referenced is
