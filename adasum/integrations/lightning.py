@@ -15,7 +15,7 @@ wrapped: every optimizer that ``configure_optimizers`` returns is wrapped in
 parameters and buffers start from rank 0's. The module's buffers (BatchNorm's running statistics) are
 kept alike by the first optimizer at the end of every window: by default their changes over the window are
 averaged over the ranks (``buffers="average"``; ``"broadcast"`` takes rank 0's, None leaves them to each
-rank; :mod:`adasum.torch.buffers` says why averaging is the default), so validation, checkpoints and
+rank; :mod:`adasum.torch.window.module_buffers` says why averaging is the default), so validation, checkpoints and
 every later window see the same buffers on every rank. Lightning's ``accumulate_grad_batches`` maps onto the
 optimizer's windows: the micro-batches before the last of a window run inside the optimizer's
 ``no_sync()``, and ``step()`` closes each window. ``precision="16-mixed"`` gives the optimizer Lightning's

@@ -18,7 +18,7 @@ arrived know of each other, and the ranks nobody heard from are the ones that ha
 Messages from ranks that waited in an earlier call are received and dropped when they are next looked for.
 
 A communicator whose owner may give it up while a thread waits there (the overlap engine's, see
-:meth:`adasum.torch.overlap.OverlapEngine.drop`; ``Context.may_give_up``) is waited on with a patience of at
+:meth:`adasum.runtime.lane.Lane.drop`; ``Context.may_give_up``) is waited on with a patience of at
 most ``GIVE_UP_EVERY`` seconds, with or without the inspector: once its context is marked ``broken``, the
 wait raises :class:`AdasumStallError` within that time, and the thread leaves the MPI library.
 """

@@ -3,12 +3,12 @@ with micro-batch accumulation), a scheduler that steps once per accumulation win
 root rank, and checkpoints that resume bitwise; ``torch.distributed`` started from MPI (:func:`init_process_group`) and
 DDP communication hooks (:mod:`adasum.torch.ddp`)."""
 
-from .accumulate import AccumulationWindow, BoundaryScheduler
-from .broadcast import broadcast_optimizer_state, broadcast_parameters
-from .checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 from .distributed import init_process_group
 from .optimizer import DistributedOptimizer
 from .options import Options
+from .state.broadcast import broadcast_optimizer_state, broadcast_parameters
+from .state.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
+from .window.accumulate import AccumulationWindow, BoundaryScheduler
 
 __all__ = [
     "DistributedOptimizer",

@@ -43,12 +43,12 @@ from mpi4py import MPI
 from ..call.allreduce import Op
 from ..runtime.context import check_comm
 from ..runtime.lane import Lane
-from .amp import LossScale
-from .compress import Wire
 from .options import Options
-from .strategy import AdasumDeltas, Bucket, trained_params
-from .tensors import StartCopy
-from .window import Layout, agree
+from .window.agreement import Layout, agree
+from .window.amp import LossScale
+from .window.compress import Wire
+from .window.reduce import AdasumDeltas, Bucket, trained_params
+from .window.tensors import StartCopy
 
 __all__ = ["AdasumState", "adasum_hook", "DeltaState", "adasum_delta_hook"]
 

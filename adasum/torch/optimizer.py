@@ -1,8 +1,8 @@
 """``DistributedOptimizer``: any torch optimizer, data-parallel over MPI with Adasum on weight deltas
 (docs/design.md), or with a plain sum/mean of the gradients, with local micro-batch accumulation.
 
-This is the object users see, and it is small: it counts micro-batches (:mod:`.accumulate`), and at a
-boundary hands buckets of parameters to a reduce strategy (:mod:`.strategy`: Adasum of weight deltas, or
+This is the object users see, and it is small: it counts micro-batches (:mod:`.window.accumulate`), and at a
+boundary hands buckets of parameters to a reduce strategy (:mod:`.window.reduce`: Adasum of weight deltas, or
 sum/mean of gradients), in ``step()`` or, with ``overlap=True``, on the overlap engine's thread during
 backward (:mod:`.overlap`). Before anything is applied the ranks vote on whether a bucket failed anywhere,
 so an error on one rank is an error on every rank. Every MPI call goes through the collective or
@@ -19,25 +19,59 @@ from mpi4py import MPI
 
 from ..runtime.context import check_comm
 from ..runtime.launch import check_launch
-from .arguments import check_agreement, check_arguments, check_buffers
-from .accumulate import AccumulationWindow
-from .amp import LossScale
-from .boundary import Boundary
-from .buffers import BufferSync, buffers_of
-from .compress import Wire
-from .local import LocalSteps, OuterSGD, local_problem, uses_local_steps
-from .overlap import OverlapEngine
-from . import state_dict as state_dicts
+from .checks import check_agreement, check_arguments, check_buffers
 from .options import Options
-from .stepping import Parts, Steps
-from .strategy import AdasumDeltas, GradientReduce, trained_params
-from .tensors import StartCopy
-from .window import Layout, Ledger
+from .overlap.engine import OverlapEngine
+from .state import optimizer_state as state_dicts
+from .window.accumulate import AccumulationWindow
+from .window.agreement import Layout, Ledger
+from .window.amp import LossScale
+from .window.boundary import Boundary
+from .window.compress import Wire
+from .window.local_steps import LocalSteps, OuterSGD, local_problem, uses_local_steps
+from .window.module_buffers import BufferSync, buffers_of
+from .window.reduce import AdasumDeltas, GradientReduce, trained_params
+from .window.steps import Parts, Steps
+from .window.tensors import StartCopy
 
 __all__ = ["DistributedOptimizer"]
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class _Wrapping(torch.optim.Optimizer):
+    """What an optimizer that holds another one (``.optimizer``) shows of it: its ``param_groups``, ``state``
+    and ``defaults``, and any other attribute, read from it. ``torch.optim.Optimizer.__init__`` is not
+    called: the wrapped optimizer owns groups, state and defaults."""
+
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups) -> None:
+        self.optimizer.param_groups = groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def __getattr__(self, name: str):
+        optimizer = self.__dict__.get("optimizer")
+        if optimizer is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(optimizer, name)
+
+    def __getstate__(self):
+        raise TypeError("a DistributedOptimizer cannot be pickled or copied (it holds an MPI communicator); "
+                        "save its state_dict() instead")
+
+
+class DistributedOptimizer(_Wrapping):
     """Wraps ``optimizer`` (SGD, Adam, AdamW, anything with ``param_groups`` and ``step()``) for training on
     every rank of ``comm``. It holds the wrapped optimizer (``.optimizer``) rather than re-implementing it:
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own.
@@ -81,7 +115,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         buckets_started_in_backward: of the last such boundary, how many buckets were handed to the
             thread before ``step()`` was called.
         timeline: of the last such boundary, when each bucket was handed over, reduced and done
-            (:attr:`adasum.torch.overlap.OverlapEngine.timeline`); empty without overlap.
+            (:attr:`adasum.torch.overlap.engine.OverlapEngine.timeline`); empty without overlap.
     """
 
     # GradScaler.step(opt) hands scaling over to optimizers that say this; step() then tells the user to
@@ -229,7 +263,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if not self.finalize_gradients():
             return None
-        return torch.nn.utils.clip_grad_norm_(self._params(), max_norm, norm_type, **kwargs)
+        return torch.nn.utils.clip_grad_norm_(trained_params(self.optimizer), max_norm, norm_type, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict plus one key, ``"adasum"``: the window's micro-batch count and
@@ -265,24 +299,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     skipped_updates = property(lambda self: self._steps.skipped_updates)
     boundaries = property(lambda self: self._parts.ledger.combines,
                           doc="Windows closed with a combine so far (with ``local_steps``: combines).")
-
-    # --- the wrapped optimizer's own attributes ------------------------------------------------------------
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, groups) -> None:
-        self.optimizer.param_groups = groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer. Collective in effect: every rank must add the same shapes
@@ -348,22 +364,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"rank {self.comm.Get_rank()}: {what} after close(): this DistributedOptimizer "
                                "was closed; make a new one (its state_dict() still works)")
 
-    def __getattr__(self, name: str):
-        optimizer = self.__dict__.get("optimizer")
-        if optimizer is None or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(optimizer, name)
-
-    def __getstate__(self):
-        raise TypeError("a DistributedOptimizer cannot be pickled or copied (it holds an MPI communicator); "
-                        "save its state_dict() instead")
-
     def __repr__(self) -> str:
         return (f"DistributedOptimizer(op={self.op!r}, accumulation_steps={self.accumulation_steps}, "
                 f"overlap={self.overlap}, compression={self.compression!r}, size={self.comm.Get_size()}, "
                 f"optimizer={self.optimizer!r})")
-
-    # --- helpers ----------------------------------------------------------------------------------------------
-
-    def _params(self) -> list[torch.Tensor]:
-        return trained_params(self.optimizer)

@@ -16,7 +16,7 @@ import torch
 import adasum
 from adasum.rule.reference import reference_allreduce
 from adasum.torch import DistributedOptimizer, load_checkpoint, read_checkpoint, save_checkpoint
-from adasum.torch.checkpoint import HEADER_BYTES
+from adasum.torch.state.checkpoint import HEADER_BYTES
 
 from helpers import raw_bytes
 

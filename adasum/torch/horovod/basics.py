@@ -55,7 +55,7 @@ class NoneCompressor(_Compressor):
 
 class FP16Compressor(_Compressor):
     """Floating tensors travel as float16 (scaled by a power of two every rank agrees on, combined in
-    float32: :class:`adasum.torch.compress.Wire`); other dtypes travel as they are."""
+    float32: :class:`adasum.torch.window.compress.Wire`); other dtypes travel as they are."""
 
     wire = "fp16"
     dtype = torch.float16

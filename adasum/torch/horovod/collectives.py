@@ -15,7 +15,7 @@ from mpi4py import MPI
 from ...runtime import exchange, world
 from . import plans
 from .basics import HorovodInternalError
-from .negotiate import Call, execute, serve_joined
+from .negotiate import RankCall, execute, serve_joined
 from .process_sets import resolve, thread
 
 __all__ = ["allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "allgather", "grouped_allgather",
@@ -121,7 +121,7 @@ def grouped_reducescatter(tensors, name=None, op=None, process_set=None, prescal
 
 def _simple(kind: str, process_set, agree: tuple = (), local=None, error=None, run=lambda everyone: None):
     ps = resolve(process_set)
-    return execute(ps.comm(), ps.ranks, world.rank(), Call(kind, agree, local, error), run)
+    return execute(ps.comm(), ps.ranks, world.rank(), RankCall(kind, agree, local, error), run)
 
 
 def barrier(process_set=None) -> None:

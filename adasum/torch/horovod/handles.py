@@ -63,7 +63,7 @@ def _submit(what: str, name, work: Callable[[], Any]) -> int:
     return handle
 
 
-def _async(what: str, name, plan: plans.Plan, after: Callable[[Any], Any] | None = None) -> int:
+def _async(what: str, name, plan: plans.Collective, after: Callable[[Any], Any] | None = None) -> int:
     def work():
         out = plans.run(plan, stream=True)
         return after(out) if after is not None else out

@@ -1,7 +1,7 @@
 """How the ranks of a process set agree on each call of :mod:`adasum.horovod` before any data moves.
 
 Every call of the façade (a collective, ``barrier()``, ``join()``, adding a process set) starts with one
-exchange on the set's communicator: each rank's :class:`Call` (its kind, what must be the same on every
+exchange on the set's communicator: each rank's :class:`RankCall` (its kind, what must be the same on every
 rank, its own part, a problem found locally), gathered on every rank through
 :func:`adasum.runtime.exchange.allgather` (so it is agreed and stall-watched like any call of the
 library; all of the façade's calls are one kind of exchange there, :data:`WHAT`). Every rank then reads the
@@ -9,7 +9,7 @@ same list with :func:`verdict`, and so takes the same decision: go on, raise (th
 that is not in ``join()``), or end a ``join()``.
 
 A rank in ``join()`` answers the other ranks' calls (:func:`serve_joined`): with zeros where the call is an
-allreduce (Sum, Average or Adasum: :attr:`Call.joinable`), as Horovod does; for any other call the ranks
+allreduce (Sum, Average or Adasum: :attr:`RankCall.joinable`), as Horovod does; for any other call the ranks
 that made it raise :class:`HorovodInternalError` and the joined rank goes on waiting.
 """
 
@@ -23,13 +23,13 @@ from ...call.agreement import AdasumMismatchError
 from ...runtime import exchange, world
 from .basics import HorovodInternalError
 
-__all__ = ["Call", "Plan", "WHAT", "negotiate", "verdict", "execute", "run", "serve_joined", "RUN", "RAISE", "DONE"]
+__all__ = ["RankCall", "Collective", "WHAT", "negotiate", "verdict", "execute", "run", "serve_joined", "RUN", "RAISE", "DONE"]
 
 WHAT = "a call of adasum.horovod"
 RUN, RAISE, DONE = "run", "raise", "done"
 
 
-class Call(NamedTuple):
+class RankCall(NamedTuple):
     """One rank's side of a call: ``agree`` (``(name, value)`` pairs) must be the same on every rank making
     the call; ``local`` is this rank's own part (its rows, its splits, an object); ``error`` a problem found
     on this rank (``(exception type, text)``); ``joinable``: a rank in ``join()`` answers it with zeros."""
@@ -41,8 +41,8 @@ class Call(NamedTuple):
     joinable: bool = False
 
 
-def negotiate(comm: MPI.Intracomm, call: Call) -> list[Call]:
-    """Every rank's :class:`Call`, in the order of ``comm``'s ranks (collective over ``comm``)."""
+def negotiate(comm: MPI.Intracomm, call: RankCall) -> list[RankCall]:
+    """Every rank's :class:`RankCall`, in the order of ``comm``'s ranks (collective over ``comm``)."""
     return exchange.allgather(comm, call, what=WHAT, label=f"adasum.horovod.{call.kind}")
 
 
@@ -57,7 +57,7 @@ def _show(agree: tuple) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in agree) or "nothing"
 
 
-def verdict(everyone: list[Call], ranks: list[int], me: int) -> tuple[str, Exception | None]:
+def verdict(everyone: list[RankCall], ranks: list[int], me: int) -> tuple[str, Exception | None]:
     """What every rank does after the negotiation (the same list gives the same answer on every rank):
     (:data:`DONE`, None) where every rank is in ``join()``, (:data:`RAISE`, the error) where the calls
     cannot go on, else (:data:`RUN`, None). ``ranks``: the world ranks of the set; ``me``: this rank's."""
@@ -87,8 +87,8 @@ def verdict(everyone: list[Call], ranks: list[int], me: int) -> tuple[str, Excep
     return RUN, None
 
 
-def execute(comm: MPI.Intracomm, ranks: list[int], me: int, call: Call,
-            run: Callable[[list[Call]], Any]) -> Any:
+def execute(comm: MPI.Intracomm, ranks: list[int], me: int, call: RankCall,
+            run: Callable[[list[RankCall]], Any]) -> Any:
     """Negotiate ``call`` on ``comm``; raise where :func:`verdict` says so, else return ``run(everyone)``."""
     everyone = negotiate(comm, call)
     _, error = verdict(everyone, ranks, me)
@@ -97,25 +97,25 @@ def execute(comm: MPI.Intracomm, ranks: list[int], me: int, call: Call,
     return run(everyone)
 
 
-class Plan(NamedTuple):
+class Collective(NamedTuple):
     """A collective of the façade ready to negotiate: its process set (a :class:`~.process_sets.ProcessSet`),
-    this rank's :class:`Call`, and what runs once every rank agreed (``run(everyone, comm)``). Made by
+    this rank's :class:`RankCall`, and what runs once every rank agreed (``run(everyone, comm)``). Made by
     :mod:`.plans`; run by :func:`run`."""
 
     ps: Any
-    call: Call
-    run: Callable[[list[Call], MPI.Intracomm], Any]
+    call: RankCall
+    run: Callable[[list[RankCall], MPI.Intracomm], Any]
 
 
-def run(plan: Plan, stream: bool = False) -> Any:
+def run(plan: Collective, stream: bool = False) -> Any:
     """Negotiate ``plan`` on its set's communicator (``stream``: the handles'), then run it."""
     comm = plan.ps.comm(stream)
     return execute(comm, plan.ps.ranks, world.rank(), plan.call, lambda everyone: plan.run(everyone, comm))
 
 
 def serve_joined(comm: MPI.Intracomm, ranks: list[int], me: int,
-                 zeros: Callable[[Call, MPI.Intracomm, float], None],
-                 abandoned: Callable[[], str | None] = lambda: None) -> tuple[int, list[Call]]:
+                 zeros: Callable[[RankCall, MPI.Intracomm, float], None],
+                 abandoned: Callable[[], str | None] = lambda: None) -> tuple[int, list[RankCall]]:
     """This rank's side of ``join()`` on ``comm``: answer the other ranks' calls until every rank has
     joined. ``zeros(call, comm, fill)`` takes part in a joinable ``call`` with tensors of ``fill``. Returns
     the number of calls answered and the last negotiation's calls.
@@ -127,7 +127,7 @@ def serve_joined(comm: MPI.Intracomm, ranks: list[int], me: int,
     while True:
         reason = abandoned()
         error = None if reason is None else (HorovodInternalError, f"rank {me}: {reason}")
-        everyone = negotiate(comm, Call("join", local=served, error=error))
+        everyone = negotiate(comm, RankCall("join", local=served, error=error))
         action, failure = verdict(everyone, ranks, me)
         if action == DONE or error is not None:
             return served, everyone

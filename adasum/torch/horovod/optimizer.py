@@ -13,8 +13,8 @@ from ...runtime import exchange, world
 from .. import DistributedOptimizer as _DistributedOptimizer
 from .. import broadcast_optimizer_state as _broadcast_optimizer_state
 from .. import broadcast_parameters as _broadcast_parameters
-from ..local import uses_local_steps
-from ..strategy import trained_params
+from ..window.local_steps import uses_local_steps
+from ..window.reduce import trained_params
 from .basics import Average, Compression, wire_of
 from .process_sets import resolve
 from .sparse import SparseGradients, hidden

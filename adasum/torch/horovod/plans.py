@@ -1,5 +1,5 @@
-"""Each collective of :mod:`adasum.horovod` as a :class:`~.negotiate.Plan`: the process set, this rank's
-side of the negotiation (:class:`~.negotiate.Call`, with the problems found locally) and what runs once
+"""Each collective of :mod:`adasum.horovod` as a :class:`~.negotiate.Collective`: the process set, this rank's
+side of the negotiation (:class:`~.negotiate.RankCall`, with the problems found locally) and what runs once
 every rank agreed (:func:`~.negotiate.run` runs it). The synchronous calls run a plan on the calling
 thread over the set's communicator; the asynchronous ones on the communication thread over the handles'
 communicator (:mod:`.handles`)."""
@@ -13,10 +13,10 @@ from ...runtime import world
 from . import autograd as ag
 from . import transfer
 from .basics import Adasum, Average, Max, Min, MPI_OPS, OPS, Sum, wire_of
-from .negotiate import Call, Plan, run
+from .negotiate import RankCall, Collective, run
 from .process_sets import resolve
 
-__all__ = ["Plan", "run", "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
+__all__ = ["Collective", "run", "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
            "alltoall", "reducescatter", "grouped_reducescatter", "answer_with_zeros"]
 
 
@@ -73,10 +73,10 @@ def _reduction(tensors, average, op, compression, grad: bool, what: str):
 
 
 def allreduce(tensor, average=None, compression=None, op=None, prescale: float = 1.0, postscale: float = 1.0,
-              process_set=None, grad: bool = True) -> Plan:
+              process_set=None, grad: bool = True) -> Collective:
     ps = resolve(process_set)
     op, wire, track, error = _reduction([tensor], average, op, compression, grad, "allreduce")
-    call = Call("allreduce", (("op", op), ("compression", wire), ("tensors", _layout([tensor])),
+    call = RankCall("allreduce", (("op", op), ("compression", wire), ("tensors", _layout([tensor])),
                               ("requires_grad", track)), error=error, joinable=op in (Sum, Average, Adasum))
     pre, post = float(prescale), float(postscale)
 
@@ -84,15 +84,15 @@ def allreduce(tensor, average=None, compression=None, op=None, prescale: float =
         if track:
             return ag.Allreduce.apply(tensor, op, wire, pre, post, ps, allreduce)
         return transfer.reduce(tensor, op, wire, pre, post, comm)
-    return Plan(ps, call, go)
+    return Collective(ps, call, go)
 
 
 def grouped_allreduce(tensors, average=None, compression=None, op=None, prescale: float = 1.0,
-                      postscale: float = 1.0, process_set=None, grad: bool = True) -> Plan:
+                      postscale: float = 1.0, process_set=None, grad: bool = True) -> Collective:
     ps = resolve(process_set)
     tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
     op, wire, track, error = _reduction(tensors, average, op, compression, grad, "grouped_allreduce")
-    call = Call("grouped_allreduce", (("op", op), ("compression", wire), ("tensors", _layout(tensors)),
+    call = RankCall("grouped_allreduce", (("op", op), ("compression", wire), ("tensors", _layout(tensors)),
                                       ("requires_grad", track)), error=error, joinable=op in (Sum, Average, Adasum))
     pre, post = float(prescale), float(postscale)
 
@@ -100,10 +100,10 @@ def grouped_allreduce(tensors, average=None, compression=None, op=None, prescale
         if track:
             return list(ag.GroupedAllreduce.apply(op, wire, pre, post, ps, grouped_allreduce, *tensors))
         return transfer.reduce_group(tensors, op, wire, pre, post, comm)
-    return Plan(ps, call, go)
+    return Collective(ps, call, go)
 
 
-def answer_with_zeros(call: Call, comm: MPI.Intracomm, fill: float = 0.0) -> None:
+def answer_with_zeros(call: RankCall, comm: MPI.Intracomm, fill: float = 0.0) -> None:
     """A joined rank's part in a joinable ``call`` of the other ranks: zeros (or ``fill`` where the dtype
     holds it) of their dtypes and shapes."""
     a = dict(call.agree)
@@ -118,26 +118,26 @@ def _rows(call_locals: list, i: int | None = None) -> list[int]:
     return [c.local if i is None else c.local[i] for c in call_locals]
 
 
-def allgather(tensor, process_set=None, grad: bool = True) -> Plan:
+def allgather(tensor, process_set=None, grad: bool = True) -> Collective:
     ps = resolve(process_set)
     error = _problem([tensor], "allgather", dims=1)
     track = error is None and _tracks([tensor], grad)
-    call = Call("allgather", (("tensors", _layout([tensor], trailing=True)), ("requires_grad", track)),
+    call = RankCall("allgather", (("tensors", _layout([tensor], trailing=True)), ("requires_grad", track)),
                 local=tensor.shape[0] if error is None else 0, error=error)
 
     def go(everyone, comm):
         rows = _rows(everyone)
         out = transfer.allgatherv(tensor, rows, comm)
         return ag.Allgather.apply(tensor, out, rows, ps, grouped_allreduce) if track else out
-    return Plan(ps, call, go)
+    return Collective(ps, call, go)
 
 
-def grouped_allgather(tensors, process_set=None, grad: bool = True) -> Plan:
+def grouped_allgather(tensors, process_set=None, grad: bool = True) -> Collective:
     ps = resolve(process_set)
     tensors = list(tensors)
     error = _problem(tensors, "grouped_allgather", dims=1)
     track = error is None and _tracks(tensors, grad)
-    call = Call("grouped_allgather", (("tensors", _layout(tensors, trailing=True)), ("requires_grad", track)),
+    call = RankCall("grouped_allgather", (("tensors", _layout(tensors, trailing=True)), ("requires_grad", track)),
                 local=[t.shape[0] for t in tensors] if error is None else [], error=error)
 
     def go(everyone, comm):
@@ -145,23 +145,23 @@ def grouped_allgather(tensors, process_set=None, grad: bool = True) -> Plan:
         outs = [transfer.allgatherv(t, r, comm) for t, r in zip(tensors, rows)]
         return (list(ag.GroupedAllgather.apply(rows, ps, grouped_allreduce, len(tensors), *tensors, *outs)) if track
                 else outs)
-    return Plan(ps, call, go)
+    return Collective(ps, call, go)
 
 
-def broadcast(tensor, root_rank: int, process_set=None, grad: bool = True) -> Plan:
+def broadcast(tensor, root_rank: int, process_set=None, grad: bool = True) -> Collective:
     ps = resolve(process_set)
     error = _problem([tensor], "broadcast")
     if error is None and root_rank not in ps.ranks:
         error = ValueError, (f"rank {world.rank()}: root_rank must be a rank of the process set {ps.ranks}, "
                              f"got {root_rank!r}")
     track = error is None and _tracks([tensor], grad)
-    call = Call("broadcast", (("root_rank", root_rank), ("tensors", _layout([tensor])), ("requires_grad", track)),
+    call = RankCall("broadcast", (("root_rank", root_rank), ("tensors", _layout([tensor])), ("requires_grad", track)),
                 error=error)
 
     def go(everyone, comm):
         out = transfer.bcast(tensor, ps.ranks.index(root_rank), comm)
         return ag.Broadcast.apply(tensor, out, root_rank, ps, grouped_allreduce) if track else out
-    return Plan(ps, call, go)
+    return Collective(ps, call, go)
 
 
 def _splits(tensor, splits, n: int) -> tuple[list[int] | None, tuple | None]:
@@ -183,14 +183,14 @@ def _splits(tensor, splits, n: int) -> tuple[list[int] | None, tuple | None]:
     return splits, None
 
 
-def alltoall(tensor, splits=None, process_set=None, grad: bool = True) -> Plan:
+def alltoall(tensor, splits=None, process_set=None, grad: bool = True) -> Collective:
     ps = resolve(process_set)
     error = _problem([tensor], "alltoall", dims=1)
     send = None
     if error is None:
         send, error = _splits(tensor, splits, ps.size())
     track = error is None and _tracks([tensor], grad)
-    call = Call("alltoall", (("tensors", _layout([tensor], trailing=True)), ("requires_grad", track)),
+    call = RankCall("alltoall", (("tensors", _layout([tensor], trailing=True)), ("requires_grad", track)),
                 local=send, error=error)
 
     def go(everyone, comm):
@@ -201,7 +201,7 @@ def alltoall(tensor, splits=None, process_set=None, grad: bool = True) -> Plan:
             out = ag.Alltoall.apply(tensor, out, send, recv, ps, alltoall)
         received = torch.tensor(recv, dtype=torch.int32)
         return out if splits is None else (out, received)
-    return Plan(ps, call, go)
+    return Collective(ps, call, go)
 
 
 def scatter_rows(rows: int, n: int) -> list[int]:
@@ -219,18 +219,18 @@ def _reducescatter_args(tensors, op, what: str):
 
 
 def reducescatter(tensor, op=None, prescale: float = 1.0, postscale: float = 1.0, process_set=None,
-                  grad: bool = True) -> Plan:
+                  grad: bool = True) -> Collective:
     plan = grouped_reducescatter([tensor], op, prescale, postscale, process_set, grad, what="reducescatter")
-    return Plan(plan.ps, plan.call, lambda everyone, comm: plan.run(everyone, comm)[0])
+    return Collective(plan.ps, plan.call, lambda everyone, comm: plan.run(everyone, comm)[0])
 
 
 def grouped_reducescatter(tensors, op=None, prescale: float = 1.0, postscale: float = 1.0, process_set=None,
-                          grad: bool = True, what: str = "grouped_reducescatter") -> Plan:
+                          grad: bool = True, what: str = "grouped_reducescatter") -> Collective:
     ps = resolve(process_set)
     tensors = list(tensors)
     op, error = _reducescatter_args(tensors, op, what)
     track = error is None and _tracks(tensors, grad)
-    call = Call(what, (("op", op), ("tensors", _layout(tensors)), ("requires_grad", track)), error=error)
+    call = RankCall(what, (("op", op), ("tensors", _layout(tensors)), ("requires_grad", track)), error=error)
     pre, post = float(prescale), float(postscale)
 
     def go(everyone, comm):
@@ -244,4 +244,4 @@ def grouped_reducescatter(tensors, op=None, prescale: float = 1.0, postscale: fl
             return list(ag.GroupedReducescatter.apply(op, pre * post, ps, grouped_allgather, len(tensors), *tensors,
                                                       *outs))
         return outs
-    return Plan(ps, call, go)
+    return Collective(ps, call, go)

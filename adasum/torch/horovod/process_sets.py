@@ -22,7 +22,7 @@ from mpi4py import MPI
 from ...runtime import world
 from ...runtime.context import library_comm
 from ...runtime.lane import Lane
-from .negotiate import Call, execute
+from .negotiate import RankCall, execute
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "init", "shutdown",
            "initialized", "ensure", "on_thread", "thread", "resolve"]
@@ -173,7 +173,7 @@ def add_process_set(process_set) -> ProcessSet:
     over the world: every rank calls it with the same ranks (ValueError on every rank otherwise)."""
     ensure()
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    call = Call("add_process_set", agree=(("ranks", tuple(ps.ranks)),), error=_problem(ps))
+    call = RankCall("add_process_set", agree=(("ranks", tuple(ps.ranks)),), error=_problem(ps))
     execute(MPI.COMM_WORLD, global_process_set.ranks, world.rank(), call, lambda everyone: None)
     me = world.rank()
     color = 0 if me in ps.ranks else MPI.UNDEFINED
@@ -194,7 +194,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         problem = (ValueError, f"rank {world.rank()}: {process_set!r} is not a registered process set (the "
                                "global one cannot be removed)")
     pid = getattr(process_set, "process_set_id", None)
-    call = Call("remove_process_set", agree=(("process_set_id", pid),), error=problem)
+    call = RankCall("remove_process_set", agree=(("process_set_id", pid),), error=problem)
     execute(MPI.COMM_WORLD, global_process_set.ranks, world.rank(), call, lambda everyone: None)
     _free(_State.sets.pop(pid))
     return True

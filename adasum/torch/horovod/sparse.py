@@ -31,7 +31,7 @@ import torch
 from mpi4py import MPI
 
 from ...runtime import exchange, world
-from ..tensors import all_finite, mark_nonfinite
+from ..window.tensors import all_finite, mark_nonfinite
 from . import plans
 from .basics import Average, Sum
 from .process_sets import ProcessSet

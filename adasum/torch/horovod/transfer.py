@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from ...call.allreduce import adasum_allreduce
 from ...runtime import exchange
-from ..compress import Wire
+from ..window.compress import Wire
 from .basics import Adasum, Average, MPI_OPS, Sum
 
 __all__ = ["reduce", "reduce_group", "allgatherv", "alltoallv", "bcast", "scaled", "integral"]

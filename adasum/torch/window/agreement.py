@@ -24,9 +24,9 @@ import zlib
 import torch
 from mpi4py import MPI
 
-from ..call.agreement import AdasumMismatchError, agree_exchange
-from ..runtime import exchange
-from ..runtime.context import check_comm
+from ...call.agreement import AdasumMismatchError, agree_exchange
+from ...runtime import exchange
+from ...runtime.context import check_comm
 
 __all__ = ["Decision", "Layout", "Ledger", "agree", "log_skip"]
 

@@ -12,10 +12,10 @@ from typing import Any, Iterable, Mapping
 import torch
 from mpi4py import MPI
 
-from ..runtime import exchange
-from ..runtime.context import check_comm, check_root
-from ..runtime.exchange import raise_everywhere
-from .optimizer import DistributedOptimizer
+from ...runtime import exchange
+from ...runtime.context import check_comm, check_root
+from ...runtime.exchange import raise_everywhere
+from ..optimizer import DistributedOptimizer
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state"]
 

@@ -16,14 +16,14 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
+from ..overlap.engine import OverlapEngine
 from .accumulate import AccumulationWindow
+from .agreement import Layout, Ledger, agree
 from .amp import LossScale
 from .boundary import Boundary, log_skip
-from .buffers import BufferSync
-from .local import LocalSteps
-from .overlap import OverlapEngine
-from .strategy import trained_params
-from .window import Layout, Ledger, agree
+from .local_steps import LocalSteps
+from .module_buffers import BufferSync
+from .reduce import trained_params
 
 __all__ = ["Parts", "Steps"]
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from ..internals import (foreach_add_, foreach_copy_, foreach_div_, foreach_sub_, non_finite_check_and_unscale_,
+                         sparse_values)
+
 __all__ = ["Snapshot", "StartCopy", "all_finite", "average_", "grads_of", "mark_nonfinite"]
 
 
@@ -20,7 +23,7 @@ def average_(grads: list[torch.Tensor], count: int, scale: float) -> None:
     by ``count`` alone)."""
     divisor = float(count) * scale
     if divisor != 1.0 and grads:
-        torch._foreach_div_(grads, divisor)
+        foreach_div_(grads, divisor)
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -30,13 +33,13 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         if t.is_sparse:  # a sparse gradient (nn.Embedding(sparse=True)): its stored values
-            t = t._values()
+            t = sparse_values(t)
         if t.numel():
             by_device.setdefault(t.device, []).append(t)
     for device, ts in by_device.items():
         # Made per call: the communication thread checks its buckets meanwhile.
         found, one = torch.zeros(1, device=device), torch.ones(1, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(ts, found, one)
+        non_finite_check_and_unscale_(ts, found, one)
         if found.item():
             return False
     return True
@@ -49,6 +52,18 @@ def mark_nonfinite(tensors: list[torch.Tensor]) -> None:
         if t.numel():
             t.view(-1)[0] = float("nan")
             return
+
+
+def apply_kept(where: str, targets: list[torch.Tensor], kept: list[torch.Tensor], how: str) -> None:
+    """``target -= kept`` ("sub"), ``target += kept`` ("add") or ``target = kept`` ("copy"), in place; kept
+    values on the host (``where="host"``) come to the device one parameter's worth at a time."""
+    with torch.no_grad():
+        if where == "device":
+            {"sub": foreach_sub_, "add": foreach_add_, "copy": foreach_copy_}[how](targets, kept)
+            return
+        for t, s in zip(targets, kept):
+            s = s.to(t.device, non_blocking=True)
+            {"sub": t.sub_, "add": t.add_, "copy": t.copy_}[how](s)
 
 
 class StartCopy:
@@ -97,27 +112,13 @@ class StartCopy:
                 for s, p in zip(start, params):
                     s.copy_(p.detach(), non_blocking=True)
             elif start:
-                torch._foreach_copy_(start, [p.detach() for p in params])
+                foreach_copy_(start, [p.detach() for p in params])
 
     def apply(self, targets: list[torch.Tensor], index: list[int], how: str) -> None:
         """``target -= start`` ("sub"), ``target += start`` ("add") or ``target = start`` ("copy"), in place,
         for the parameters at positions ``index``."""
-        start = [self._start[i] for i in index]
-        if not targets:
-            return
-        with torch.no_grad():
-            if self.where == "device":
-                {"sub": torch._foreach_sub_, "add": torch._foreach_add_, "copy": torch._foreach_copy_}[how](
-                    targets, start)
-                return
-            for t, s in zip(targets, start):
-                s = s.to(t.device, non_blocking=True)  # one parameter's worth of device memory at a time
-                if how == "sub":
-                    t.sub_(s)
-                elif how == "add":
-                    t.add_(s)
-                else:
-                    t.copy_(s)
+        if targets:
+            apply_kept(self.where, targets, [self._start[i] for i in index], how)
 
     def side(self, index: list[int], params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The kept shadows of ``params`` (the parameters at positions ``index``): same shape, dtype and
@@ -182,14 +183,5 @@ class Snapshot:
     def apply(self, targets: list[torch.Tensor], params: list[torch.Tensor], how: str) -> None:
         """``target -= kept`` ("sub"), ``target += kept`` ("add") or ``target = kept`` ("copy"), in place,
         with the kept values of ``params``."""
-        if not targets:
-            return
-        kept = self.values(params)
-        with torch.no_grad():
-            if self.where == "device":
-                {"sub": torch._foreach_sub_, "add": torch._foreach_add_, "copy": torch._foreach_copy_}[how](
-                    targets, kept)
-                return
-            for t, s in zip(targets, kept):
-                s = s.to(t.device, non_blocking=True)  # one parameter's worth of device memory at a time
-                {"sub": t.sub_, "add": t.add_, "copy": t.copy_}[how](s)
+        if targets:
+            apply_kept(self.where, targets, self.values(params), how)

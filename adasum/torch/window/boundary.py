@@ -17,13 +17,13 @@ import dataclasses
 import torch
 from mpi4py import MPI
 
+from ..overlap.engine import OverlapEngine
 from .accumulate import AccumulationWindow
+from .agreement import Layout, agree
+from .agreement import log_skip as window_log
 from .amp import LossScale
-from .overlap import OverlapEngine
-from .strategy import AdasumDeltas, Bucket, GradientReduce, trained_params
+from .reduce import AdasumDeltas, Bucket, GradientReduce, trained_params
 from .tensors import average_, grads_of
-from .window import Layout, agree
-from .window import log_skip as window_log
 
 __all__ = ["Boundary", "log_skip"]
 
@@ -82,7 +82,7 @@ class Boundary:
         return ok
 
     def _reduce_and_agree(self, count: int, ledger: dict[str, int]) -> tuple[list[Bucket], float]:
-        """The window's buckets, reduced, once every rank agreed (:func:`~adasum.torch.window.agree`) that
+        """The window's buckets, reduced, once every rank agreed (:func:`~adasum.torch.window.agreement.agree`) that
         none failed and that the windows match: before the wire where the boundary runs here, after it
         where the buckets were reduced during backward (overlap)."""
         done = self.engine.finish() if self.engine is not None and not self.engine.closed else None

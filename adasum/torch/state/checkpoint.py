@@ -25,9 +25,9 @@ from typing import IO, Any
 import torch
 from mpi4py import MPI
 
-from ..runtime import exchange
-from ..runtime.context import check_comm, check_root
-from ..runtime.exchange import raise_everywhere
+from ...runtime import exchange
+from ...runtime.context import check_comm, check_root
+from ...runtime.exchange import raise_everywhere
 from .broadcast import to_cpu
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint"]

@@ -40,11 +40,11 @@ from typing import Callable
 import torch
 from mpi4py import MPI
 
-from ..runtime import exchange
-from ..runtime.lane import Job, Lane
+from ...runtime import exchange
+from ...runtime.lane import Job, Lane
+from ..window.agreement import Layout, Ledger, agree
+from ..window.reduce import Bucket, trained_params
 from .buckets import FIRST_BUCKET_BYTES, Backward, BucketPlan, plan_from  # noqa: F401 (importable here)
-from .strategy import Bucket, trained_params
-from .window import Layout, Ledger, agree
 
 __all__ = ["BucketPlan", "OverlapEngine"]
 
@@ -52,7 +52,7 @@ __all__ = ["BucketPlan", "OverlapEngine"]
 class OverlapEngine:
     """Hooks, plan, thread and communicator of one overlapped optimizer (see the module docstring).
 
-    ``strategy`` reduces a bucket; ``window`` (an :class:`~adasum.torch.accumulate.AccumulationWindow`) says
+    ``strategy`` reduces a bucket; ``window`` (an :class:`~adasum.torch.window.accumulate.AccumulationWindow`) says
     whether the backward in progress closes a window; ``loss_scale`` gives the scale of its gradients.
     """
 

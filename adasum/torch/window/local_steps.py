@@ -17,7 +17,7 @@ Parameters are tracked by identity. A window's parameters are those it trained a
 one frozen inside the window keeps its place (its delta since the window's start is combined, so it ends
 alike on every rank), one unfrozen or added inside it joins at its first local step, with its value then as
 its start. The ranks check at every combine that their windows hold the same parameters
-(:func:`adasum.torch.window.agree`).
+(:func:`adasum.torch.window.agreement.agree`).
 
 ``delay=1``: window k's combine runs on a lane (:class:`adasum.runtime.lane.Lane`) while window k+1's local
 steps run, and is merged at the end of window k+1. Each rank keeps the last common point G (the ranks'
@@ -40,15 +40,17 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from ..runtime import exchange
-from ..runtime.lane import Lane
+from ...runtime import exchange
+from ...runtime.lane import Lane
+from .agreement import Layout, agree, log_skip
 from .amp import LossScale
 from .compress import Wire
-from .strategy import _describe, all_params, trained_params
+from .outer import OuterSGD
+from .reduce import _describe, all_params, trained_params
 from .tensors import Snapshot, all_finite, average_, grads_of
-from .window import Layout, agree, log_skip
+from ..internals import foreach_copy_
 
-__all__ = ["LocalSteps", "OuterSGD", "load_problem", "local_problem", "uses_local_steps"]
+__all__ = ["LocalSteps", "local_problem", "uses_local_steps"]
 
 
 def uses_local_steps(local_steps: int, outer_lr: float, outer_momentum: float, delay: int) -> bool:
@@ -73,81 +75,6 @@ def local_problem(settings: dict[str, Any]) -> str | None:
                 "outer optimizer the combine follows the H-th local step instead: construct the optimizer "
                 "with overlap=False")
     return None
-
-
-def load_problem(own: dict[str, Any], settings: dict[str, Any] | None) -> str | None:
-    """Why a state's ``"adasum"`` entries ``own`` do not load into an optimizer with these local-steps
-    ``settings`` (None: no local steps), or None: a state taken inside a window of local steps (or with a
-    combine in flight) loads only into the same settings."""
-    taken = int(own.get("local_steps_taken", 0))
-    if not taken and own.get("combined_deltas") is None:
-        return None
-    saved = own.get("local_settings")
-    if saved is None and settings is not None:
-        return None  # a state from before the settings were saved: its shape is checked on loading
-    if saved == settings:
-        return None
-    here = "no local steps (local_steps=1, delay=0, no outer optimizer)" if settings is None else str(settings)
-    inflight = ", a combine in flight" if own.get("combined_deltas") is not None else ""
-    return (f"the state was taken inside a window of local steps ({taken} local steps taken{inflight}) of an "
-            f"optimizer with {saved if saved is not None else 'local steps'}; this optimizer has {here}. Load it "
-            "into an optimizer with the same local-steps settings, or save the state after flush() (every "
-            "window combined), which loads into any settings")
-
-
-class OuterSGD:
-    """The outer optimizer: SGD on the pseudo-gradient ``g = -combined delta``, Nesterov where
-    ``momentum > 0`` (the module's formula). Its state is a momentum buffer per parameter, by identity."""
-
-    def __init__(self, lr: float, momentum: float):
-        self.lr = float(lr)
-        self.momentum = float(momentum)
-        self.velocity: dict[int, torch.Tensor] = {}
-
-    @property
-    def plain(self) -> bool:
-        """start + combined delta, exactly."""
-        return self.lr == 1.0 and self.momentum == 0.0
-
-    def apply_(self, deltas: list[torch.Tensor], params: list[torch.Tensor], base: Snapshot) -> None:
-        """``deltas`` (the combined deltas of ``params``) become the new points: base moved by the outer step."""
-        with torch.no_grad():
-            if not deltas:
-                return
-            if not self.plain:
-                torch._foreach_neg_(deltas)  # g
-                if self.momentum:
-                    v = [self._velocity(p, d) for p, d in zip(params, deltas)]
-                    torch._foreach_mul_(v, self.momentum)
-                    torch._foreach_add_(v, deltas)  # v = mu * v + g
-                    torch._foreach_add_(deltas, torch._foreach_mul(v, self.momentum))  # g + mu * v
-                torch._foreach_mul_(deltas, -self.lr)
-            base.apply(deltas, params, "add")
-
-    def _velocity(self, p: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        v = self.velocity.get(id(p))
-        if v is None or v.shape != like.shape:
-            v = self.velocity[id(p)] = torch.zeros_like(like)
-        return v
-
-    def state_dict(self, everything: list[torch.Tensor]) -> list[torch.Tensor | None] | None:
-        """The momentum buffers, one per parameter of the optimizer (None where it has none), or None."""
-        if not self.velocity:
-            return None
-        return [None if id(p) not in self.velocity else self.velocity[id(p)].detach().clone() for p in everything]
-
-    def load_state_dict(self, state, everything: list[torch.Tensor], trained: list[torch.Tensor]) -> None:
-        self.velocity = {}
-        if state is None:
-            return
-        params = everything if len(state) == len(everything) else trained  # else: one per trained parameter
-        if len(state) != len(params) or any(v is not None and tuple(v.shape) != tuple(p.shape)
-                                            for v, p in zip(state, params)):
-            raise ValueError(f"the state's outer momentum buffer has {len(state)} tensors that do not fit the "
-                             f"optimizer's {len(params)} parameters")
-        for p, v in zip(params, state):
-            if v is not None:
-                self.velocity[id(p)] = v.detach().to(device=p.device, dtype=p.dtype, copy=True)
 
 
 class LocalSteps:
@@ -294,7 +221,7 @@ class LocalSteps:
             self.glob.keep(fresh, self.start.values(fresh))  # G is their start; they hold start + d already
             if known:
                 moved = [targets[i] for i in known]
-                torch._foreach_copy_(moved, [deltas[i] for i in known])
+                foreach_copy_(moved, [deltas[i] for i in known])
                 self.glob.apply(moved, [members[i] for i in known], "add")  # G + d
             inside = {id(p) for p in members}
             left = [p for p in self.glob.params() if id(p) not in inside]

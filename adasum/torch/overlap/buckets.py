@@ -1,4 +1,4 @@
-"""The overlap engine's bucket planning (:mod:`.overlap`): :class:`BucketPlan`, the buckets every rank hands
+"""The overlap engine's bucket planning (:mod:`.engine`): :class:`BucketPlan`, the buckets every rank hands
 to the threads in the same order, and :class:`Backward`, the progress of one closing backward against it.
 
 A bucket is a run of parameters in the order backward finished them in the first observed boundary, as
@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from .strategy import Bucket
-from ..runtime.lane import Job
+from ...runtime.lane import Job
+from ..window.reduce import Bucket
 
 __all__ = ["FIRST_BUCKET_BYTES", "Backward", "BucketPlan"]
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .arguments import check_accumulated
-from .local import load_problem
-from .stepping import Parts, Steps
-from .strategy import trained_params
+from ..checks import check_accumulated
+from ..window.reduce import trained_params
+from ..window.steps import Parts, Steps
 
 __all__ = ["state_dict", "load_state_dict"]
 
@@ -51,3 +50,23 @@ def load_state_dict(parts: Parts, steps: Steps, state_dict: dict[str, Any]) -> N
     if grads is not None:
         for p, g in zip(params, grads):
             p.grad = None if g is None else g.detach().to(device=p.device, dtype=p.dtype, copy=True)
+
+
+def load_problem(own: dict[str, Any], settings: dict[str, Any] | None) -> str | None:
+    """Why a state's ``"adasum"`` entries ``own`` do not load into an optimizer with these local-steps
+    ``settings`` (None: no local steps), or None: a state taken inside a window of local steps (or with a
+    combine in flight) loads only into the same settings."""
+    taken = int(own.get("local_steps_taken", 0))
+    if not taken and own.get("combined_deltas") is None:
+        return None
+    saved = own.get("local_settings")
+    if saved is None and settings is not None:
+        return None  # a state from before the settings were saved: its shape is checked on loading
+    if saved == settings:
+        return None
+    here = "no local steps (local_steps=1, delay=0, no outer optimizer)" if settings is None else str(settings)
+    inflight = ", a combine in flight" if own.get("combined_deltas") is not None else ""
+    return (f"the state was taken inside a window of local steps ({taken} local steps taken{inflight}) of an "
+            f"optimizer with {saved if saved is not None else 'local steps'}; this optimizer has {here}. Load it "
+            "into an optimizer with the same local-steps settings, or save the state after flush() (every "
+            "window combined), which loads into any settings")

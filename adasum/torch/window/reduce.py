@@ -25,7 +25,6 @@ from __future__ import annotations
 import traceback
 from collections import OrderedDict
 from collections.abc import MutableMapping
-from itertools import chain
 from typing import Callable
 
 import torch
@@ -33,6 +32,8 @@ from mpi4py import MPI
 
 from .compress import Wire
 from .tensors import StartCopy, all_finite, average_, grads_of, mark_nonfinite
+from ..internals import (STEP_HOOK_DICTS, foreach_add_, foreach_copy_, foreach_sub_, record_scheduled_step,
+                         step_hooks_of, unhooked_step)
 
 __all__ = ["Bucket", "AdasumDeltas", "GradientReduce", "ShadowState", "all_params", "step_hooks", "step_on",
            "trained_params"]
@@ -99,7 +100,7 @@ class AdasumDeltas:
                 if side:
                     shadows = self.start.side(index, params)
                     if shadows:
-                        torch._foreach_copy_(shadows, [p.detach() for p in params])
+                        foreach_copy_(shadows, [p.detach() for p in params])
                 else:
                     self.start.keep(index, params)
                 grads = grads_of(params)
@@ -117,7 +118,7 @@ class AdasumDeltas:
                     return
                 deltas = shadows
                 if deltas:
-                    torch._foreach_sub_(deltas, [p.detach() for p in params])
+                    foreach_sub_(deltas, [p.detach() for p in params])
             else:
                 deltas = [p.detach() for p in params]
                 self.start.apply(deltas, index, "sub")
@@ -148,7 +149,7 @@ class AdasumDeltas:
                 targets = [p.detach() for p in b.params]
                 if b.side:
                     if ok and targets:
-                        torch._foreach_add_(targets, b.result)
+                        foreach_add_(targets, b.result)
                 else:
                     self.start.apply(targets, b.index, "add" if ok else "copy")
                 if not ok:
@@ -295,7 +296,7 @@ def step_on(optimizer, params: list[torch.Tensor], everything: bool = False,
     view = object.__new__(type(optimizer))
     view.__dict__.update(optimizer.__dict__)
     view.__dict__.pop("step", None)
-    for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+    for hooks in STEP_HOOK_DICTS:
         if hooks in view.__dict__:
             view.__dict__[hooks] = OrderedDict()
     pairs = []
@@ -358,38 +359,22 @@ class ShadowState(MutableMapping):
 
 
 def _own_step(optimizer) -> Callable:
-    """The step function of ``optimizer``'s class, unwrapped from torch's hook runner where torch put one
-    (``Optimizer.profile_hook_step``, marked ``hooked``)."""
-    fn = getattr(type(optimizer), "step", None)
+    """The step function of ``optimizer``'s class, unwrapped from torch's hook runner."""
+    fn = unhooked_step(type(optimizer))
     if fn is None:  # a step set on the instance only: nothing else to call
         return lambda opt: optimizer.step()
-    if getattr(fn, "hooked", False):
-        fn = getattr(fn, "__wrapped__", fn)
     return fn
 
 
 def step_hooks(optimizer, which: str) -> None:
-    """The step hooks of ``optimizer``, once: ``"pre"`` runs the global pre-hooks then the optimizer's own,
-    ``"post"`` the optimizer's own post-hooks then the global ones, each with ``(optimizer, (optimizer,),
-    {})`` as ``optimizer.step()`` calls them (what a pre-hook returns is not used: no arguments reach the
-    step). ``"pre"`` also records the step where an LR scheduler replaced ``optimizer.step`` to watch for it,
-    as that replacement does, so the scheduler knows the optimizer stepped."""
-    from torch.optim import optimizer as torch_optimizer
-
-    args = (optimizer,)
+    """The step hooks of ``optimizer``, once (``"pre"`` or ``"post"``, in ``optimizer.step()``'s order), each
+    with ``(optimizer, (optimizer,), {})`` as ``optimizer.step()`` calls them (what a pre-hook returns is not
+    used: no arguments reach the step). ``"pre"`` also records the step where an LR scheduler replaced
+    ``optimizer.step`` to watch for it, so the scheduler knows the optimizer stepped."""
     if which == "pre":
-        patched = getattr(optimizer, "step", None)
-        if getattr(patched, "_wrapped_by_lr_sched", False):
-            optimizer._opt_called = True
-        if getattr(patched, "_with_counter", False):  # torch before 2.2
-            optimizer._step_count = getattr(optimizer, "_step_count", 0) + 1
-        hooks = chain(getattr(torch_optimizer, "_global_optimizer_pre_hooks", {}).values(),
-                      getattr(optimizer, "_optimizer_step_pre_hooks", {}).values())
-    else:
-        hooks = chain(getattr(optimizer, "_optimizer_step_post_hooks", {}).values(),
-                      getattr(torch_optimizer, "_global_optimizer_post_hooks", {}).values())
-    for hook in list(hooks):
-        hook(optimizer, args, {})
+        record_scheduled_step(optimizer)
+    for hook in step_hooks_of(optimizer, which):
+        hook(optimizer, (optimizer,), {})
 
 
 def _describe(e: BaseException) -> str:

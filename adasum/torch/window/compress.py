@@ -25,8 +25,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..runtime import exchange
-from ..call.allreduce import adasum_allreduce_inplace
+from ...call.allreduce import adasum_allreduce_inplace
+from ...runtime import exchange
+from ..internals import foreach_norm
 
 __all__ = ["WIRE_DTYPES", "Wire", "wire_dtype"]
 
@@ -144,7 +145,7 @@ def _largest_magnitudes(tensors: list[torch.Tensor]) -> np.ndarray:
         if t.numel():
             by_device.setdefault(t.device, []).append(i)
     for idx in by_device.values():
-        norms = torch._foreach_norm([tensors[i].detach() for i in idx], float("inf"))
+        norms = foreach_norm([tensors[i].detach() for i in idx], float("inf"))
         out[idx] = torch.stack([n.to(torch.float64) for n in norms]).cpu().numpy()
     return out
 
