@@ -142,6 +142,25 @@ def test_delay_one_freeze_then_unfreeze_lands_on_the_common_point(comm, delay):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("delay", [0, 1])
+def test_ranks_that_train_fewer_parameters_raise_on_every_rank(comm, delay):
+    """Rank 0 freezes the first layer at a boundary, the others nothing: the next combine raises on every
+    rank before any byte of the combine is sent, naming the counts, every rank back at the window's start."""
+    model = model3()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), local_steps=H, delay=delay)
+    before = [p.detach().clone() for p in model.parameters()]
+    if comm.Get_rank() == 0:
+        model[0].requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"the ranks' windows hold other parameters: rank [1-9]\d*'s 6, rank "
+                                           r"0's 4; the window's parameter 0 is the optimizer's parameter 0 "):
+        for s in range(H):
+            micro(model, comm.Get_rank(), s)
+            opt.step()
+            opt.zero_grad()
+    assert [raw_bytes(p) for p in model.parameters()] == [raw_bytes(p) for p in before]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("delay", [0, 1])
 def test_ranks_that_train_other_parameters_raise_on_every_rank(comm, delay):
     """Rank 0 freezes the first layer, the others the last (all of one shape): the next combine raises on
     every rank, naming the optimizer's parameters, and every rank is back at the window's start."""
