@@ -87,10 +87,19 @@ def launch_problem(env: Mapping[str, str], world_size: int, program: str | None 
     if world_size > 1:
         return None
     script = program or "…"
+    mpi_launched, problem = _launcher_problem(env, world_size, script)
+    if problem is not None or mpi_launched:
+        return problem
+    return _slurm_problem(env, world_size, script)
 
-    def command(n) -> str:
-        return f"mpiexec -n {n} python -m mpi4py {script}"
 
+def _command(n, script: str) -> str:
+    return f"mpiexec -n {n} python -m mpi4py {script}"
+
+
+def _launcher_problem(env: Mapping[str, str], world_size: int, script: str) -> tuple[bool, str | None]:
+    """Whether an MPI launcher started this process, and what is wrong where a launcher (an MPI's or
+    another) shows a job of several processes."""
     mpi_launched = False
     for who, size_name, rank_name in _MPI_LAUNCHERS:
         size, rank = _int(env, size_name), _int(env, rank_name)
@@ -99,22 +108,26 @@ def launch_problem(env: Mapping[str, str], world_size: int, program: str | None 
         mpi_launched = True
         if (size or 1) > 1 or (rank or 0) > 0:
             n = size if size and size > 1 else "N"
-            return (f"MPI sees this process alone (MPI.COMM_WORLD has {world_size} rank), but it was started by "
-                    f"{who} as {_job(size, rank)} ({_shown(env, (size_name, rank_name))}): the MPI library "
-                    f"mpi4py loaded is not the launcher's, so every process initialised MPI on its own and "
-                    f"would reduce only with itself. Launch with the mpiexec of the MPI that mpi4py uses "
-                    f"(`python -m mpi4py --mpi-lib-version` names it): `{command(n)}`, or install "
-                    f"mpi4py against the launcher's MPI.")
+            return True, (f"MPI sees this process alone (MPI.COMM_WORLD has {world_size} rank), but it was started "
+                          f"by {who} as {_job(size, rank)} ({_shown(env, (size_name, rank_name))}): the MPI "
+                          f"library mpi4py loaded is not the launcher's, so every process initialised MPI on its "
+                          f"own and would reduce only with itself. Launch with the mpiexec of the MPI that mpi4py "
+                          f"uses (`python -m mpi4py --mpi-lib-version` names it): `{_command(n, script)}`, or "
+                          f"install mpi4py against the launcher's MPI.")
     for who, size_name, rank_name, more in _OTHER_LAUNCHERS:
         size, rank = _int(env, size_name), _int(env, rank_name)
         if (size or 1) > 1 or (rank or 0) > 0:
             n = size if size and size > 1 else "N"
-            return (f"MPI sees this process alone (MPI.COMM_WORLD has {world_size} rank), but the environment "
-                    f"shows {_job(size, rank)} started by {who} ({_shown(env, (size_name, rank_name, *more))}): "
-                    f"every process would reduce only with itself. adasum communicates through MPI: start "
-                    f"the processes with an MPI launcher instead, `{command(n)}`.")
-    if mpi_launched:
-        return None
+            return mpi_launched, (
+                f"MPI sees this process alone (MPI.COMM_WORLD has {world_size} rank), but the environment "
+                f"shows {_job(size, rank)} started by {who} ({_shown(env, (size_name, rank_name, *more))}): "
+                f"every process would reduce only with itself. adasum communicates through MPI: start "
+                f"the processes with an MPI launcher instead, `{_command(n, script)}`.")
+    return mpi_launched, None
+
+
+def _slurm_problem(env: Mapping[str, str], world_size: int, script: str) -> str | None:
+    """What is wrong where Slurm, and no MPI launcher, shows a job of several tasks."""
     step_size, proc = _int(env, "SLURM_STEP_NUM_TASKS"), _int(env, "SLURM_PROCID")
     in_step = step_size is not None or "SLURM_STEP_ID" in env
     if in_step and ((step_size or 1) > 1 or (proc or 0) > 0):
@@ -123,13 +136,13 @@ def launch_problem(env: Mapping[str, str], world_size: int, program: str | None 
                 f"as {_job(step_size, proc)} of a job step ({_shown(env, _SLURM_STEP)}) without starting "
                 f"MPI with it: every process would reduce only with itself. Launch with "
                 f"`srun --mpi=pmix python -m mpi4py {script}` (or --mpi=pmi2: the plug-in your MPI "
-                f"supports, `srun --mpi=list` shows them), or `{command(n)}` inside the allocation.")
+                f"supports, `srun --mpi=list` shows them), or `{_command(n, script)}` inside the allocation.")
     tasks = next((t for t in (_int(env, name) for name in _SLURM_JOB) if t is not None), None)
     if not in_step and tasks is not None and tasks > 1:
         return (f"MPI sees this process alone (MPI.COMM_WORLD has {world_size} rank), but it runs in a "
                 f"Slurm allocation of {tasks} tasks ({_shown(env, _SLURM_JOB)}) outside any job step: the "
                 f"script was started without a launcher, so it would train alone. Start it with "
-                f"`{command(tasks)}` or `srun --mpi=pmix python -m mpi4py {script}`; "
+                f"`{_command(tasks, script)}` or `srun --mpi=pmix python -m mpi4py {script}`; "
                 f"to run one process on purpose, `mpiexec -n 1 …` or `srun -n 1 …`.")
     return None
 
