@@ -173,6 +173,13 @@ class Lane:
         self._thread: _Thread | None = None
         self._worker: _Thread | None = None
         self.closed = False
+        if owned and threaded is not False:
+            self._set_flags()  # a lane's own communicator is waited on beside the compute from the start
+
+    def _set_flags(self) -> None:
+        ctx = context_for(self.comm)
+        ctx.beside_compute = True  # its waits nap under waiting="auto" (adasum.runtime.waiting)
+        ctx.may_give_up = self._may_give_up  # drop() may give a wait there up (adasum.runtime.stall)
 
     @property
     def comm(self) -> MPI.Intracomm:
@@ -200,9 +207,7 @@ class Lane:
 
     def _start(self) -> _Thread:
         if self._thread is None:
-            ctx = context_for(self.comm)
-            ctx.beside_compute = True  # its waits nap under waiting="auto" (adasum.runtime.waiting)
-            ctx.may_give_up = self._may_give_up  # drop() may give a wait there up (adasum.runtime.stall)
+            self._set_flags()
             self._thread = _Thread(self.name)
             if self._worker_wanted:
                 self._worker = _Thread(self.name + "-work")
