@@ -15,6 +15,7 @@ from typing import Any, Sequence
 from mpi4py import MPI
 
 from .agreement import agree
+from .plain import FUSED_VOTE, run_plain
 from ..adapters import array_kind
 from ..runtime.context import Call, Context, context_for
 from ..schedules import small_call
@@ -27,6 +28,7 @@ from ..kernels.native import use_isa
 from .plan import Plan, Schedule, agreed_extras, kept_plan, place, plan_for
 from ..runtime.collectives import Collectives
 from ..runtime.transport import transport_for
+from ..rule.dtypes import itemsize
 
 __all__ = ["Op", "adasum_allreduce", "adasum_allreduce_inplace"]
 
@@ -107,6 +109,10 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
         use_isa(call.settings.kernels_isa)
         extras = agreed_extras(call)
         known = None
+        if op in _PLAIN_OPS and not hierarchical and call.ctx.size > 1:
+            done = _plain(call, extras, tensors, op, inplace)
+            if done is not _NOT_TAKEN:
+                return done
         if op == "adasum" and not hierarchical and type(tensors) is list and call.ctx.size > 1 \
                 and small_call.allowed(call.settings):
             known = kept_plan(call.ctx, tensors, extras["adasum"])
@@ -115,6 +121,28 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
                 if done is not None:
                     return done
         return _general(call, extras, tensors, op, hierarchical, inplace, known)
+
+
+_PLAIN_OPS = ("sum", "mean", Op.SUM, Op.MEAN)
+_NOT_TAKEN = object()
+
+
+def _plain(call: Call, extras: dict, tensors, op, inplace: bool):
+    """``sum`` and ``mean`` of host tensors where they lie (:mod:`adasum.call.plain`), or ``_NOT_TAKEN``
+    (before any communication) for the general path, which also describes whatever is wrong."""
+    check_launch()
+    op = Op(op).value
+    try:
+        single, items = _as_list(tensors)
+        plan, key = plan_for(call, items, op, extras[op])
+    except Exception:
+        return _NOT_TAKEN
+    out = run_plain(call, plan, items, single, inplace, op, extras[op])
+    if out is None:
+        return _NOT_TAKEN
+    if key is not None:
+        call.ctx.keep(key, plan)
+    return out
 
 
 class _State:
@@ -147,9 +175,9 @@ def _general(call: Call, extras: dict, tensors, op, hierarchical: bool, inplace:
     # fast path needs a contiguous send buffer): every rank must then cut its messages the same way.
     split = agree(call, state.op, None if plan is None else plan.descs, error, extra=extra,
                   digest=None if plan is None else plan.signature,
-                  vote=int(plan is not None and plan.nbytes >= s.split_min_bytes
-                           and any(g.placement in (Placement.READS_PARTS, Placement.IN_PARTS)
-                                   for g in state.operands)))
+                  vote=FUSED_VOTE if state.op in ("sum", "mean") else
+                  int(plan is not None and plan.nbytes >= s.split_min_bytes
+                      and any(g.placement in (Placement.READS_PARTS, Placement.IN_PARTS) for g in state.operands)))
     active = [g for g in state.operands if g.size > 0]
     if active:
         _SCHEDULES[plan.schedule](call, plan, active, s.chunk_bytes if split else 0)
@@ -190,6 +218,7 @@ def _prepare(call: Call, extras: dict, state: _State, tensors, op, hierarchical:
                 buffer = g.adapter.empty(g.size, g.dtype, g.device)
             if placement.packs:
                 g.adapter.pack(mine, buffer, g.bounds, g.spans)
+                call.record("copied_bytes", g.size * itemsize(g.dtype))
         operands.append(Operand(g, buffer, placement, parts))
     state.operands, state.members = operands, members
     return extra
@@ -203,6 +232,8 @@ def _finish(ctx: Context, state: _State, tensors, inplace: bool):
                 g.adapter.wrote_parts(mine)  # written through other views of their memory
             elif g.size > 0 and g.placement is not Placement.ALIASED:
                 g.adapter.write_back(mine, g.buffer, g.bounds, g.spans)
+                if ctx.counters:
+                    ctx.record("copied_bytes", g.size * itemsize(g.dtype))
         return tensors
     out: list[Any] = [None] * len(state.items)
     for g in state.operands:

@@ -52,9 +52,11 @@ def agreed_extras(call) -> dict:
     ctx, s = call.ctx, call.settings
     kept = ctx.extras
     if kept is None or kept[0] is not s:
-        agreed = s.agreed()
+        # the host kernels' back end is agreed too: the compiled and the numpy kernels round differently
+        agreed = (*s.agreed(), ("host kernels", int(compiled is not None and s.kernels == "c")))
+        plain = (("hierarchical", False), ("plain direct bytes", s.plain_direct_bytes))
         extras = {"adasum": (("hierarchical", False), *agreed), "hierarchical": (("hierarchical", True), *agreed),
-                  "sum": (("hierarchical", False),), "mean": (("hierarchical", False),),
+                  "sum": plain, "mean": plain,
                   # and what these settings make of this communicator's calls
                   "patience": stall.patience(s, ctx)}
         kept = ctx.extras = (s, extras)

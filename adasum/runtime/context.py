@@ -50,7 +50,9 @@ class Traffic:
     agreement check; ``allreduce_bytes`` the buffers given to ``MPI_Allreduce`` (sum, mean);
     ``node_bytes`` the buffers given to the collectives inside a node (hierarchical mode: the
     reduce-scatter's input and the slice this rank broadcasts); ``compiled_calls`` the calls that went
-    into the compiled small call (:class:`adasum.schedules.small_call.SmallCall`), however they ended.
+    into the compiled small call (:class:`adasum.schedules.small_call.SmallCall`), however they ended;
+    ``copied_bytes`` the bytes copied between the caller's tensors and the library's own buffers (packing
+    before the collective, writing back after it), which a call that reduces tensors where they lie avoids.
     """
 
     sent_bytes: int = 0
@@ -59,6 +61,7 @@ class Traffic:
     allreduce_bytes: int = 0
     node_bytes: int = 0
     compiled_calls: int = 0
+    copied_bytes: int = 0
 
 
 class Call(NamedTuple):

@@ -81,6 +81,9 @@ class Settings:
         split_min_bytes: from this many bytes per call, halving on separate tensors cuts each exchange into
             one message per layer piece of at least ``chunk_bytes`` (MPI sends fastest from contiguous memory).
         chunk_bytes: the smallest layer piece that travels as a message of its own when exchanges are cut.
+        plain_direct_bytes: ``sum`` and ``mean`` of host tensors: a tensor of at least this many bytes is
+            reduced by MPI where it lies (no copy); smaller ones are packed into one message per dtype
+            (:mod:`adasum.call.plain`). ``0`` packs every tensor. The ranks check that they agree on it.
         stall_warning: seconds a rank waits for the others at the start of a call before the library logs
             which ranks have not arrived (``None``: never).
         stall_timeout: seconds after which every waiting rank raises ``AdasumStallError`` (``None``: never).
@@ -101,12 +104,13 @@ class Settings:
     direct_min_bytes: int = 2 << 20
     split_min_bytes: int = 2 << 20
     chunk_bytes: int = 256 << 10
+    plain_direct_bytes: int = 128 << 10
     stall_warning: float | None = 60.0
     stall_timeout: float | None = None
     waiting: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("direct_min_bytes", "split_min_bytes", "chunk_bytes"):
+        for name in ("direct_min_bytes", "split_min_bytes", "chunk_bytes", "plain_direct_bytes"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 0 bytes, got {getattr(self, name)}")
         if self.small_message_bytes is not None and int(self.small_message_bytes) < 0:
