@@ -285,8 +285,10 @@ def _explain(everyone, rank: int) -> Exception:
     extras = {r: e[1] for r, e in enumerate(everyone)}
     if len(set(extras.values())) > 1:
         odd = [r for r, x in extras.items() if x != extra0]
+        names = sorted({k for r in odd for k, v in extras[r] if dict(extra0).get(k) != v})
         return AdasumMismatchError(here + "ranks disagree on the settings: " + ", ".join(
-            f"rank {r} has {dict(extras[r])}" for r in odd) + f", rank 0 has {dict(extra0)}")
+            f"rank {r} has {dict(extras[r])}" for r in odd) + f", rank 0 has {dict(extra0)}; they differ in "
+            + ", ".join(repr(n) for n in names))
     if any(e[2] is None for e in everyone):
         return AdasumMismatchError(here + f"the ranks' calls of {kind0} differ")
     counts = [len(e[2]) for e in everyone]

@@ -18,7 +18,8 @@ from ..schedules.small_call import small_call_for
 from ..rule.dtypes import itemsize
 from .fusion import Group, Operand, Placement, TensorLayout, layer_spans, make_groups
 from ..kernels.native import compiled
-from ..runtime.settings import Settings
+from ..kernels import segmented
+from ..runtime.settings import Settings, triton_interpreted
 from ..runtime.transport import Transport, transport_for
 
 __all__ = ["Plan", "Schedule", "agreed_extras", "kept", "kept_plan", "place", "plan_for", "plan_key"]
@@ -76,6 +77,8 @@ class Plan:
         adapters, self.descs = describe(items, op, ctx.rank, ctx.adapters)
         self.signature = signature(op, self.descs, extra)
         self.groups: list[Group] = make_groups(items, adapters, self.descs)
+        if op == "adasum" and s.device_kernels == "triton":
+            _check_triton(self.groups, ctx.rank)
         self.torch = any(g.adapter.kind == "torch" for g in self.groups)  # whose tensors have layouts
         for g in self.groups:
             layer_spans(g)
@@ -98,6 +101,22 @@ class Plan:
         out = [transport_for(call, call.lcomm, g.adapter, g.device, g.buffer) for g in operands]
         self._transports = (key, out)
         return out
+
+
+def _check_triton(groups: Sequence[Group], rank: int) -> None:
+    """Refuse, before any data moves, what the forced Triton kernels (``device_kernels="triton"``) cannot
+    run: triton missing, or torch/cupy buffers in host memory without triton's interpreter."""
+    for g in groups:
+        if g.adapter.kind == "numpy":
+            continue  # numpy arrays always take the host kernels
+        if not segmented.available():
+            raise ImportError(f"rank {rank}: the setting device_kernels='triton' needs torch and triton to be "
+                              "installed; use device_kernels='auto' or 'per-layer'")
+        if g.device == "cpu" and not triton_interpreted():
+            raise TypeError(f"rank {rank}: tensor {g.indices[0]} is a CPU tensor, and the setting "
+                            "device_kernels='triton' runs Triton kernels, which take CUDA tensors only (CPU "
+                            "tensors only under triton's interpreter, TRITON_INTERPRET=1); use "
+                            "device_kernels='auto' or 'per-layer' for CPU tensors")
 
 
 def plan_key(items, op: str, extra: tuple) -> tuple:

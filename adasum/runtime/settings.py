@@ -188,6 +188,8 @@ class _Holder:
 
     def __init__(self, env: Mapping[str, str]):
         self.value = from_environment(env)
+        # triton's own switch: its interpreter runs kernels on CPU tensors (device_kernels="triton" there)
+        self.triton_interpret = _flag(env.get("TRITON_INTERPRET")) is True
         self.launch = {k: v for k, v in env.items() if k.startswith(_LAUNCH_PREFIXES)}
         self.launch_verified = False  # the launch check passed (adasum.runtime.launch.check_launch)
         self.lock = threading.Lock()
@@ -220,6 +222,12 @@ def configure(settings: Settings | None = None, **changes) -> Settings:
             new = dataclasses.replace(new, **changes)
         _holder.value = new
         return old
+
+
+def triton_interpreted() -> bool:
+    """Whether triton's interpreter was switched on (``TRITON_INTERPRET=1`` at import): only then do
+    triton's kernels take CPU tensors."""
+    return _holder.triton_interpret
 
 
 def launch_verified() -> bool:
