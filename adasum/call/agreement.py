@@ -131,6 +131,7 @@ def agree(call, op: str, descs: Sequence[TensorDesc] | None, error: Exception | 
     scratch = ctx.agree_scratch
     load(scratch, sig, error is not None, vote)
     call.record("scalar_bytes", AGREE_BYTES)
+    call.record("collectives", 1)
     s = call.settings
     patience = stall.patience(s, ctx)
     if s.native_mpi and mpi_bound():  # the wait without the GIL, as the compiled small call makes it
@@ -173,6 +174,7 @@ def agree_exchange(call, what: str, error: Exception | None, vote: int = 0, extr
     scratch = np.zeros(8, dtype=np.int64)
     load(scratch, 0 if error is not None else exchange_digest(what, extra), error is not None, vote)
     call.record("scalar_bytes", AGREE_BYTES)
+    call.record("collectives", 1)
     stall.wait(call, call.lcomm.Iallreduce(scratch[0:4], scratch[4:8], op=MPI.MAX), "exchange", AGREE_BYTES,
                label=what)
     if agreed(scratch):

@@ -52,6 +52,7 @@ def run_plain(call, plan, items: list, single: bool, inplace: bool, op: str, ext
         if rest:
             reqs.append(_packed(call, g, rest, inplace, packed))
     call.record("allreduce_bytes", plan.nbytes)
+    call.record("collectives", len(reqs))
     stall.wait(call, reqs, "exchange", plan.nbytes, label=f"a collective of {call.what}")
     if op == "mean":  # every reduced buffer once, before the copies out of the contiguous ones
         size = call.ctx.size

@@ -52,7 +52,9 @@ class Traffic:
     reduce-scatter's input and the slice this rank broadcasts); ``compiled_calls`` the calls that went
     into the compiled small call (:class:`adasum.schedules.small_call.SmallCall`), however they ended;
     ``copied_bytes`` the bytes copied between the caller's tensors and the library's own buffers (packing
-    before the collective, writing back after it), which a call that reduces tensors where they lie avoids.
+    before the collective, writing back after it), which a call that reduces tensors where they lie avoids;
+    ``collectives`` the collective operations started (the agreement included; point-to-point messages
+    are in ``messages``).
     """
 
     sent_bytes: int = 0
@@ -62,6 +64,7 @@ class Traffic:
     node_bytes: int = 0
     compiled_calls: int = 0
     copied_bytes: int = 0
+    collectives: int = 0
 
 
 class Call(NamedTuple):
