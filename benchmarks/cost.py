@@ -31,7 +31,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import adasum  # noqa: E402
-from allreduce import model, parse_size, time_rounds  # noqa: E402
+from allreduce import layer_sizes, model, parse_size, time_rounds  # noqa: E402,F401
 
 COLUMNS = ("x raw", "us over", "coll", "msgs", "copied", "py calls", "c calls")
 
