@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from ..kernels.native import compiled
 from ..runtime import stall
 from .agreement import agree
 from .plan import Schedule
@@ -37,32 +38,73 @@ def run_plain(call, plan, items: list, single: bool, inplace: bool, op: str, ext
         return None
     fused = agree(call, op, plan.descs, None, extra=extra, digest=plan.signature) == FUSED_VOTE
     limit = 0 if fused else call.settings.plain_direct_bytes
-    reqs, packed, outs, loose, direct = [], [], [None] * len(items), [], []
-    comm = call.lcomm
-    for g, group_views in zip(plan.groups, views):
-        rest = []
-        for i, v in zip(g.indices, group_views):
-            if v.size == 0:
-                outs[i] = v if inplace else v.copy()
-            elif limit and v.nbytes >= limit:
-                reqs.append(_direct(comm, v, inplace, outs, i, loose))
-                direct.append(i)
-            else:
-                rest.append((i, v))
+    comm, reqs, reduced, after, loose = call.lcomm, [], [], [], []
+    outs: list = [None] * len(items)
+    for g, mine in zip(plan.groups, views):
+        direct, rest, empty, spans, n = _split(g, limit)
+        for k in empty:
+            outs[g.indices[k]] = mine[k] if inplace else mine[k].copy()
+        for k in direct:
+            reqs.append(_direct(comm, mine[k], inplace, outs, g.indices[k], reduced, loose))
         if rest:
-            reqs.append(_packed(call, g, rest, inplace, packed))
+            buf = call.ctx.buffers.get("numpy", "cpu", g.dtype, n, "plain") if inplace else np.empty(n, g.dtype)
+            part = [mine[k] for k in rest]
+            _copy(buf, part, spans)
+            call.record("copied_bytes", buf.nbytes * (2 if inplace else 1))
+            reqs.append(comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM))
+            reduced.append(buf)
+            after.append((buf, part, spans, [g.indices[k] for k in rest]))
     call.record("allreduce_bytes", plan.nbytes)
     call.record("collectives", len(reqs))
     stall.wait(call, reqs, "exchange", plan.nbytes, label=f"a collective of {call.what}")
     if op == "mean":  # every reduced buffer once, before the copies out of the contiguous ones
-        size = call.ctx.size
-        for out in [outs[i] for i in direct] + [buf for buf, _ in packed]:
-            np.divide(out, size, out=out)
-    for tmp, dst in loose:  # non-contiguous in-place tensors, reduced in a contiguous copy
-        dst[...] = tmp
-    for buf, rest in packed:
-        _unpack(buf, rest, inplace, outs)
+        for out in reduced:
+            np.divide(out, call.ctx.size, out=out)
+    for tensor, copy in loose:  # non-contiguous tensors, reduced in a contiguous copy
+        tensor[...] = copy
+    for buf, part, spans, indices in after:
+        if inplace:
+            _copy(part, buf, spans)
+            for i, v in zip(indices, part):
+                outs[i] = v
+        else:
+            for i, v, (lo, hi) in zip(indices, part, spans.tolist()):
+                outs[i] = buf[lo:hi].reshape(v.shape)
     return _results(plan, items, single, inplace, outs)
+
+
+def _split(g, limit: int) -> tuple[list[int], list[int], list[int], np.ndarray, int]:
+    """The group's non-empty layers that go to MPI where they lie (``limit`` bytes and more; 0: none), the
+    others, the empty ones, the spans of the others in the packed buffer and its length; kept with the
+    plan's group."""
+    key = ("plain", limit)
+    out = g.memo.get(key)
+    if out is None:
+        item = np.dtype(g.dtype).itemsize
+        sizes = np.diff(g.bounds).tolist()
+        direct = [k for k, n in enumerate(sizes) if n and limit and n * item >= limit]
+        rest = [k for k, n in enumerate(sizes) if n and k not in direct]
+        empty = [k for k, n in enumerate(sizes) if not n]
+        ends = np.cumsum([sizes[k] for k in rest], dtype=np.int64)
+        spans = np.stack([ends - [sizes[k] for k in rest], ends], axis=1) if rest else np.zeros((0, 2), np.int64)
+        out = g.memo[key] = (direct, rest, empty, spans, int(ends[-1]) if rest else 0)
+    return out
+
+
+def _copy(dst, src, spans: np.ndarray) -> None:
+    """``dst[s:e] = src[s:e]`` per span, one side a flat buffer and the other the tensors, by the compiled
+    kernels where they take the dtype and the tensors are contiguous, else by numpy."""
+    if compiled is not None:
+        try:
+            compiled.copy(dst, src, spans)
+            return
+        except (BufferError, ValueError, TypeError):
+            pass
+    if isinstance(dst, np.ndarray):
+        np.concatenate([v.reshape(-1) for v in src], out=dst[:int(spans[-1, 1])])
+        return
+    for v, (lo, hi) in zip(dst, spans.tolist()):
+        v[...] = src[lo:hi].reshape(v.shape)
 
 
 def _host_views(call, plan, items: list, inplace: bool) -> list | None:
@@ -76,52 +118,29 @@ def _host_views(call, plan, items: list, inplace: bool) -> list | None:
             return None
         mine = [items[i] for i in g.indices]
         if g.adapter.kind == "torch":
-            views = g.adapter.host_views(mine)
+            views = g.adapter.host_views(mine)  # torch's memory is always writable
         elif g.adapter.kind == "numpy":
             views = mine
+            if inplace and not all(v.flags.writeable for v in views):
+                return None  # the general path names the read-only tensor on every rank
         else:
             return None
-        if inplace and not all(v.flags.writeable for v in views):
-            return None  # the general path names the read-only tensor on every rank
         out.append(views)
     return out
 
 
-def _direct(comm, v: np.ndarray, inplace: bool, outs: list, i: int, loose: list) -> MPI.Request:
+def _direct(comm, v: np.ndarray, inplace: bool, outs: list, i: int, reduced: list, loose: list) -> MPI.Request:
     """The allreduce of one tensor where it lies (a non-contiguous one through a contiguous copy)."""
     src = v if v.flags.c_contiguous else np.ascontiguousarray(v)
     if inplace:
         if src is not v:
-            loose.append((src, v))
-        outs[i] = src
+            loose.append((v, src))
+        reduced.append(src)
+        outs[i] = v
         return comm.Iallreduce(MPI.IN_PLACE, src.reshape(-1), op=MPI.SUM)
     out = outs[i] = np.empty(v.shape, v.dtype)
+    reduced.append(out)
     return comm.Iallreduce(src.reshape(-1), out.reshape(-1), op=MPI.SUM)
-
-
-def _packed(call, g, rest: list, inplace: bool, packed: list) -> MPI.Request:
-    """The allreduce of the group's smaller tensors ``rest`` ((index, view) pairs), packed into one buffer."""
-    n = sum(v.size for _, v in rest)
-    if inplace:
-        buf = call.ctx.buffers.get("numpy", "cpu", g.dtype, n, "plain")
-    else:
-        buf = np.empty(n, g.dtype)
-    np.concatenate([v.reshape(-1) for _, v in rest], out=buf)
-    call.record("copied_bytes", buf.nbytes * (2 if inplace else 1))
-    packed.append((buf, rest))
-    return call.lcomm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-
-
-def _unpack(buf: np.ndarray, rest: list, inplace: bool, outs: list) -> None:
-    lo = 0
-    for i, v in rest:
-        piece = buf[lo:lo + v.size].reshape(v.shape)
-        lo += v.size
-        if inplace:
-            v[...] = piece
-            outs[i] = v
-        else:
-            outs[i] = piece
 
 
 def _results(plan, items: list, single: bool, inplace: bool, outs: list):
