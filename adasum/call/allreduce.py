@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 from .agreement import agree
 from .plain import FUSED_VOTE, run_plain
+from .roundtrip import round_trip
 from ..adapters import array_kind
 from ..runtime.context import Call, Context, context_for
 from ..schedules import small_call
@@ -108,19 +109,43 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
     with context_for(comm).call("adasum_allreduce_inplace" if inplace else "adasum_allreduce") as call:
         use_isa(call.settings.kernels_isa)
         extras = agreed_extras(call)
-        known = None
-        if op in _PLAIN_OPS and not hierarchical and call.ctx.size > 1:
-            done = _plain(call, extras, tensors, op, inplace)
-            if done is not _NOT_TAKEN:
+        if call.ctx.size > 1:
+            done = _round_trip(call, extras, tensors, op, hierarchical, inplace)
+            if done is not None:
                 return done
-        if op == "adasum" and not hierarchical and type(tensors) is list and call.ctx.size > 1 \
-                and small_call.allowed(call.settings):
-            known = kept_plan(call.ctx, tensors, extras["adasum"])
-            if known is not None and known.small is not None:
-                done = small_call.run_small(call, known, tensors, inplace, extras)
-                if done is not None:
-                    return done
-        return _general(call, extras, tensors, op, hierarchical, inplace, known)
+        return _on_host(call, extras, tensors, op, hierarchical, inplace)
+
+
+def _round_trip(call: Call, extras: dict, tensors, op, hierarchical: bool, inplace: bool):
+    """Staged device tensors through one host round trip (:mod:`adasum.call.roundtrip`), or None."""
+    if type(tensors) in (list, tuple):
+        single, items = False, list(tensors)
+    elif array_kind(tensors) in ("torch", "cupy"):
+        single, items = True, [tensors]
+    else:
+        return None
+    done = round_trip(call, items, inplace, lambda c, host: _on_host(c, extras, host, op, hierarchical, True))
+    if done is None:
+        return None
+    return done[0] if single else (tensors if inplace and type(tensors) is list else list(done))
+
+
+def _on_host(call: Call, extras: dict, tensors, op, hierarchical: bool, inplace: bool):
+    """The call on tensors that MPI takes as they are (host memory, or device memory for a CUDA-aware MPI),
+    or that the general path stages."""
+    known = None
+    if op in _PLAIN_OPS and not hierarchical and call.ctx.size > 1:
+        done = _plain(call, extras, tensors, op, inplace)
+        if done is not _NOT_TAKEN:
+            return done
+    if op == "adasum" and not hierarchical and type(tensors) is list and call.ctx.size > 1 \
+            and small_call.allowed(call.settings):
+        known = kept_plan(call.ctx, tensors, extras["adasum"])
+        if known is not None and known.small is not None:
+            done = small_call.run_small(call, known, tensors, inplace, extras)
+            if done is not None:
+                return done
+    return _general(call, extras, tensors, op, hierarchical, inplace, known)
 
 
 _PLAIN_OPS = ("sum", "mean", Op.SUM, Op.MEAN)

@@ -125,37 +125,39 @@ def test_device_kernels_setting_is_validated():
 
 
 @pytest.mark.skipif(CUPY_IS_REAL, reason="counts calls of the stand-in module")
+@pytest.mark.parametrize("op", ["adasum", "sum", "mean"])
 @pytest.mark.parametrize("small", [None, 0], ids=["doubling", "halving"])
-def test_chunked_staging_is_bitwise_unchunked_staging_and_reuses_its_buffers(comm, small):
-    """Staged exchanges in chunks of chunk_bytes, copied on a side stream, give the bits of one-piece
-    staging; after a first call, later calls make no host buffer, stream or event."""
+def test_a_staged_call_is_one_host_round_trip(comm, small, op):
+    """A staged call is the round trip a user would write: per call one copy to the host per tensor, one
+    wait for them, the host call, one copy back per tensor and one wait; nothing made after the first call;
+    the bits of the host call on host copies of the same values, whatever chunk_bytes says."""
     from cupy_standin import calls
 
     if comm.Get_size() == 1:
         pytest.skip("a single rank exchanges nothing")
     rank = comm.Get_rank()
     adasum.release_buffers()
-    out, copies = {}, {}
+    host = adasum.adasum_allreduce([as_f64(t).astype(np.float32) for t in _layers(comm, rank)], op=op)
     for chunk in (0, 1000):
         old = adasum.configure(chunk_bytes=chunk, small_message_bytes=small)
         try:
             with gpu_transport("staged"):
-                adasum.adasum_allreduce(_layers(comm, rank))
+                adasum.adasum_allreduce(_layers(comm, rank), op=op)
                 before = dict(calls)
-                for _ in range(2):
-                    out[chunk] = adasum.adasum_allreduce(_layers(comm, rank))
+                out = adasum.adasum_allreduce(_layers(comm, rank), op=op)
+                mine = _layers(comm, rank)
+                assert adasum.adasum_allreduce_inplace(mine, op=op) is mine
         finally:
             adasum.configure(old)
-        for what in ("pinned", "streams", "events"):
-            assert calls[what] == before[what], f"{what} must be made once and reused"
-        copies[chunk] = calls["get"] - before["get"]
-        assert calls["event_synchronize"] - before["event_synchronize"] == copies[chunk], \
-            "each chunk is sent once its own copy to the host is done"
-    if comm.allreduce(int(copies[0] > 0), op=MPI.MIN):  # every rank sent something (no rank folded out)
-        assert copies[1000] > copies[0], "1000-byte chunks must cut the 4 KiB and larger messages"
-    for a, b in zip(out[0], out[1000]):
-        assert raw_bytes(a) == raw_bytes(b)
-    assert_identical_across_ranks(comm, out[1000])
+        made = {k: calls[k] - before[k] for k in calls}
+        assert made["pinned"] == made["streams"] == made["events"] == 0, "made once and reused"
+        assert made["get"] == made["set"] == 2 * 3, "one copy each way per tensor per call"
+        assert made["event_synchronize"] == made["synchronize"] == 2, "one wait each way per call"
+        for got, want in zip(out, host):
+            assert isinstance(got, cupy.ndarray) and raw_bytes(got) == raw_bytes(want)
+        for got, want in zip(mine, host):
+            assert raw_bytes(got) == raw_bytes(want)
+    assert_identical_across_ranks(comm, out)
 
 
 def test_sum_and_mean_on_device_buffers(comm):
