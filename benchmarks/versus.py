@@ -9,7 +9,7 @@ Run under MPI, from the repository root, for example::
 The other checkout's package is copied into a temporary folder as ``adasum_other`` (the package imports
 itself relatively), so both versions run in the same processes, in the same rounds, on the same data:
 each repeat runs ``raw`` (``comm.Allreduce`` in place on one buffer of the same bytes), then each op in
-both versions, in a rotating order (:func:`allreduce.time_rounds`). The table shows each method's median
+both versions, in a random order (:func:`shuffled_rounds`). The table shows each method's median
 ratio to ``raw`` of the same repeat, and ``new/old``, the median per-repeat ratio of the two versions.
 The data is the ten uneven float32 layers of ``benchmarks/allreduce.py``, as separate arrays, in place.
 """
@@ -22,13 +22,14 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 
 import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import adasum  # noqa: E402
-from allreduce import model, parse_size, time_rounds  # noqa: E402
+from allreduce import model, parse_size  # noqa: E402
 
 
 def load_other(folder: str, comm):
@@ -40,6 +41,25 @@ def load_other(folder: str, comm):
     comm.Barrier()
     sys.path.insert(0, where)
     return importlib.import_module("adasum_other")
+
+
+def shuffled_rounds(comm, names, call, refill, repeats: int, warmup: int) -> dict:
+    """:func:`allreduce.time_rounds` with the methods in a fresh random order each round (the same on every
+    rank): with a fixed cycle, each method always follows the same one, and the second of two versions
+    of one op found the caches the first had warmed (3-5 % in an A/A run of one checkout against itself)."""
+    for _ in range(warmup):
+        for name in names:
+            call(name)
+    rng = np.random.default_rng(7)
+    times = {name: [] for name in names}
+    for _ in range(repeats):
+        for k in rng.permutation(len(names)):
+            refill(names[k])
+            comm.Barrier()
+            t0 = time.perf_counter()
+            call(names[k])
+            times[names[k]].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    return times
 
 
 def run(comm, other, nbytes: int, ops, kind: str, repeats: int, warmup: int) -> dict:
@@ -54,7 +74,7 @@ def run(comm, other, nbytes: int, ops, kind: str, repeats: int, warmup: int) -> 
         op, version = name.rsplit("-", 1)
         libs[version].adasum_allreduce_inplace(work, op=op, comm=comm)
 
-    times = {k: np.array(v) for k, v in time_rounds(comm, names, call, refill, repeats, warmup).items()}
+    times = {k: np.array(v) for k, v in shuffled_rounds(comm, names, call, refill, repeats, warmup).items()}
     raw = times["raw"]
     out = {"raw_ms": float(np.median(raw)) * 1e3}
     for op in ops:
