@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Sequence
 
+import numpy as np
 from mpi4py import MPI
 
 from .agreement import agree
@@ -118,6 +119,9 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
 
 def _round_trip(call: Call, extras: dict, tensors, op, hierarchical: bool, inplace: bool):
     """Staged device tensors through one host round trip (:mod:`adasum.call.roundtrip`), or None."""
+    first = tensors[0] if type(tensors) in (list, tuple) and tensors else tensors
+    if type(first) is np.ndarray or getattr(first, "is_cuda", None) is False:
+        return None  # host tensors (the common case, checked in a fraction of a microsecond)
     if type(tensors) in (list, tuple):
         single, items = False, list(tensors)
     elif array_kind(tensors) in ("torch", "cupy"):
@@ -134,7 +138,7 @@ def _on_host(call: Call, extras: dict, tensors, op, hierarchical: bool, inplace:
     """The call on tensors that MPI takes as they are (host memory, or device memory for a CUDA-aware MPI),
     or that the general path stages."""
     known = None
-    if op in _PLAIN_OPS and not hierarchical and call.ctx.size > 1:
+    if type(op) in (str, Op) and op in _PLAIN_OPS and not hierarchical and call.ctx.size > 1:
         done = _plain(call, extras, tensors, op, inplace)
         if done is not _NOT_TAKEN:
             return done
@@ -148,7 +152,7 @@ def _on_host(call: Call, extras: dict, tensors, op, hierarchical: bool, inplace:
     return _general(call, extras, tensors, op, hierarchical, inplace, known)
 
 
-_PLAIN_OPS = ("sum", "mean", Op.SUM, Op.MEAN)
+_PLAIN_OPS = frozenset(("sum", "mean"))  # Op.SUM and Op.MEAN hash and compare as these strings
 _NOT_TAKEN = object()
 
 
