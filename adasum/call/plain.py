@@ -36,11 +36,18 @@ def run_plain(call, plan, items: list, single: bool, inplace: bool, op: str, ext
     views = _host_views(call, plan, items, inplace)
     if views is None:
         return None
-    fused = agree(call, op, plan.descs, None, extra=extra, digest=plan.signature) == FUSED_VOTE
+    whole = _whole_views(call.ctx.adapters.of("numpy"), plan, items, views) if inplace else None
+    fused = agree(call, op, plan.descs, None, extra=extra, digest=plan.signature,
+                  vote=0 if whole is None else FUSED_VOTE) == FUSED_VOTE
     limit = 0 if fused else call.settings.plain_direct_bytes
     comm, reqs, reduced, after, loose = call.lcomm, [], [], [], []
     outs: list = [None] * len(items)
-    for g, mine in zip(plan.groups, views):
+    for j, (g, mine) in enumerate(zip(plan.groups, views)):
+        if fused and whole is not None:  # back to back in one block: reduced there, nothing copied
+            reqs.append(comm.Iallreduce(MPI.IN_PLACE, whole[j], op=MPI.SUM))
+            reduced.append(whole[j])
+            outs = items
+            continue
         direct, rest, empty, spans, n = _split(g, limit)
         for k in empty:
             outs[g.indices[k]] = mine[k] if inplace else mine[k].copy()
@@ -71,6 +78,30 @@ def run_plain(call, plan, items: list, single: bool, inplace: bool, op: str, ext
             for i, v, (lo, hi) in zip(indices, part, spans.tolist()):
                 outs[i] = buf[lo:hi].reshape(v.shape)
     return _results(plan, items, single, inplace, outs)
+
+
+def _whole_views(numpy_adapter, plan, items: list, views) -> list | None:
+    """Per group, one flat view of its tensors where every group's tensors lie back to back in one block
+    of memory, else None. A rank whose tensors do votes for one message per group (the fused vote), which
+    it then makes without a copy."""
+    if compiled is None:
+        return None
+    out = []
+    for g, mine in zip(plan.groups, views):
+        if g.adapter.kind == "torch":  # torch knows which tensors share a storage
+            view = g.adapter.fused_view([items[i] for i in g.indices])
+            view = None if view is None else view.detach().numpy()
+        else:
+            try:
+                if compiled.layout(mine, True) != 2:  # 2: back to back, in order
+                    return None
+            except (BufferError, ValueError, TypeError):  # not contiguous, or read-only
+                return None
+            view = numpy_adapter.fused_view(mine, adjacent=True)
+        if view is None or len(view) != g.size:
+            return None
+        out.append(view)
+    return out
 
 
 def _split(g, limit: int) -> tuple[list[int], list[int], list[int], np.ndarray, int]:

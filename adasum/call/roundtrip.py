@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import numpy as np
 
@@ -37,22 +38,18 @@ def round_trip(call, items: list, inplace: bool, host_call):
     if adapter is None:
         return None
     device = adapter.device(items[0])
+    first = items[0].dtype
+    if len(items) > 1 and all(t.dtype == first for t in items):
+        return _fused(call, adapter, device, adapter.dtype_name(items[0]), items, inplace, host_call)
     flats = [t.reshape(-1) for t in items]
     sizes = [int(t.shape[0]) * int(t.dtype.itemsize) for t in flats]
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
         total += -(-n // _ALIGN) * _ALIGN
-    host = Scratch(call.ctx.buffers, adapter.kind, device).stage(_STAGE, total)
-    pieces = [host[lo:lo + n] for lo, n in zip(offsets, sizes)]
+    pieces = [_stage(call, adapter, device, total)[lo:lo + n] for lo, n in zip(offsets, sizes)]
     copies = adapter.copy_stream(device)
-    copies.begin()
-    mark = None
-    for t, piece in zip(flats, pieces):
-        if len(piece):
-            mark = copies.to_host(adapter.byte_view(t), piece)
-    if mark is not None:
-        copies.wait(mark)  # the last copy queued: the side stream runs them in order
+    _to_host(copies, [(adapter.byte_view(t), piece) for t, piece in zip(flats, pieces) if len(piece)])
     call.record("copied_bytes", 2 * total)
     host_call(call._replace(settings=_on_host_settings(call.settings)),
               [_host_view(adapter, piece, t) for t, piece in zip(items, pieces)])
@@ -66,6 +63,47 @@ def round_trip(call, items: list, inplace: bool, host_call):
     return [out.reshape(t.shape) for out, t in zip(outs, items)]
 
 
+def _fused(call, adapter, device: str, dtype: str, items: list, inplace: bool, host_call):
+    """The round trip of tensors of one dtype: packed on the device into one buffer (one device copy per
+    tensor, queued), one copy to the host and one back, unpacked on the device."""
+    bounds = np.zeros(len(items) + 1, dtype=np.int64)
+    np.cumsum([math.prod(t.shape) for t in items], out=bounds[1:])
+    n = int(bounds[-1])
+    buf = call.ctx.buffers.get(adapter.kind, device, dtype, n, "round trip") if inplace \
+        else adapter.empty(n, dtype, device)
+    adapter.pack(items, buf, bounds)
+    raw = adapter.byte_view(buf)
+    host = _stage(call, adapter, device, int(raw.shape[0]))
+    copies = adapter.copy_stream(device)
+    _to_host(copies, [(raw, host)] if len(host) else [])
+    call.record("copied_bytes", 2 * len(host))
+    flat = _host_view(adapter, host, buf)
+    host_call(call._replace(settings=_on_host_settings(call.settings)),
+              [flat[lo:hi].reshape(t.shape) for t, lo, hi in zip(items, bounds[:-1].tolist(), bounds[1:].tolist())])
+    if len(host):
+        copies.from_host(host, raw)
+    copies.end()
+    if inplace:
+        adapter.write_back(items, buf, bounds)
+        return items
+    return adapter.views(buf, bounds, [t.shape for t in items])
+
+
+def _stage(call, adapter, device: str, nbytes: int) -> np.ndarray:
+    return Scratch(call.ctx.buffers, adapter.kind, device).stage(_STAGE, nbytes)
+
+
+def _to_host(copies, pairs: list) -> None:
+    """Queue the copies ``(device bytes, host bytes)`` on the side stream, after the work queued so far,
+    and wait once for the last (the side stream runs them in order)."""
+    copies.begin()
+    mark = None
+    for dev, host in pairs:
+        mark = copies.to_host(dev, host)
+    if mark is not None:
+        copies.wait(mark)
+
+
 @functools.lru_cache(maxsize=4)
 def _on_host_settings(s):
     """The settings of the host call: its host copies go to MPI as they are (``gpu_transport="staged"``
@@ -74,25 +112,26 @@ def _on_host_settings(s):
 
 
 def _staged_adapter(call, items: list):
-    """The adapter of ``items`` where they are contiguous device tensors of one kind and device whose
+    """The adapter of ``items`` where they are contiguous device tensors of one type and device whose
     exchanges this call would stage, else None."""
     s = call.settings
     if not items or s.device_kernels == "triton":
         return None
-    adapters = call.ctx.adapters
     first = items[0]
-    adapter = adapters.for_array(first)
+    adapter = call.ctx.adapters.for_array(first)
     if adapter is None or adapter.kind not in ("torch", "cupy"):
         return None
     try:
-        device = adapter.device(first)
+        if adapter.is_host(first) or not use_staging(s, adapter, first):
+            return None
+        device, kind = adapter.device(first), type(first)
         for t in items:
-            if adapters.for_array(t) is not adapter or adapter.refusal(t) is not None or adapter.is_host(t) \
-                    or adapter.device(t) != device or not _contiguous(t):
+            if type(t) is not kind or adapter.device(t) != device or not _contiguous(t) or \
+                    (adapter.kind == "torch" and adapter.refusal(t) is not None):
                 return None
     except (AttributeError, TypeError, RuntimeError):
         return None
-    return adapter if use_staging(s, adapter, first) else None
+    return adapter
 
 
 def _contiguous(t) -> bool:

@@ -128,9 +128,9 @@ def test_device_kernels_setting_is_validated():
 @pytest.mark.parametrize("op", ["adasum", "sum", "mean"])
 @pytest.mark.parametrize("small", [None, 0], ids=["doubling", "halving"])
 def test_a_staged_call_is_one_host_round_trip(comm, small, op):
-    """A staged call is the round trip a user would write: per call one copy to the host per tensor, one
-    wait for them, the host call, one copy back per tensor and one wait; nothing made after the first call;
-    the bits of the host call on host copies of the same values, whatever chunk_bytes says."""
+    """A staged call is the round trip a user would write: per call the tensors packed on the device, one
+    copy to the host, one wait, the host call, one copy back and one wait; nothing made after the first
+    call; the bits of the host call on host copies of the same values, whatever chunk_bytes says."""
     from cupy_standin import calls
 
     if comm.Get_size() == 1:
@@ -151,13 +151,34 @@ def test_a_staged_call_is_one_host_round_trip(comm, small, op):
             adasum.configure(old)
         made = {k: calls[k] - before[k] for k in calls}
         assert made["pinned"] == made["streams"] == made["events"] == 0, "made once and reused"
-        assert made["get"] == made["set"] == 2 * 3, "one copy each way per tensor per call"
+        assert made["get"] == made["set"] == 2, "one copy each way per call, packed on the device"
         assert made["event_synchronize"] == made["synchronize"] == 2, "one wait each way per call"
         for got, want in zip(out, host):
             assert isinstance(got, cupy.ndarray) and raw_bytes(got) == raw_bytes(want)
         for got, want in zip(mine, host):
             assert raw_bytes(got) == raw_bytes(want)
     assert_identical_across_ranks(comm, out)
+
+
+@pytest.mark.skipif(CUPY_IS_REAL, reason="counts calls of the stand-in module")
+def test_a_staged_call_of_mixed_dtypes_copies_each_tensor_once_each_way(comm):
+    from cupy_standin import calls
+
+    if comm.Get_size() == 1:
+        pytest.skip("a single rank exchanges nothing")
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mine = [make(np.full(5, rank + 1.0), "cupy", "float16"), make(np.arange(6.0) + rank, "cupy", "float64"),
+            make(np.zeros(0), "cupy", "float32")]
+    with gpu_transport("staged"):
+        adasum.adasum_allreduce_inplace(mine, op="sum")
+        before = dict(calls)
+        out = adasum.adasum_allreduce(mine, op="mean")
+    assert calls["get"] - before["get"] == calls["set"] - before["set"] == 2  # the empty one moves nothing
+    assert calls["event_synchronize"] - before["event_synchronize"] == calls["synchronize"] - before["synchronize"] == 1
+    # after the sum every rank holds the same values: their mean is those values
+    np.testing.assert_array_equal(as_f64(out[0]), np.full(5, size * (size + 1) / 2))
+    np.testing.assert_array_equal(as_f64(out[1]), np.arange(6.0) * size + size * (size - 1) / 2)
+    assert out[2].shape == (0,)
 
 
 def test_sum_and_mean_on_device_buffers(comm):

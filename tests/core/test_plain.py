@@ -152,3 +152,25 @@ def test_in_place_torch_tensors_are_marked_as_changed(comm):
     adasum.adasum_allreduce_inplace([t], op="sum")
     assert t._version > version or comm.Get_size() == 1
     assert torch.all(t == comm.Get_size())
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_views_of_one_buffer_go_as_one_message_without_a_copy(comm, kind):
+    """Tensors back to back in one block (views of one flat buffer, as a device round trip's host copies
+    are) vote for the fused message and are reduced where they lie; a rank whose tensors lie apart packs
+    them into the one message."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    sizes = [3000, 5, 2048, 1]
+    flat = np.arange(sum(sizes), dtype=np.float32) + rank
+    apart = rank == 1
+    if kind == "torch":
+        flat = torch.from_numpy(flat)
+    views = [v.clone() if apart and kind == "torch" else (v.copy() if apart else v)
+             for v in (flat.split(sizes) if kind == "torch" else np.split(flat, np.cumsum(sizes)[:-1]))]
+    with adasum.count_traffic() as t:
+        adasum.adasum_allreduce_inplace(views, op="mean")
+    assert t.collectives == 2  # the agreement and the one message
+    assert t.copied_bytes == (2 * 4 * sum(sizes) if apart else 0)
+    want = np.arange(sum(sizes), dtype=np.float64) + (size - 1) / 2
+    np.testing.assert_array_equal(np.concatenate([_np(v) for v in views]), want.astype(np.float32))
