@@ -8,7 +8,8 @@ For each kind (numpy arrays, torch CPU tensors), size and op, on the ten uneven 
 ``benchmarks/allreduce.py`` as separate tensors reduced in place, it prints:
 
 - ``x raw``: the median per-repeat ratio of the call's time to ``comm.Allreduce(IN_PLACE, SUM)`` of one
-  buffer of the same bytes, timed in the same rounds (interleaved, rotating order, slowest rank);
+  buffer of the same bytes, timed in the same rounds (interleaved, rotating order, slowest rank), and
+  ``x numpy``: to the same op on numpy arrays of the same bytes, in the same rounds;
 - ``us over``: the median per-repeat difference to ``raw``, the time the call spends beyond the bytes;
 - ``coll``: collectives the call starts (the agreement included; MPI's own allreduce is one), and
   ``msgs``: point-to-point messages (Adasum's exchanges);
@@ -33,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import adasum  # noqa: E402
 from allreduce import layer_sizes, model, parse_size, time_rounds  # noqa: E402,F401
 
-COLUMNS = ("x raw", "us over", "coll", "msgs", "copied", "py calls", "c calls")
+COLUMNS = ("x raw", "x numpy", "us over", "coll", "msgs", "copied", "py calls", "c calls")
 
 
 def python_calls(fn) -> tuple[int, int]:
@@ -52,43 +53,54 @@ def python_calls(fn) -> tuple[int, int]:
     return counts["call"], counts["c_call"]
 
 
-def measure(comm, kind: str, nbytes: int, ops, repeats: int, warmup: int) -> dict:
-    """Per op, the row of :data:`COLUMNS` for ``kind`` and ``nbytes``."""
-    _, flat, work, refill = model(comm.Get_rank(), nbytes, "separate", kind=kind)
-    names = ["raw", *ops]
+def measure(comm, kinds, nbytes: int, ops, repeats: int, warmup: int) -> dict:
+    """Per (kind, op), the row of :data:`COLUMNS` for ``nbytes``: every kind and op timed in the same
+    rounds, so that ``x numpy`` (a kind's time over numpy's for the same op, per repeat) compares like
+    with like."""
+    models = {k: model(comm.Get_rank(), nbytes, "separate", kind=k) for k in kinds}
+    flat = models[kinds[0]][1]
+    names = ["raw"] + [f"{op}:{k}" for k in kinds for op in ops]
 
     def call(name):
         if name == "raw":
             comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
         else:
-            adasum.adasum_allreduce_inplace(work, op=name, comm=comm)
+            op, kind = name.split(":")
+            adasum.adasum_allreduce_inplace(models[kind][2], op=op, comm=comm)
+
+    def refill(name):
+        models[kinds[0] if name == "raw" else name.split(":")[1]][3]()
 
     times = {k: np.array(v) for k, v in time_rounds(comm, names, call, refill, repeats, warmup).items()}
     raw = times["raw"]
     rows = {}
-    for op in ops:
-        refill()
+    for name in names[1:]:
+        refill(name)
         comm.Barrier()
         with adasum.count_traffic(comm) as t:
-            call(op)
-        refill()
+            call(name)
+        refill(name)
         comm.Barrier()
-        py, c = python_calls(lambda: call(op))
-        rows[op] = {"x raw": float(np.median(times[op] / raw)),
-                    "us over": float(np.median(times[op] - raw)) * 1e6,
-                    "coll": t.collectives, "msgs": t.messages, "copied": t.copied_bytes / max(flat.nbytes, 1),
-                    "py calls": py, "c calls": c, "raw_us": float(np.median(raw)) * 1e6}
+        py, c = python_calls(lambda: call(name))
+        op, kind = name.split(":")
+        base = times[f"{op}:numpy"] if f"{op}:numpy" in times else times[name]
+        rows[(kind, op)] = {"x raw": float(np.median(times[name] / raw)),
+                            "us over": float(np.median(times[name] - raw)) * 1e6,
+                            "coll": t.collectives, "msgs": t.messages,
+                            "copied": t.copied_bytes / max(flat.nbytes, 1), "py calls": py, "c calls": c,
+                            "x numpy": float(np.median(times[name] / base)), "raw_us": float(np.median(raw)) * 1e6}
     return rows
 
 
 def format_row(size: int, kind: str, nbytes: int, op: str, row: dict) -> str:
-    return (f"{size:>3} {kind:>6} {_human(nbytes):>7} {op:>7} {row['x raw']:>7.2f} {row['us over']:>9.1f} "
+    return (f"{size:>3} {kind:>6} {_human(nbytes):>7} {op:>7} {row['x raw']:>7.2f} {row['x numpy']:>7.2f} "
+            f"{row['us over']:>9.1f} "
             f"{row['coll']:>5d} {row['msgs']:>5d} {row['copied']:>7.2f} {row['py calls']:>9d} {row['c calls']:>8d}")
 
 
 def header() -> str:
     return f"{'P':>3} {'kind':>6} {'bytes':>7} {'op':>7} " + " ".join(
-        f"{c:>{w}}" for c, w in zip(COLUMNS, (7, 9, 5, 5, 7, 9, 8)))
+        f"{c:>{w}}" for c, w in zip(COLUMNS, (7, 7, 9, 5, 5, 7, 9, 8)))
 
 
 def _human(n: int) -> str:
@@ -111,15 +123,15 @@ def main(argv=None) -> list:
     out = []
     if comm.Get_rank() == 0:
         print(header(), flush=True)
-    for kind in args.kinds.split(","):
-        for text in args.sizes.split(","):
-            nbytes = parse_size(text)
-            repeats = args.repeats or int(np.clip(4e8 / max(nbytes, 1), 15, 301))
-            rows = measure(comm, kind, nbytes, ops, repeats, args.warmup)
-            for op, row in rows.items():
-                out.append({"kind": kind, "bytes": nbytes, "op": op, **row})
-                if comm.Get_rank() == 0:
-                    print(format_row(comm.Get_size(), kind, nbytes, op, row), flush=True)
+    kinds = [k for k in args.kinds.split(",") if k]
+    for text in args.sizes.split(","):
+        nbytes = parse_size(text)
+        repeats = args.repeats or int(np.clip(4e8 / max(nbytes, 1), 15, 301))
+        rows = measure(comm, kinds, nbytes, ops, repeats, args.warmup)
+        for (kind, op), row in rows.items():
+            out.append({"kind": kind, "bytes": nbytes, "op": op, **row})
+            if comm.Get_rank() == 0:
+                print(format_row(comm.Get_size(), kind, nbytes, op, row), flush=True)
     return out
 
 

@@ -22,7 +22,9 @@ def test_rows_show_collectives_copies_and_python_calls(comm, capsys):
     assert {(r["kind"], r["bytes"], r["op"]) for r in rows} == {
         (k, n, op) for k in ("numpy", "torch") for n in (16 << 10, 1 << 20) for op in ("sum", "mean", "adasum")}
     for r in rows:
-        assert r["x raw"] > 0 and r["py calls"] > 0 and r["c calls"] > 0
+        assert r["x raw"] > 0 and r["x numpy"] > 0 and r["py calls"] > 0 and r["c calls"] > 0
+        if r["kind"] == "numpy":
+            assert r["x numpy"] == 1.0  # numpy against itself
     if comm.Get_rank() == 0:
         printed = capsys.readouterr().out.splitlines()
         assert printed[0].split()[:5] == ["P", "kind", "bytes", "op", "x"] and len(printed) == 1 + len(rows)
