@@ -86,8 +86,10 @@ def measure(comm, kinds, nbytes: int, ops, repeats: int, warmup: int) -> dict:
         base = times[f"{op}:numpy"] if f"{op}:numpy" in times else times[name]
         rows[(kind, op)] = {"x raw": float(np.median(times[name] / raw)),
                             "us over": float(np.median(times[name] - raw)) * 1e6,
-                            "coll": t.collectives, "msgs": t.messages,
-                            "copied": t.copied_bytes / max(flat.nbytes, 1), "py calls": py, "c calls": c,
+                            # counters an older checkout lacks (see benchmarks/versus.py) show as -1
+                            "coll": getattr(t, "collectives", -1), "msgs": t.messages,
+                            "copied": getattr(t, "copied_bytes", -flat.nbytes) / max(flat.nbytes, 1),
+                            "py calls": py, "c calls": c,
                             "x numpy": float(np.median(times[name] / base)), "raw_us": float(np.median(raw)) * 1e6}
     return rows
 
