@@ -117,6 +117,8 @@ class Context:
         self.calls = 0  # calls started on this communicator, this rank
         self.extras = None  # (settings, what the ranks agree on besides the tensors), made from those settings
         self.nodes = None  # the node layout (adasum.runtime.topology), made on first use
+        # whether the ranks sit on more than one host (shared-memory domain), found with the duplicate
+        self.across_hosts = False
         self._busy = threading.Lock()
         self._current: tuple | None = None  # (call number, what) of the call in flight
         self._freed = False
@@ -140,6 +142,11 @@ class Context:
                 lcomm, req = self._comm.Idup()
                 making = Call(self, s, self._waiting(s), self._comm, self.calls, "making the library's duplicate")
                 stall.wait(making, req, None, None, via=self._comm)
+                # Every rank has come (the duplicate is made): one split finds whether the ranks share a
+                # host, which the schedule's choice needs (adasum.call.plan.choose).
+                node = lcomm.Split_type(MPI.COMM_TYPE_SHARED)
+                self.across_hosts = node.Get_size() < self.size
+                node.Free()
                 self._lcomm = lcomm
             return self._lcomm
 
