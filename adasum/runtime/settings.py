@@ -56,7 +56,9 @@ class Settings:
         small_message_bytes: Adasum calls of at most this many bytes (all tensors together) exchange whole
             vectors by recursive doubling (log2 P message rounds); larger calls use recursive halving (about
             2·N bytes sent per rank). ``0`` always halves. ``None``: chosen from the world size (3 MiB for 2
-            and 3 ranks, 1 MiB for 4 to 7, 1 MiB / (log2 P - 1) from 8 on).
+            and 3 ranks, 1 MiB for 4 to 7, 1 MiB / (log2 P - 1) from 8 on) where the ranks share one
+            host; across hosts, from 4 ranks, always halving, which puts fewer bytes on the links
+            (:func:`adasum.call.plan.choose`). A number set here holds on one host and across hosts.
         kernels: ``"c"``: host float buffers (float32, float64, float16, bfloat16) go through the compiled kernels where they were built;
             ``"numpy"``: always the numpy kernels (same results to rounding; the compiled ones are faster).
         kernels_isa: the widest instruction set the compiled kernels use: ``"auto"`` (the widest the CPU has,
