@@ -53,6 +53,28 @@ def _layers(nbytes: int, seed: int, rank: int, equal: int = 0, kind: str = "nump
     return [_as(rng.standard_normal(n).astype(np.float32), kind, dtype) for n in layer_sizes(nbytes, equal=equal)]
 
 
+def _time(comm, fns: dict, seconds: float) -> tuple[int, dict]:
+    """Repeats (about ``seconds`` in all) of every function of ``fns`` between barriers, in an order that
+    alternates; each time the slowest rank's. Returns the number of repeats and the times per key."""
+    for f in fns.values():
+        f()
+        f()
+    comm.Barrier()
+    started = time.perf_counter()
+    for f in fns.values():
+        f()
+    each = comm.allreduce(time.perf_counter() - started, op=MPI.MAX)
+    repeats = max(5, min(3000, int(seconds / max(each, 1e-6))))
+    times: dict = {k: [] for k in fns}
+    for r in range(repeats):
+        for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            comm.Barrier()
+            t = time.perf_counter()
+            fns[k]()
+            times[k].append(comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
+    return repeats, {k: np.array(v) for k, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="checkout of the version to compare with (extension built)")
@@ -79,23 +101,7 @@ def main() -> None:
                 for k, lib in (("base", base), ("twin", twin), ("new", adasum)):
                     data = _layers(nbytes, 1, comm.Get_rank(), args.equal_layers, args.kind, d)
                     fns[k, op, d] = lambda lib=lib, data=data, op=op: lib.adasum_allreduce_inplace(data, op=op)
-        for f in fns.values():
-            f()
-            f()
-        comm.Barrier()
-        started = time.perf_counter()
-        for f in fns.values():
-            f()
-        each = comm.allreduce(time.perf_counter() - started, op=MPI.MAX)
-        repeats = max(5, min(3000, int(args.seconds / max(each, 1e-6))))
-        times: dict[str, list[float]] = {k: [] for k in fns}
-        for r in range(repeats):
-            for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-                comm.Barrier()
-                t = time.perf_counter()
-                fns[k]()
-                times[k].append(comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
-        t = {k: np.array(v) for k, v in times.items()}
+        repeats, t = _time(comm, fns, args.seconds)
 
         def ratio(a, b):
             return float(np.median(t[a] / t[b]))
