@@ -198,7 +198,8 @@ def main(argv=None) -> int:
     if comm.Get_rank() == 0 and args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         meta = {"world_size": comm.Get_size(), "mpi": MPI.Get_library_version().splitlines()[0],
-                "cuda_aware": adasum.cuda_aware_mpi(), "device": kind.name() if args.kind != "cupy-standin" else "cupy stand-in", "kind": args.kind,
+                "cuda_aware": adasum.cuda_aware_mpi(),
+                "device": kind.name() if args.kind != "cupy-standin" else "cupy stand-in", "kind": args.kind,
                 "kernels": args.kernels, "host": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
                 "argv": sys.argv}
         with open(args.json, "w") as f:
