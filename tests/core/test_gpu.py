@@ -232,3 +232,17 @@ def test_torch_cuda_matches_cpu_bitwise_per_rank(comm):
 def test_torch_cuda_and_cpu_in_one_call_rejected(comm):
     with pytest.raises(ValueError, match="must be on one device"):
         adasum.adasum_allreduce([torch.ones(2, device="cuda"), torch.ones(2)])
+
+
+@pytest.mark.parametrize("op", ["adasum", "sum"])
+def test_a_staged_rank_among_host_ranks_computes_their_bits(comm, op):
+    """A rank whose device tensors go through the host round trip computes on the host, as the ranks that
+    pass host arrays do: every rank ends with the same bits."""
+    rank = comm.Get_rank()
+    values = [np.random.default_rng([7, rank, i]).standard_normal(n).astype(np.float32) for i, n in enumerate((900, 5))]
+    if adasum.cuda_aware_mpi():
+        pytest.skip("device buffers go to MPI directly here: they are not staged")
+    mine = [make(v, "cupy", "float32") for v in values] if rank == 0 else values
+    out = adasum.adasum_allreduce(mine, op=op)  # "auto": staged for the device arrays, direct for the host
+    assert all(isinstance(o, cupy.ndarray) for o in out) or rank != 0
+    assert_identical_across_ranks(comm, [as_f64(o) for o in out])
