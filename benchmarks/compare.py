@@ -9,8 +9,9 @@ The other version's ``adasum`` package is copied under the name ``adasum_base`` 
 so it runs as it is) and imported next to this checkout's. Every repeat times, between barriers and in an
 order that alternates, ``comm.Allreduce`` on one buffer of the same bytes (``raw``), the base version, the
 base version once more under a second name (the same code twice: what the ratio of two identical
-contenders spreads by is the noise of the measurement), and this checkout: in-place Adasum of a float32
-model of ten layers (sizes in proportion 1, 2, 3, 5, …, 89; ``--equal-layers N``: N layers of one size).
+contenders spreads by is the noise of the measurement), and this checkout: in-place Adasum (``--ops``:
+each op given, e.g. ``sum,mean,adasum``) of a float32 model of ten layers (sizes in proportion 1, 2, 3, 5,
+…, 89; ``--equal-layers N``: N layers of one size).
 A contender's time for a repeat is its slowest rank's. The table shows medians over repeats of per-repeat
 ratios.
 
@@ -52,6 +53,28 @@ def _layers(nbytes: int, seed: int, rank: int, equal: int = 0, kind: str = "nump
     return [_as(rng.standard_normal(n).astype(np.float32), kind, dtype) for n in layer_sizes(nbytes, equal=equal)]
 
 
+def _time(comm, fns: dict, seconds: float) -> tuple[int, dict]:
+    """Repeats (about ``seconds`` in all) of every function of ``fns`` between barriers, in an order that
+    alternates; each time the slowest rank's. Returns the number of repeats and the times per key."""
+    for f in fns.values():
+        f()
+        f()
+    comm.Barrier()
+    started = time.perf_counter()
+    for f in fns.values():
+        f()
+    each = comm.allreduce(time.perf_counter() - started, op=MPI.MAX)
+    repeats = max(5, min(3000, int(seconds / max(each, 1e-6))))
+    times: dict = {k: [] for k in fns}
+    for r in range(repeats):
+        for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            comm.Barrier()
+            t = time.perf_counter()
+            fns[k]()
+            times[k].append(comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
+    return repeats, {k: np.array(v) for k, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="checkout of the version to compare with (extension built)")
@@ -59,9 +82,11 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=6.0, help="about how long to spend per size")
     ap.add_argument("--dtypes", default="float32", help="dtypes to time, comma-separated (float32 first)")
     ap.add_argument("--kind", choices=["numpy", "torch"], default="numpy")
+    ap.add_argument("--ops", default="adasum", help="ops to time, comma-separated (adasum, sum, mean)")
     ap.add_argument("--equal-layers", type=int, default=0, metavar="N")
     args = ap.parse_args()
     dtypes = [d for d in args.dtypes.split(",") if d]
+    ops = [o for o in args.ops.split(",") if o]
     comm = MPI.COMM_WORLD
     where = tempfile.mkdtemp(prefix="adasum-compare-")  # each rank its own copies
     src = Path(args.base) / "adasum"
@@ -71,44 +96,30 @@ def main() -> None:
         nbytes = parse_size(text)
         raw = np.zeros(sum(layer_sizes(nbytes, equal=args.equal_layers)), np.float32)
         fns = {"raw": lambda: comm.Allreduce(MPI.IN_PLACE, raw, op=MPI.SUM)}
-        for d in dtypes:
-            for k, lib in (("base", base), ("twin", twin), ("new", adasum)):
-                data = _layers(nbytes, 1, comm.Get_rank(), args.equal_layers, args.kind, d)
-                fns[k, d] = lambda lib=lib, data=data: lib.adasum_allreduce_inplace(data)
-        for f in fns.values():
-            f()
-            f()
-        comm.Barrier()
-        started = time.perf_counter()
-        for f in fns.values():
-            f()
-        each = comm.allreduce(time.perf_counter() - started, op=MPI.MAX)
-        repeats = max(5, min(3000, int(args.seconds / max(each, 1e-6))))
-        times: dict[str, list[float]] = {k: [] for k in fns}
-        for r in range(repeats):
-            for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-                comm.Barrier()
-                t = time.perf_counter()
-                fns[k]()
-                times[k].append(comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
-        t = {k: np.array(v) for k, v in times.items()}
+        for op in ops:
+            for d in dtypes:
+                for k, lib in (("base", base), ("twin", twin), ("new", adasum)):
+                    data = _layers(nbytes, 1, comm.Get_rank(), args.equal_layers, args.kind, d)
+                    fns[k, op, d] = lambda lib=lib, data=data, op=op: lib.adasum_allreduce_inplace(data, op=op)
+        repeats, t = _time(comm, fns, args.seconds)
 
         def ratio(a, b):
             return float(np.median(t[a] / t[b]))
 
         f32 = dtypes[0]
-        for d in dtypes:
-            rows.append((text, d, repeats, 1e3 * float(np.median(t["base", d])), 1e3 * float(np.median(t["new", d])),
-                         ratio(("base", d), "raw"), ratio(("new", d), "raw"), ratio(("new", d), ("base", d)),
-                         ratio(("twin", d), ("base", d)), ratio(("base", d), ("base", f32)),
-                         ratio(("new", d), ("new", f32))))
+        for op in ops:
+            for d in dtypes:
+                b, n = ("base", op, d), ("new", op, d)
+                rows.append((text, op, d, repeats, 1e3 * float(np.median(t[b])), 1e3 * float(np.median(t[n])),
+                             ratio(b, "raw"), ratio(n, "raw"), ratio(n, b), ratio(("twin", op, d), b),
+                             ratio(b, ("base", op, f32)), ratio(n, ("new", op, f32))))
     if comm.Get_rank() == 0:
         print(f"P = {comm.Get_size()}; {args.kind}; medians of per-repeat ratios; base: {args.base}")
-        print(f"{'size':>8} {'dtype':>9} {'repeats':>8} {'base ms':>8} {'new ms':>8} {'base/raw':>9} {'new/raw':>8} "
-              f"{'new/base':>9} {'twin/base':>10} {'base/f32':>9} {'new/f32':>8}")
-        for text, d, repeats, bms, nms, a, b, c, tw, bf, nf in rows:
-            print(f"{text:>8} {d:>9} {repeats:>8} {bms:8.2f} {nms:8.2f} {a:9.2f} {b:8.2f} {c:9.2f} {tw:10.2f} "
-                  f"{bf:9.2f} {nf:8.2f}")
+        print(f"{'size':>8} {'op':>7} {'dtype':>9} {'repeats':>8} {'base ms':>8} {'new ms':>8} {'base/raw':>9} "
+              f"{'new/raw':>8} {'new/base':>9} {'twin/base':>10} {'base/f32':>9} {'new/f32':>8}")
+        for text, op, d, repeats, bms, nms, a, b, c, tw, bf, nf in rows:
+            print(f"{text:>8} {op:>7} {d:>9} {repeats:>8} {bms:8.3f} {nms:8.3f} {a:9.2f} {b:8.2f} {c:9.2f} {tw:10.2f} "
+                  f"{bf:9.2f} {nf:8.2f}", flush=True)
     shutil.rmtree(where, ignore_errors=True)
 
 

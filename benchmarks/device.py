@@ -10,7 +10,13 @@ each timed from the barrier to the moment its result is ready where it lives:
 - ``raw``: ``comm.Allreduce(SUM)`` in place on one host buffer of the same bytes;
 - ``host``: ``adasum_allreduce_inplace`` on the layers as numpy arrays (``--kind torch``: torch CPU tensors);
 - ``staged``: the same call on the layers in device memory, sent through reused page-locked host buffers;
-- ``direct``: the same, with device memory handed to MPI (only where MPI is CUDA-aware, or ``--direct``).
+- ``direct``: the same, with device memory handed to MPI (only where MPI is CUDA-aware, or ``--direct``);
+- ``roundtrip``: what a user would write by hand: each layer copied into its own page-locked host buffer
+  (made once), the device synchronised, ``host``'s call on those buffers, each layer copied back, the
+  device synchronised. A staged call should never cost more.
+
+``--ops adasum,sum,mean`` times each op in turn. ``--kind cupy-standin`` runs the cupy path on the numpy
+stand-in of ``tests/cupy_standin.py`` (no GPU: a check that the script runs, not a timing of a device).
 
 Each repeat runs every method once, in a rotating order; a method's time is that of its slowest rank, and
 the table shows the median over repeats and the median ratios to ``host`` and ``raw`` of the same repeat.
@@ -49,6 +55,15 @@ class _Torch:
     def refill_host(self, dst, src):
         dst.copy_(self.torch.from_numpy(src))
 
+    def pinned(self, a):
+        return self.torch.empty(a.shape, dtype=self.torch.float32, pin_memory=True)
+
+    def to_pinned(self, dst, src):
+        dst.copy_(src, non_blocking=True)
+
+    def from_pinned(self, dst, src):
+        dst.copy_(src, non_blocking=True)
+
     def sync(self):
         self.torch.cuda.synchronize()
 
@@ -74,6 +89,17 @@ class _Cupy:
     def refill_host(self, dst, src):
         dst[...] = src
 
+    def pinned(self, a):
+        import cupyx
+
+        return cupyx.empty_pinned(a.shape, dtype=np.float32)
+
+    def to_pinned(self, dst, src):
+        src.get(out=dst, blocking=False)
+
+    def from_pinned(self, dst, src):
+        dst.set(src)
+
     def sync(self):
         self.cp.cuda.get_current_stream().synchronize()
 
@@ -90,6 +116,7 @@ def run(comm, kind, nbytes: int, op: str, repeats: int, warmup: int, names: list
     host = [kind.host(x) for x in layers]
     source = [kind.device(x) for x in layers]  # pristine device copies, to refill from
     dev = [kind.device(x) for x in layers]
+    pinned = [kind.pinned(x) for x in layers]  # the round trip's host buffers, made once
 
     def call(name):
         if name == "raw":
@@ -97,6 +124,15 @@ def run(comm, kind, nbytes: int, op: str, repeats: int, warmup: int, names: list
         elif name == "host":
             adasum.set_gpu_transport("auto")  # "staged" would copy host buffers through staging too
             adasum.adasum_allreduce_inplace(host, op=op, comm=comm)
+        elif name == "roundtrip":
+            adasum.set_gpu_transport("auto")
+            for p, d in zip(pinned, dev):
+                kind.to_pinned(p, d)
+            kind.sync()
+            adasum.adasum_allreduce_inplace(pinned, op=op, comm=comm)
+            for d, p in zip(dev, pinned):
+                kind.from_pinned(d, p)
+            kind.sync()
         else:
             adasum.set_gpu_transport(name)
             adasum.adasum_allreduce_inplace(dev, op=op, comm=comm)
@@ -107,7 +143,7 @@ def run(comm, kind, nbytes: int, op: str, repeats: int, warmup: int, names: list
         for h, d, x, s in zip(host, dev, layers, source):
             if name == "host":
                 kind.refill_host(h, x)
-            elif name != "raw":
+            elif name != "raw":  # staged, direct and roundtrip reduce the device copies
                 kind.copy(d, s)
         flat[...] = 0.5
 
@@ -124,14 +160,15 @@ def run(comm, kind, nbytes: int, op: str, repeats: int, warmup: int, names: list
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kind", choices=["torch", "cupy"], default="torch", help="the device array library")
+    ap.add_argument("--kind", choices=["torch", "cupy", "cupy-standin"], default="torch",
+                    help="the device array library (cupy-standin: tests/cupy_standin.py, no GPU needed)")
     ap.add_argument("--sizes", default="1MiB,4MiB,16MiB,64MiB,256MiB", help="total bytes per call")
-    ap.add_argument("--op", default="adasum", help="the reduction timed (adasum, sum or mean)")
+    ap.add_argument("--ops", default="adasum,sum,mean", help="the reductions timed, comma-separated")
     ap.add_argument("--repeats", type=int, default=0, help="repeats per size (default: by size)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--direct", action="store_true",
                     help="also time device memory handed to MPI even where CUDA-awareness is not detected")
-    ap.add_argument("--methods", default="raw,host,staged,direct",
+    ap.add_argument("--methods", default="raw,host,staged,roundtrip,direct",
                     help="methods to time (raw and host are always timed); direct only where it can run")
     ap.add_argument("--kernels", choices=["auto", "triton", "per-layer"], default="auto",
                     help="the device dot products and combine (the setting device_kernels): compare the Triton "
@@ -141,35 +178,44 @@ def main(argv=None) -> int:
     adasum.configure(device_kernels=args.kernels)
 
     comm = MPI.COMM_WORLD
+    if args.kind == "cupy-standin":
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+        from cupy_standin import cupy_or_standin
+
+        cupy_or_standin()
     kind = _Torch() if args.kind == "torch" else _Cupy()
     direct = args.direct or adasum.cuda_aware_mpi()
-    names = ["raw", "host"] + [m for m in args.methods.split(",") if m in ("staged", "direct")
+    names = ["raw", "host"] + [m for m in args.methods.split(",") if m in ("staged", "roundtrip", "direct")
                                and (m != "direct" or direct)]
     results = []
-    for i, s in enumerate(args.sizes.split(",")):
+    for i, (op, s) in enumerate((op, s) for op in args.ops.split(",") for s in args.sizes.split(",")):
         nbytes = parse_size(s)
         repeats = args.repeats or int(np.clip(1e9 / max(nbytes, 1), 7, 31))
-        res = run(comm, kind, nbytes, args.op, repeats, args.warmup, names)
+        res = run(comm, kind, nbytes, op, repeats, args.warmup, names)
         results.append(res)
         if comm.Get_rank() == 0:
-            names = list(res["results"])
-            if i == 0:
-                print(f"{'P':>3} {'bytes':>10} " + " ".join(f"{n + ' ms':>11}" for n in names) + " " +
-                      " ".join(f"{n + '/host':>12}" for n in names if n not in ("host", "raw")) +
-                      f" {'host/raw':>9}")
-            r = res["results"]
-            print(f"{size_str(res):>14} " + " ".join(f"{r[n]['median_s'] * 1e3:>11.3f}" for n in names) + " " +
-                  " ".join(f"{r[n]['ratio_to_host']:>12.2f}" for n in names if n not in ("host", "raw")) +
-                  f" {r['host']['ratio_to_raw']:>9.2f}", flush=True)
+            _print(res, first=i == 0)
     if comm.Get_rank() == 0 and args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         meta = {"world_size": comm.Get_size(), "mpi": MPI.Get_library_version().splitlines()[0],
-                "cuda_aware": adasum.cuda_aware_mpi(), "device": kind.name(), "kind": args.kind,
+                "cuda_aware": adasum.cuda_aware_mpi(),
+                "device": kind.name() if args.kind != "cupy-standin" else "cupy stand-in", "kind": args.kind,
                 "kernels": args.kernels, "host": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
                 "argv": sys.argv}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
     return 0
+
+
+def _print(res, first: bool) -> None:
+    r = res["results"]
+    names = list(r)
+    if first:
+        print(f"{'P':>3} {'bytes':>10} {'op':>7} " + " ".join(f"{n + ' ms':>12}" for n in names) + " " +
+              " ".join(f"{n + '/host':>14}" for n in names if n not in ("host", "raw")) + f" {'host/raw':>9}")
+    print(f"{size_str(res):>14} {res['op']:>7} " + " ".join(f"{r[n]['median_s'] * 1e3:>12.3f}" for n in names)
+          + " " + " ".join(f"{r[n]['ratio_to_host']:>14.2f}" for n in names if n not in ("host", "raw")) +
+          f" {r['host']['ratio_to_raw']:>9.2f}", flush=True)
 
 
 def size_str(res) -> str:

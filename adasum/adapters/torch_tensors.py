@@ -139,21 +139,24 @@ class TorchAdapter(Adapter):
         a list's views are dropped as soon as one of its tensors is freed."""
         key = id(tensors[0]) if tensors else 0
         kept = self._views.get(key)
-        if kept is not None and len(kept[0]) == len(tensors):
-            for (ref, address, shape), t in zip(kept[0], tensors):
-                if ref() is not t or t.data_ptr() != address or not t.is_contiguous() or t.shape != shape:
-                    break
-            else:
-                return kept[1]
+        tensor = self.torch.Tensor
+        # The checks as C-level maps: a Python loop over the tensors cost as much as the rest of a small call.
+        # While an entry is kept its tensors are alive (a freed one drops it), so equal ids are the same objects.
+        if kept is not None and tuple(map(id, tensors)) == kept[1] and \
+                tuple(map(tensor.data_ptr, tensors)) == kept[2] and all(map(tensor.is_contiguous, tensors)) and \
+                tuple(map(tensor.size, tensors)) == kept[3]:
+            return kept[4]
         views = [_host(t.detach()) for t in tensors]
-        entry = [None, views]  # [(weak reference, address, shape) per tensor, views]
+        # [weak references, ids, addresses, shapes, views]
+        entry = [None, tuple(map(id, tensors)), tuple(t.data_ptr() for t in tensors),
+                 tuple(t.shape for t in tensors), views]
 
         def forget(_, key=key):  # a tensor is gone: its views must not keep its memory alive
             if self._views.get(key) is entry:
                 del self._views[key]
 
         try:
-            entry[0] = [(weakref.ref(t, forget), t.data_ptr(), t.shape) for t in tensors]
+            entry[0] = [weakref.ref(t, forget) for t in tensors]
         except TypeError:  # a tensor subclass without weak references: not kept
             return views
         if len(self._views) >= _KEPT_VIEWS:

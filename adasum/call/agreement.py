@@ -131,6 +131,7 @@ def agree(call, op: str, descs: Sequence[TensorDesc] | None, error: Exception | 
     scratch = ctx.agree_scratch
     load(scratch, sig, error is not None, vote)
     call.record("scalar_bytes", AGREE_BYTES)
+    call.record("collectives", 1)
     s = call.settings
     patience = stall.patience(s, ctx)
     if s.native_mpi and mpi_bound():  # the wait without the GIL, as the compiled small call makes it
@@ -173,6 +174,7 @@ def agree_exchange(call, what: str, error: Exception | None, vote: int = 0, extr
     scratch = np.zeros(8, dtype=np.int64)
     load(scratch, 0 if error is not None else exchange_digest(what, extra), error is not None, vote)
     call.record("scalar_bytes", AGREE_BYTES)
+    call.record("collectives", 1)
     stall.wait(call, call.lcomm.Iallreduce(scratch[0:4], scratch[4:8], op=MPI.MAX), "exchange", AGREE_BYTES,
                label=what)
     if agreed(scratch):
@@ -285,8 +287,10 @@ def _explain(everyone, rank: int) -> Exception:
     extras = {r: e[1] for r, e in enumerate(everyone)}
     if len(set(extras.values())) > 1:
         odd = [r for r, x in extras.items() if x != extra0]
+        names = sorted({k for r in odd for k, v in extras[r] if dict(extra0).get(k) != v})
         return AdasumMismatchError(here + "ranks disagree on the settings: " + ", ".join(
-            f"rank {r} has {dict(extras[r])}" for r in odd) + f", rank 0 has {dict(extra0)}")
+            f"rank {r} has {dict(extras[r])}" for r in odd) + f", rank 0 has {dict(extra0)}; they differ in "
+            + ", ".join(repr(n) for n in names))
     if any(e[2] is None for e in everyone):
         return AdasumMismatchError(here + f"the ranks' calls of {kind0} differ")
     counts = [len(e[2]) for e in everyone]

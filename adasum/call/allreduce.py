@@ -12,9 +12,12 @@ from __future__ import annotations
 import enum
 from typing import Any, Sequence
 
+import numpy as np
 from mpi4py import MPI
 
 from .agreement import agree
+from .plain import FUSED_VOTE, run_plain
+from .roundtrip import round_trip
 from ..adapters import array_kind
 from ..runtime.context import Call, Context, context_for
 from ..schedules import small_call
@@ -27,6 +30,7 @@ from ..kernels.native import use_isa
 from .plan import Plan, Schedule, agreed_extras, kept_plan, place, plan_for
 from ..runtime.collectives import Collectives
 from ..runtime.transport import transport_for
+from ..rule.dtypes import itemsize
 
 __all__ = ["Op", "adasum_allreduce", "adasum_allreduce_inplace"]
 
@@ -106,15 +110,68 @@ def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
     with context_for(comm).call("adasum_allreduce_inplace" if inplace else "adasum_allreduce") as call:
         use_isa(call.settings.kernels_isa)
         extras = agreed_extras(call)
-        known = None
-        if op == "adasum" and not hierarchical and type(tensors) is list and call.ctx.size > 1 \
-                and small_call.allowed(call.settings):
-            known = kept_plan(call.ctx, tensors, extras["adasum"])
-            if known is not None and known.small is not None:
-                done = small_call.run_small(call, known, tensors, inplace, extras)
-                if done is not None:
-                    return done
-        return _general(call, extras, tensors, op, hierarchical, inplace, known)
+        if call.ctx.size > 1:
+            done = _round_trip(call, extras, tensors, op, hierarchical, inplace)
+            if done is not None:
+                return done
+        return _on_host(call, extras, tensors, op, hierarchical, inplace)
+
+
+def _round_trip(call: Call, extras: dict, tensors, op, hierarchical: bool, inplace: bool):
+    """Staged device tensors through one host round trip (:mod:`adasum.call.roundtrip`), or None."""
+    first = tensors[0] if type(tensors) in (list, tuple) and tensors else tensors
+    if type(first) is np.ndarray or getattr(first, "is_cuda", None) is False:
+        return None  # host tensors (the common case, checked in a fraction of a microsecond)
+    if type(tensors) in (list, tuple):
+        single, items = False, list(tensors)
+    elif array_kind(tensors) in ("torch", "cupy"):
+        single, items = True, [tensors]
+    else:
+        return None
+    done = round_trip(call, items, inplace, lambda c, host: _on_host(c, extras, host, op, hierarchical, True))
+    if done is None:
+        return None
+    return done[0] if single else (tensors if inplace and type(tensors) is list else list(done))
+
+
+def _on_host(call: Call, extras: dict, tensors, op, hierarchical: bool, inplace: bool):
+    """The call on tensors that MPI takes as they are (host memory, or device memory for a CUDA-aware MPI),
+    or that the general path stages."""
+    known = None
+    if type(op) in (str, Op) and op in _PLAIN_OPS and not hierarchical and call.ctx.size > 1:
+        done = _plain(call, extras, tensors, op, inplace)
+        if done is not _NOT_TAKEN:
+            return done
+    if op == "adasum" and not hierarchical and type(tensors) is list and call.ctx.size > 1 \
+            and small_call.allowed(call.settings):
+        known = kept_plan(call.ctx, tensors, extras["adasum"])
+        if known is not None and known.small is not None:
+            done = small_call.run_small(call, known, tensors, inplace, extras)
+            if done is not None:
+                return done
+    return _general(call, extras, tensors, op, hierarchical, inplace, known)
+
+
+_PLAIN_OPS = frozenset(("sum", "mean"))  # Op.SUM and Op.MEAN hash and compare as these strings
+_NOT_TAKEN = object()
+
+
+def _plain(call: Call, extras: dict, tensors, op, inplace: bool):
+    """``sum`` and ``mean`` of host tensors where they lie (:mod:`adasum.call.plain`), or ``_NOT_TAKEN``
+    (before any communication) for the general path, which also describes whatever is wrong."""
+    check_launch()
+    op = op.value if type(op) is Op else op  # one of _PLAIN_OPS: the enum call costs a microsecond
+    try:
+        single, items = _as_list(tensors)
+        plan, key = plan_for(call, items, op, extras[op])
+    except Exception:
+        return _NOT_TAKEN
+    out = run_plain(call, plan, items, single, inplace, op, extras[op])
+    if out is None:
+        return _NOT_TAKEN
+    if key is not None:
+        call.ctx.keep(key, plan)
+    return out
 
 
 class _State:
@@ -147,9 +204,9 @@ def _general(call: Call, extras: dict, tensors, op, hierarchical: bool, inplace:
     # fast path needs a contiguous send buffer): every rank must then cut its messages the same way.
     split = agree(call, state.op, None if plan is None else plan.descs, error, extra=extra,
                   digest=None if plan is None else plan.signature,
-                  vote=int(plan is not None and plan.nbytes >= s.split_min_bytes
-                           and any(g.placement in (Placement.READS_PARTS, Placement.IN_PARTS)
-                                   for g in state.operands)))
+                  vote=FUSED_VOTE if state.op in ("sum", "mean") else
+                  int(plan is not None and plan.nbytes >= s.split_min_bytes
+                      and any(g.placement in (Placement.READS_PARTS, Placement.IN_PARTS) for g in state.operands)))
     active = [g for g in state.operands if g.size > 0]
     if active:
         _SCHEDULES[plan.schedule](call, plan, active, s.chunk_bytes if split else 0)
@@ -190,6 +247,7 @@ def _prepare(call: Call, extras: dict, state: _State, tensors, op, hierarchical:
                 buffer = g.adapter.empty(g.size, g.dtype, g.device)
             if placement.packs:
                 g.adapter.pack(mine, buffer, g.bounds, g.spans)
+                call.record("copied_bytes", g.size * itemsize(g.dtype))
         operands.append(Operand(g, buffer, placement, parts))
     state.operands, state.members = operands, members
     return extra
@@ -203,6 +261,8 @@ def _finish(ctx: Context, state: _State, tensors, inplace: bool):
                 g.adapter.wrote_parts(mine)  # written through other views of their memory
             elif g.size > 0 and g.placement is not Placement.ALIASED:
                 g.adapter.write_back(mine, g.buffer, g.bounds, g.spans)
+                if ctx.counters:
+                    ctx.record("copied_bytes", g.size * itemsize(g.dtype))
         return tensors
     out: list[Any] = [None] * len(state.items)
     for g in state.operands:

@@ -18,7 +18,8 @@ from ..schedules.small_call import small_call_for
 from ..rule.dtypes import itemsize
 from .fusion import Group, Operand, Placement, TensorLayout, layer_spans, make_groups
 from ..kernels.native import compiled
-from ..runtime.settings import Settings
+from ..kernels import segmented
+from ..runtime.settings import Settings, triton_interpreted
 from ..runtime.transport import Transport, transport_for
 
 __all__ = ["Plan", "Schedule", "agreed_extras", "kept", "kept_plan", "place", "plan_for", "plan_key"]
@@ -35,14 +36,19 @@ class Schedule(enum.Enum):
     MEAN = "mean"                  # MPI's own allreduce, divided by P
 
 
-def choose(op: str, hierarchical: bool, size: int, nbytes: int, s: Settings) -> Schedule:
-    """The schedule of a call of ``nbytes`` over ``size`` ranks under the settings ``s``."""
+def choose(op: str, hierarchical: bool, size: int, nbytes: int, s: Settings, across_hosts: bool = False) -> Schedule:
+    """The schedule of a call of ``nbytes`` over ``size`` ranks under the settings ``s``. Across hosts
+    (``across_hosts``) and under the automatic threshold, doubling is taken only where it puts no more
+    bytes on a link than halving: after the fold to 2^k ranks, doubling sends k·N bytes per rank and
+    halving 2·N·(2^k - 1)/2^k, so only for 2^k = 2. A set ``small_message_bytes`` overrides this."""
     if size == 1:
         return Schedule.NONE
     if op != "adasum":
         return Schedule(op)
     if hierarchical:
         return Schedule.HIERARCHICAL
+    if across_hosts and s.small_message_bytes is None and size.bit_length() - 1 > 1:
+        return Schedule.HALVING
     return Schedule.HALVING if nbytes > s.small_message_limit(size) else Schedule.DOUBLING
 
 
@@ -52,9 +58,11 @@ def agreed_extras(call) -> dict:
     ctx, s = call.ctx, call.settings
     kept = ctx.extras
     if kept is None or kept[0] is not s:
-        agreed = s.agreed()
+        # the host kernels' back end is agreed too: the compiled and the numpy kernels round differently
+        agreed = (*s.agreed(), ("host kernels", int(compiled is not None and s.kernels == "c")))
+        plain = (("hierarchical", False), ("plain direct bytes", s.plain_direct_bytes))
         extras = {"adasum": (("hierarchical", False), *agreed), "hierarchical": (("hierarchical", True), *agreed),
-                  "sum": (("hierarchical", False),), "mean": (("hierarchical", False),),
+                  "sum": plain, "mean": plain,
                   # and what these settings make of this communicator's calls
                   "patience": stall.patience(s, ctx)}
         kept = ctx.extras = (s, extras)
@@ -74,6 +82,8 @@ class Plan:
         adapters, self.descs = describe(items, op, ctx.rank, ctx.adapters)
         self.signature = signature(op, self.descs, extra)
         self.groups: list[Group] = make_groups(items, adapters, self.descs)
+        if op == "adasum" and s.device_kernels == "triton":
+            _check_triton(self.groups, ctx.rank)
         self.torch = any(g.adapter.kind == "torch" for g in self.groups)  # whose tensors have layouts
         for g in self.groups:
             layer_spans(g)
@@ -81,7 +91,7 @@ class Plan:
         # one group holding every tensor in order: the call's list is the group's members
         self.one_group = len(self.groups) == 1 and self.groups[0].indices == list(range(len(items)))
         # the agreed settings are part of the plan's key, so the schedule is the plan's
-        self.schedule = choose(op, dict(extra)["hierarchical"], ctx.size, self.nbytes, s)
+        self.schedule = choose(op, dict(extra)["hierarchical"], ctx.size, self.nbytes, s, ctx.across_hosts)
         self.small = small_call_for(call, self.schedule is Schedule.DOUBLING, self.one_group, self.groups,
                                     len(items))  # the compiled small call, where the plan's calls may take it
         self._transports: tuple = (None, [])
@@ -96,6 +106,22 @@ class Plan:
         out = [transport_for(call, call.lcomm, g.adapter, g.device, g.buffer) for g in operands]
         self._transports = (key, out)
         return out
+
+
+def _check_triton(groups: Sequence[Group], rank: int) -> None:
+    """Refuse, before any data moves, what the forced Triton kernels (``device_kernels="triton"``) cannot
+    run: triton missing, or torch/cupy buffers in host memory without triton's interpreter."""
+    for g in groups:
+        if g.adapter.kind == "numpy":
+            continue  # numpy arrays always take the host kernels
+        if not segmented.available():
+            raise ImportError(f"rank {rank}: the setting device_kernels='triton' needs torch and triton to be "
+                              "installed; use device_kernels='auto' or 'per-layer'")
+        if g.device == "cpu" and not triton_interpreted():
+            raise TypeError(f"rank {rank}: tensor {g.indices[0]} is a CPU tensor, and the setting "
+                            "device_kernels='triton' runs Triton kernels, which take CUDA tensors only (CPU "
+                            "tensors only under triton's interpreter, TRITON_INTERPRET=1); use "
+                            "device_kernels='auto' or 'per-layer' for CPU tensors")
 
 
 def plan_key(items, op: str, extra: tuple) -> tuple:

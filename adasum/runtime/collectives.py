@@ -34,6 +34,7 @@ class Collectives:
     def allreduce_sum(self, buf) -> None:
         """``MPI_Allreduce(SUM)`` of a flat buffer, in place (MPI's own algorithm and datatypes)."""
         self._record("allreduce_bytes", self.nbytes(buf))
+        self._record("collectives", 1)
         if not self.staged:
             if self.adapter.is_host(buf):
                 self._wait([self.comm.Iallreduce(MPI.IN_PLACE, self.adapter.host_typed(buf), op=MPI.SUM)])
@@ -108,6 +109,7 @@ class Collectives:
         vec = np.ascontiguousarray(vec, dtype=np.float64)
         rows = np.empty((self.comm.Get_size(), vec.size), dtype=np.float64)
         self._record("scalar_bytes", vec.nbytes, 1)
+        self._record("collectives", 1)
         self._wait([self.comm.Iallgather([vec, MPI.DOUBLE], [rows, MPI.DOUBLE])], vec.nbytes)
         return rows
 
@@ -116,6 +118,7 @@ class Collectives:
         ``send`` (both flat buffers of ``dtype``, which MPI must be able to add)."""
         a = self.adapter
         self._record("node_bytes", self.nbytes(send), 1)
+        self._record("collectives", 1)
         if self.staged:
             hs, hr = self.stage(0, self.nbytes(send)), self.stage(1, self.nbytes(recv))
             a.to_host(send, hs)
@@ -138,6 +141,7 @@ class Collectives:
         holders = [j for j, (lo, hi) in enumerate(bounds) if hi > lo]
         item = self.nbytes(buf[:1]) if len(buf) else 0
         self._record("node_bytes", (bounds[me][1] - bounds[me][0]) * item, len(holders))
+        self._record("collectives", len(holders))
         if self.staged:
             host = self.stage(0, self.nbytes(buf))
             lo, hi = bounds[me]

@@ -50,7 +50,11 @@ class Traffic:
     agreement check; ``allreduce_bytes`` the buffers given to ``MPI_Allreduce`` (sum, mean);
     ``node_bytes`` the buffers given to the collectives inside a node (hierarchical mode: the
     reduce-scatter's input and the slice this rank broadcasts); ``compiled_calls`` the calls that went
-    into the compiled small call (:class:`adasum.schedules.small_call.SmallCall`), however they ended.
+    into the compiled small call (:class:`adasum.schedules.small_call.SmallCall`), however they ended;
+    ``copied_bytes`` the bytes copied between the caller's tensors and the library's own buffers (packing
+    before the collective, writing back after it), which a call that reduces tensors where they lie avoids;
+    ``collectives`` the collective operations started (the agreement included; point-to-point messages
+    are in ``messages``).
     """
 
     sent_bytes: int = 0
@@ -59,6 +63,8 @@ class Traffic:
     allreduce_bytes: int = 0
     node_bytes: int = 0
     compiled_calls: int = 0
+    copied_bytes: int = 0
+    collectives: int = 0
 
 
 class Call(NamedTuple):
@@ -111,6 +117,8 @@ class Context:
         self.calls = 0  # calls started on this communicator, this rank
         self.extras = None  # (settings, what the ranks agree on besides the tensors), made from those settings
         self.nodes = None  # the node layout (adasum.runtime.topology), made on first use
+        # whether the ranks sit on more than one host (shared-memory domain), found with the duplicate
+        self.across_hosts = False
         self._busy = threading.Lock()
         self._current: tuple | None = None  # (call number, what) of the call in flight
         self._freed = False
@@ -134,6 +142,11 @@ class Context:
                 lcomm, req = self._comm.Idup()
                 making = Call(self, s, self._waiting(s), self._comm, self.calls, "making the library's duplicate")
                 stall.wait(making, req, None, None, via=self._comm)
+                # Every rank has come (the duplicate is made): one split finds whether the ranks share a
+                # host, which the schedule's choice needs (adasum.call.plan.choose).
+                node = lcomm.Split_type(MPI.COMM_TYPE_SHARED)
+                self.across_hosts = node.Get_size() < self.size
+                node.Free()
                 self._lcomm = lcomm
             return self._lcomm
 

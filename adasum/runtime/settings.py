@@ -56,7 +56,9 @@ class Settings:
         small_message_bytes: Adasum calls of at most this many bytes (all tensors together) exchange whole
             vectors by recursive doubling (log2 P message rounds); larger calls use recursive halving (about
             2·N bytes sent per rank). ``0`` always halves. ``None``: chosen from the world size (3 MiB for 2
-            and 3 ranks, 1 MiB for 4 to 7, 1 MiB / (log2 P - 1) from 8 on).
+            and 3 ranks, 1 MiB for 4 to 7, 1 MiB / (log2 P - 1) from 8 on) where the ranks share one
+            host; across hosts, from 4 ranks, always halving, which puts fewer bytes on the links
+            (:func:`adasum.call.plan.choose`). A number set here holds on one host and across hosts.
         kernels: ``"c"``: host float buffers (float32, float64, float16, bfloat16) go through the compiled kernels where they were built;
             ``"numpy"``: always the numpy kernels (same results to rounding; the compiled ones are faster).
         kernels_isa: the widest instruction set the compiled kernels use: ``"auto"`` (the widest the CPU has,
@@ -81,6 +83,9 @@ class Settings:
         split_min_bytes: from this many bytes per call, halving on separate tensors cuts each exchange into
             one message per layer piece of at least ``chunk_bytes`` (MPI sends fastest from contiguous memory).
         chunk_bytes: the smallest layer piece that travels as a message of its own when exchanges are cut.
+        plain_direct_bytes: ``sum`` and ``mean`` of host tensors: a tensor of at least this many bytes is
+            reduced by MPI where it lies (no copy); smaller ones are packed into one message per dtype
+            (:mod:`adasum.call.plain`). ``0`` packs every tensor. The ranks check that they agree on it.
         stall_warning: seconds a rank waits for the others at the start of a call before the library logs
             which ranks have not arrived (``None``: never).
         stall_timeout: seconds after which every waiting rank raises ``AdasumStallError`` (``None``: never).
@@ -101,12 +106,13 @@ class Settings:
     direct_min_bytes: int = 2 << 20
     split_min_bytes: int = 2 << 20
     chunk_bytes: int = 256 << 10
+    plain_direct_bytes: int = 128 << 10
     stall_warning: float | None = 60.0
     stall_timeout: float | None = None
     waiting: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("direct_min_bytes", "split_min_bytes", "chunk_bytes"):
+        for name in ("direct_min_bytes", "split_min_bytes", "chunk_bytes", "plain_direct_bytes"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 0 bytes, got {getattr(self, name)}")
         if self.small_message_bytes is not None and int(self.small_message_bytes) < 0:
@@ -184,6 +190,8 @@ class _Holder:
 
     def __init__(self, env: Mapping[str, str]):
         self.value = from_environment(env)
+        # triton's own switch: its interpreter runs kernels on CPU tensors (device_kernels="triton" there)
+        self.triton_interpret = _flag(env.get("TRITON_INTERPRET")) is True
         self.launch = {k: v for k, v in env.items() if k.startswith(_LAUNCH_PREFIXES)}
         self.launch_verified = False  # the launch check passed (adasum.runtime.launch.check_launch)
         self.lock = threading.Lock()
@@ -216,6 +224,12 @@ def configure(settings: Settings | None = None, **changes) -> Settings:
             new = dataclasses.replace(new, **changes)
         _holder.value = new
         return old
+
+
+def triton_interpreted() -> bool:
+    """Whether triton's interpreter was switched on (``TRITON_INTERPRET=1`` at import): only then do
+    triton's kernels take CPU tensors."""
+    return _holder.triton_interpret
 
 
 def launch_verified() -> bool:

@@ -136,6 +136,7 @@ class SmallCall:
         if ctx.counters:
             ctx.record("compiled_calls", 1)
             ctx.record("scalar_bytes", AGREE_BYTES)
+            ctx.record("collectives", 1)  # the agreement, made inside the compiled call
         wait = waiting.policy(call.waiting)
         rc = _kernels.small_doubling(buf, scr, live, dst, self.span_array, self.program, digest, scratch, patience,
                                      *wait)

@@ -228,3 +228,55 @@ def test_unreducible_tensor_on_every_rank_is_refused_everywhere(comm, case, op):
     with pytest.raises(TypeError, match=rf"^rank 0: tensor 0 {what}"):
         adasum.adasum_allreduce([make()], op=op)
     _still_reduces(comm)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_host_kernels_mismatch_is_refused_on_every_rank(comm, dtype):
+    """The compiled and the numpy kernels round differently: ranks on different ones are refused, naming the
+    ranks and the setting, in the call's one agreement; the same call on one back end goes on working."""
+    if adasum.kernels_backend() != "c":
+        pytest.skip("the compiled kernels are not in use here")
+    rank = comm.Get_rank()
+    data = [np.linspace(-1, 1, 1000).astype(dtype) * (rank + 1) + rank, np.full(7, rank + 0.5, dtype)]
+    old = adasum.configure(kernels="numpy" if rank == 1 else "c")
+    try:
+        for _ in range(2):  # the first call and a call of a kept plan
+            with pytest.raises(AdasumMismatchError, match=r"ranks disagree on the settings: rank 1 has "
+                                                          r"\{.*'host kernels': 0.*\}, rank 0 has \{.*'host "
+                                                          r"kernels': 1.*\}; they differ in 'host kernels'"):
+                adasum.adasum_allreduce(data)
+    finally:
+        adasum.configure(old)
+    out = adasum.adasum_allreduce(data)  # one back end everywhere: every rank holds the same bits
+    for got, theirs in zip(out, comm.bcast(out, root=0)):
+        np.testing.assert_array_equal(got, theirs)
+    _still_works(comm)
+
+
+def test_forced_triton_refuses_cpu_tensors_before_any_data_moves(comm, monkeypatch):
+    """device_kernels='triton' with CPU torch tensors: a TypeError on every rank that names the rank, the
+    tensor and the fix (where triton is missing, an ImportError that says so); the inputs stay as they were."""
+    from adasum.kernels import segmented
+
+    rank = comm.Get_rank()
+    x = [torch.full((5,), float(rank + 1)), torch.arange(3.0)]
+    before = [t.clone() for t in x]
+    old = adasum.configure(device_kernels="triton")
+    try:
+        if not segmented.available():
+            with pytest.raises(ImportError, match=r"rank \d+: the setting device_kernels='triton' needs torch "
+                                                  r"and triton"):
+                adasum.adasum_allreduce_inplace(x)
+        monkeypatch.setattr(segmented, "available", lambda: True)  # triton present, no interpreter
+        with pytest.raises(TypeError, match=r"rank \d+: tensor 0 is a CPU tensor, and the setting "
+                                            r"device_kernels='triton' .*TRITON_INTERPRET=1"):
+            adasum.adasum_allreduce_inplace(x)
+        # numpy arrays never take Triton's kernels: the setting leaves them alone
+        out = adasum.adasum_allreduce(np.full(4, rank + 1.0), op="adasum")
+        assert np.isfinite(out).all()
+    finally:
+        adasum.configure(old)
+    for t, b in zip(x, before):
+        assert torch.equal(t, b)
+    _still_works(comm)

@@ -125,37 +125,60 @@ def test_device_kernels_setting_is_validated():
 
 
 @pytest.mark.skipif(CUPY_IS_REAL, reason="counts calls of the stand-in module")
+@pytest.mark.parametrize("op", ["adasum", "sum", "mean"])
 @pytest.mark.parametrize("small", [None, 0], ids=["doubling", "halving"])
-def test_chunked_staging_is_bitwise_unchunked_staging_and_reuses_its_buffers(comm, small):
-    """Staged exchanges in chunks of chunk_bytes, copied on a side stream, give the bits of one-piece
-    staging; after a first call, later calls make no host buffer, stream or event."""
+def test_a_staged_call_is_one_host_round_trip(comm, small, op):
+    """A staged call is the round trip a user would write: per call the tensors packed on the device, one
+    copy to the host, one wait, the host call, one copy back and one wait; nothing made after the first
+    call; the bits of the host call on host copies of the same values, whatever chunk_bytes says."""
     from cupy_standin import calls
 
     if comm.Get_size() == 1:
         pytest.skip("a single rank exchanges nothing")
     rank = comm.Get_rank()
     adasum.release_buffers()
-    out, copies = {}, {}
+    host = adasum.adasum_allreduce([as_f64(t).astype(np.float32) for t in _layers(comm, rank)], op=op)
     for chunk in (0, 1000):
         old = adasum.configure(chunk_bytes=chunk, small_message_bytes=small)
         try:
             with gpu_transport("staged"):
-                adasum.adasum_allreduce(_layers(comm, rank))
+                adasum.adasum_allreduce(_layers(comm, rank), op=op)
                 before = dict(calls)
-                for _ in range(2):
-                    out[chunk] = adasum.adasum_allreduce(_layers(comm, rank))
+                out = adasum.adasum_allreduce(_layers(comm, rank), op=op)
+                mine = _layers(comm, rank)
+                assert adasum.adasum_allreduce_inplace(mine, op=op) is mine
         finally:
             adasum.configure(old)
-        for what in ("pinned", "streams", "events"):
-            assert calls[what] == before[what], f"{what} must be made once and reused"
-        copies[chunk] = calls["get"] - before["get"]
-        assert calls["event_synchronize"] - before["event_synchronize"] == copies[chunk], \
-            "each chunk is sent once its own copy to the host is done"
-    if comm.allreduce(int(copies[0] > 0), op=MPI.MIN):  # every rank sent something (no rank folded out)
-        assert copies[1000] > copies[0], "1000-byte chunks must cut the 4 KiB and larger messages"
-    for a, b in zip(out[0], out[1000]):
-        assert raw_bytes(a) == raw_bytes(b)
-    assert_identical_across_ranks(comm, out[1000])
+        made = {k: calls[k] - before[k] for k in calls}
+        assert made["pinned"] == made["streams"] == made["events"] == 0, "made once and reused"
+        assert made["get"] == made["set"] == 2, "one copy each way per call, packed on the device"
+        assert made["event_synchronize"] == made["synchronize"] == 2, "one wait each way per call"
+        for got, want in zip(out, host):
+            assert isinstance(got, cupy.ndarray) and raw_bytes(got) == raw_bytes(want)
+        for got, want in zip(mine, host):
+            assert raw_bytes(got) == raw_bytes(want)
+    assert_identical_across_ranks(comm, out)
+
+
+@pytest.mark.skipif(CUPY_IS_REAL, reason="counts calls of the stand-in module")
+def test_a_staged_call_of_mixed_dtypes_copies_each_tensor_once_each_way(comm):
+    from cupy_standin import calls
+
+    if comm.Get_size() == 1:
+        pytest.skip("a single rank exchanges nothing")
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mine = [make(np.full(5, rank + 1.0), "cupy", "float16"), make(np.arange(6.0) + rank, "cupy", "float64"),
+            make(np.zeros(0), "cupy", "float32")]
+    with gpu_transport("staged"):
+        adasum.adasum_allreduce_inplace(mine, op="sum")
+        before = dict(calls)
+        out = adasum.adasum_allreduce(mine, op="mean")
+    assert calls["get"] - before["get"] == calls["set"] - before["set"] == 2  # the empty one moves nothing
+    assert calls["event_synchronize"] - before["event_synchronize"] == calls["synchronize"] - before["synchronize"] == 1
+    # after the sum every rank holds the same values: their mean is those values
+    np.testing.assert_array_equal(as_f64(out[0]), np.full(5, size * (size + 1) / 2))
+    np.testing.assert_array_equal(as_f64(out[1]), np.arange(6.0) * size + size * (size - 1) / 2)
+    assert out[2].shape == (0,)
 
 
 def test_sum_and_mean_on_device_buffers(comm):
@@ -209,3 +232,17 @@ def test_torch_cuda_matches_cpu_bitwise_per_rank(comm):
 def test_torch_cuda_and_cpu_in_one_call_rejected(comm):
     with pytest.raises(ValueError, match="must be on one device"):
         adasum.adasum_allreduce([torch.ones(2, device="cuda"), torch.ones(2)])
+
+
+@pytest.mark.parametrize("op", ["adasum", "sum"])
+def test_a_staged_rank_among_host_ranks_computes_their_bits(comm, op):
+    """A rank whose device tensors go through the host round trip computes on the host, as the ranks that
+    pass host arrays do: every rank ends with the same bits."""
+    rank = comm.Get_rank()
+    values = [np.random.default_rng([7, rank, i]).standard_normal(n).astype(np.float32) for i, n in enumerate((900, 5))]
+    if adasum.cuda_aware_mpi():
+        pytest.skip("device buffers go to MPI directly here: they are not staged")
+    mine = [make(v, "cupy", "float32") for v in values] if rank == 0 else values
+    out = adasum.adasum_allreduce(mine, op=op)  # "auto": staged for the device arrays, direct for the host
+    assert all(isinstance(o, cupy.ndarray) for o in out) or rank != 0
+    assert_identical_across_ranks(comm, [as_f64(o) for o in out])

@@ -71,3 +71,38 @@ def test_local_ranks_on_a_node_are_0_to_local_size(comm):
     for node in world_nodes(comm):
         assert sorted(pairs[r][0] for r in node) == list(range(len(node)))
         assert {pairs[r][1] for r in node} == {len(node)}
+
+
+@pytest.mark.mpi
+def test_across_hosts_adasum_sends_no_more_than_a_bandwidth_optimal_allreduce(comm):
+    """Across hosts, under the automatic threshold, a call small enough for doubling puts no more bytes on
+    the link than halving (bandwidth-optimal: 2·N·(P'-1)/P' per rank after the fold to P' ranks), and a set
+    threshold still chooses; on one host the threshold decides as before."""
+    import numpy as np
+
+    from adasum.runtime.context import context_for
+
+    size = comm.Get_size()
+    across = len(world_nodes(comm)) > 1
+    ctx = context_for(comm)
+    adasum.adasum_allreduce(np.ones(4), comm=comm)  # makes the library's duplicate
+    assert ctx.across_hosts is across
+    x = [np.random.default_rng([comm.Get_rank(), i]).standard_normal(n) for i, n in enumerate((1000, 24, 3001))]
+    nbytes = sum(a.nbytes for a in x)
+    folded = 1 << (size.bit_length() - 1)
+    with adasum.count_traffic(comm) as t:
+        adasum.adasum_allreduce(x, comm=comm)
+    sent = comm.allreduce(t.sent_bytes, op=MPI.MAX)
+    if across and folded > 2:
+        fold = nbytes if size > folded else 0  # a folded-out rank's vector, and its result sent back
+        assert sent <= 2 * nbytes * (folded - 1) // folded + fold + 64 * len(x)
+    elif size > 1:
+        assert sent >= nbytes * (folded.bit_length() - 1)  # doubling: whole vectors at every level
+    old = adasum.configure(small_message_bytes=1 << 30)  # a set threshold overrides the topology
+    try:
+        with adasum.count_traffic(comm) as t:
+            adasum.adasum_allreduce(x, comm=comm)
+    finally:
+        adasum.configure(old)
+    if size > 1:
+        assert comm.allreduce(t.sent_bytes, op=MPI.MAX) >= nbytes * (folded.bit_length() - 1)

@@ -1,0 +1,141 @@
+"""What a call costs beyond its bytes, and where it goes, beside the ratio to MPI's allreduce it explains.
+
+Run under MPI, from the repository root, for example::
+
+    mpiexec -n 2 python benchmarks/cost.py --kinds numpy,torch --sizes 64KiB,1MiB,16MiB
+
+For each kind (numpy arrays, torch CPU tensors), size and op, on the ten uneven float32 layers of
+``benchmarks/allreduce.py`` as separate tensors reduced in place, it prints:
+
+- ``x raw``: the median per-repeat ratio of the call's time to ``comm.Allreduce(IN_PLACE, SUM)`` of one
+  buffer of the same bytes, timed in the same rounds (interleaved, rotating order, slowest rank), and
+  ``x numpy``: to the same op on numpy arrays of the same bytes, in the same rounds;
+- ``us over``: the median per-repeat difference to ``raw``, the time the call spends beyond the bytes;
+- ``coll``: collectives the call starts (the agreement included; MPI's own allreduce is one), and
+  ``msgs``: point-to-point messages (Adasum's exchanges);
+- ``copied``: bytes copied between the caller's tensors and the library's buffers, per byte of the call
+  (a call that packs and writes back copies each byte twice);
+- ``py calls`` and ``c calls``: Python functions and built-in functions entered per call (``sys.setprofile``
+  on one call after the warm-up), the interpreter's share of a small call.
+
+Counts are rank 0's; times the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import adasum  # noqa: E402
+from allreduce import layer_sizes, model, parse_size, time_rounds  # noqa: E402,F401
+
+COLUMNS = ("x raw", "x numpy", "us over", "coll", "msgs", "copied", "py calls", "c calls")
+
+
+def python_calls(fn) -> tuple[int, int]:
+    """(Python functions, built-in functions) entered while ``fn()`` runs."""
+    counts = {"call": 0, "c_call": 0}
+
+    def count(frame, event, arg):
+        if event in counts:
+            counts[event] += 1
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return counts["call"], counts["c_call"]
+
+
+def measure(comm, kinds, nbytes: int, ops, repeats: int, warmup: int) -> dict:
+    """Per (kind, op), the row of :data:`COLUMNS` for ``nbytes``: every kind and op timed in the same
+    rounds, so that ``x numpy`` (a kind's time over numpy's for the same op, per repeat) compares like
+    with like."""
+    models = {k: model(comm.Get_rank(), nbytes, "separate", kind=k) for k in kinds}
+    flat = models[kinds[0]][1]
+    names = ["raw"] + [f"{op}:{k}" for k in kinds for op in ops]
+
+    def call(name):
+        if name == "raw":
+            comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+        else:
+            op, kind = name.split(":")
+            adasum.adasum_allreduce_inplace(models[kind][2], op=op, comm=comm)
+
+    def refill(name):
+        models[kinds[0] if name == "raw" else name.split(":")[1]][3]()
+
+    times = {k: np.array(v) for k, v in time_rounds(comm, names, call, refill, repeats, warmup).items()}
+    raw = times["raw"]
+    rows = {}
+    for name in names[1:]:
+        refill(name)
+        comm.Barrier()
+        with adasum.count_traffic(comm) as t:
+            call(name)
+        refill(name)
+        comm.Barrier()
+        py, c = python_calls(lambda: call(name))
+        op, kind = name.split(":")
+        base = times[f"{op}:numpy"] if f"{op}:numpy" in times else times[name]
+        rows[(kind, op)] = {"x raw": float(np.median(times[name] / raw)),
+                            "us over": float(np.median(times[name] - raw)) * 1e6,
+                            # counters an older checkout lacks (see benchmarks/versus.py) show as -1
+                            "coll": getattr(t, "collectives", -1), "msgs": t.messages,
+                            "copied": getattr(t, "copied_bytes", -flat.nbytes) / max(flat.nbytes, 1),
+                            "py calls": py, "c calls": c,
+                            "x numpy": float(np.median(times[name] / base)), "raw_us": float(np.median(raw)) * 1e6}
+    return rows
+
+
+def format_row(size: int, kind: str, nbytes: int, op: str, row: dict) -> str:
+    return (f"{size:>3} {kind:>6} {_human(nbytes):>7} {op:>7} {row['x raw']:>7.2f} {row['x numpy']:>7.2f} "
+            f"{row['us over']:>9.1f} "
+            f"{row['coll']:>5d} {row['msgs']:>5d} {row['copied']:>7.2f} {row['py calls']:>9d} {row['c calls']:>8d}")
+
+
+def header() -> str:
+    return f"{'P':>3} {'kind':>6} {'bytes':>7} {'op':>7} " + " ".join(
+        f"{c:>{w}}" for c, w in zip(COLUMNS, (7, 7, 9, 5, 5, 7, 9, 8)))
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g}{unit}"
+    return f"{n}B"
+
+
+def main(argv=None) -> list:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="64KiB,1MiB,16MiB")
+    ap.add_argument("--ops", default="sum,mean,adasum")
+    ap.add_argument("--kinds", default="numpy,torch")
+    ap.add_argument("--repeats", type=int, default=0, help="repeats per size (default: by size)")
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args(argv)
+    comm = MPI.COMM_WORLD
+    ops = [o for o in args.ops.split(",") if o]
+    out = []
+    if comm.Get_rank() == 0:
+        print(header(), flush=True)
+    kinds = [k for k in args.kinds.split(",") if k]
+    for text in args.sizes.split(","):
+        nbytes = parse_size(text)
+        repeats = args.repeats or int(np.clip(4e8 / max(nbytes, 1), 15, 301))
+        rows = measure(comm, kinds, nbytes, ops, repeats, args.warmup)
+        for (kind, op), row in rows.items():
+            out.append({"kind": kind, "bytes": nbytes, "op": op, **row})
+            if comm.Get_rank() == 0:
+                print(format_row(comm.Get_size(), kind, nbytes, op, row), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""benchmarks/cost.py on a tiny grid: each row's counts say where a call's time goes, and they are what the
+call path makes (the agreement, one collective per direct tensor and one per packed dtype, the copies)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+import adasum
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location("benchmark_cost", os.path.join(_ROOT, "benchmarks", "cost.py"))
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+def test_rows_show_collectives_copies_and_python_calls(comm, capsys):
+    rows = bench.main(["--sizes", "16KiB,1MiB", "--repeats", "3", "--warmup", "1", "--kinds", "numpy,torch"])
+    assert {(r["kind"], r["bytes"], r["op"]) for r in rows} == {
+        (k, n, op) for k in ("numpy", "torch") for n in (16 << 10, 1 << 20) for op in ("sum", "mean", "adasum")}
+    for r in rows:
+        assert r["x raw"] > 0 and r["x numpy"] > 0 and r["py calls"] > 0 and r["c calls"] > 0
+        if r["kind"] == "numpy":
+            assert r["x numpy"] == 1.0  # numpy against itself
+    if comm.Get_rank() == 0:
+        printed = capsys.readouterr().out.splitlines()
+        assert printed[0].split()[:5] == ["P", "kind", "bytes", "op", "x"] and len(printed) == 1 + len(rows)
+    if comm.Get_size() == 1:
+        return
+    by = {(r["kind"], r["bytes"], r["op"]): r for r in rows}
+    layer_bytes = 4 * bench.np.array(bench.layer_sizes(1 << 20))  # the model's float32 layers
+    limit = adasum.current_settings().plain_direct_bytes
+    for kind in ("numpy", "torch"):
+        small = by[(kind, 16 << 10, "sum")]
+        assert small["coll"] == 2 and small["copied"] == pytest.approx(2.0)  # agreement + one packed message
+        big = by[(kind, 1 << 20, "sum")]
+        direct = layer_bytes >= limit
+        assert big["coll"] == 1 + int(direct.sum()) + 1
+        assert big["copied"] == 2 * layer_bytes[~direct].sum() / (1 << 20)
+    for key, r in by.items():  # torch tensors take the path numpy arrays take
+        other = by[("numpy",) + key[1:]]
+        assert (r["coll"], r["msgs"], r["copied"]) == (other["coll"], other["msgs"], other["copied"])
