@@ -9,10 +9,10 @@ from .call.allreduce import Op, adasum_allreduce, adasum_allreduce_inplace
 from .adapters import kernels_backend, set_kernels_backend
 from .runtime.context import Traffic, count_traffic, release_buffers
 from .runtime.stall import AdasumCollectiveError, AdasumStallError
-from .runtime.settings import Settings, configure, get_small_message_bytes, set_small_message_bytes
-from .runtime.settings import current as current_settings
+from .settings import Settings, configure, get_small_message_bytes, set_small_message_bytes
+from .settings import current as current_settings
 from .runtime.gpu import cuda_aware_mpi, get_gpu_transport, set_gpu_transport
-from .call.agreement import AdasumMismatchError
+from .runtime.agreement import AdasumMismatchError
 from .runtime.launch import AdasumLaunchError
 from .runtime.world import local_rank, local_size, rank, size
 

@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from ..runtime import settings as _settings
+from .. import settings as _settings
 from ..kernels.native import compiled as _c_kernels  # None where the install could not build them
 from .base import Adapter, CopyStream, nonempty, use_c
 from .cupy_arrays import CupyAdapter

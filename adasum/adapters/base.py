@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..runtime import settings as _settings
+from .. import settings as _settings
 from ..rule.combine import coefficients
 from ..kernels.native import compiled as _c_kernels  # None where the install could not build them
 
@@ -53,7 +53,7 @@ class Adapter:
 
     def pack(self, tensors: Sequence[Any], buf, bounds: np.ndarray, spans=None) -> None:
         """Copy each tensor (any strides) into its slice ``buf[bounds[i]:bounds[i+1]]``. ``spans``, if
-        given, is :func:`adasum.call.fusion.layer_spans` of the group (what the compiled copy takes)."""
+        given, is :func:`adasum.schedules.fusion.layer_spans` of the group (what the compiled copy takes)."""
         raise NotImplementedError
 
     def views(self, buf, bounds: np.ndarray, shapes: Sequence[tuple[int, ...]]) -> list:

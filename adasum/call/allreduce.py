@@ -15,14 +15,14 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .agreement import agree
+from ..runtime.agreement import agree
 from .plain import FUSED_VOTE, run_plain
 from .roundtrip import round_trip
 from ..adapters import array_kind
 from ..runtime.context import Call, Context, context_for
 from ..schedules import small_call
 from ..schedules.doubling import adasum_reduce_doubling
-from .fusion import Operand, Placement, TensorLayout
+from ..schedules.fusion import Operand, Placement, TensorLayout
 from ..schedules.halving import adasum_reduce
 from ..schedules.hierarchical import hierarchical_reduce
 from ..runtime.launch import check_launch

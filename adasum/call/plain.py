@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from ..kernels.native import compiled
 from ..runtime import stall
-from .agreement import agree
+from ..runtime.agreement import agree
 from .plan import Schedule
 
 __all__ = ["FUSED_VOTE", "run_plain"]

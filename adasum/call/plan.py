@@ -4,7 +4,7 @@ A :class:`Plan` is what the shapes, dtypes, devices, the op and the agreed setti
 the descriptions the ranks agree on, the groups and their layer tables, and the :class:`Schedule`, chosen
 once. Plans are kept in the communicator's context for calls of the same shapes (a training loop's every
 step), once such a call succeeded on every rank, and hold no buffers. :func:`place` then decides, for one call, where each group's data lies while it
-is reduced (its :class:`~adasum.call.fusion.Placement`).
+is reduced (its :class:`~adasum.schedules.fusion.Placement`).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import enum
 from typing import Any, Sequence
 
 from ..runtime import stall
-from .agreement import describe, signature
+from ..runtime.agreement import describe, signature
 from ..schedules.small_call import small_call_for
 from ..rule.dtypes import itemsize
-from .fusion import Group, Operand, Placement, TensorLayout, layer_spans, make_groups
+from ..schedules.fusion import Group, Operand, Placement, TensorLayout, layer_spans, make_groups
 from ..kernels.native import compiled
 from ..kernels import segmented
-from ..runtime.settings import Settings, triton_interpreted
+from ..settings import Settings, triton_interpreted
 from ..runtime.transport import Transport, transport_for
 
 __all__ = ["Plan", "Schedule", "agreed_extras", "kept", "kept_plan", "place", "plan_for", "plan_key"]

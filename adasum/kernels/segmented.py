@@ -77,7 +77,7 @@ class SegmentedKernels:
     pieces lists they were given (on the device), and per device the partials and coefficient buffers.
 
     The pieces lists of a plan are kept with it and come back as the same objects every call
-    (:func:`adasum.call.fusion.group_pieces`), so tables are found by the list's identity; an entry holds its
+    (:func:`adasum.schedules.fusion.group_pieces`), so tables are found by the list's identity; an entry holds its
     list, so an identity cannot be reused while its table is kept.
     """
 

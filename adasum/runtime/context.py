@@ -34,7 +34,7 @@ from .buffers import Buffers
 from ..kernels.native import handle
 from . import stall
 from .stall import AdasumStallError
-from .settings import Settings, current
+from ..settings import Settings, current
 
 __all__ = ["Call", "Context", "Traffic", "check_comm", "check_root", "context_for", "count_traffic", "library_comm", "release_buffers"]
 

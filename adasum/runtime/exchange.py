@@ -5,7 +5,7 @@ through the stall inspector (:mod:`adasum.runtime.stall`): a rank that never arr
 or raise :class:`~adasum.runtime.stall.AdasumStallError`, naming it, as the collective does.
 
 Each function is collective over ``comm`` and posts nonblocking MPI collectives, whose requests the stall
-inspector waits for. The first of them is always the agreement's four integers (:mod:`adasum.call.agreement`),
+inspector waits for. The first of them is always the agreement's four integers (:mod:`adasum.runtime.agreement`),
 carrying the exchange's kind (its ``what``), whether the rank failed before sending (an object that does
 not pickle) and a vote (the largest message's size): two different kinds of call never match each other,
 and a failure on one rank becomes the same error on every rank, the library's communicator staying usable.
@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import stall
-from ..call.agreement import agree_exchange
+from .agreement import agree_exchange
 from .context import Call, check_comm, check_root, context_for
 
 __all__ = ["any_true", "max_of", "allgather", "bcast", "gather", "scatter", "bcast_buffer", "failures",

@@ -7,7 +7,7 @@ import ctypes
 import functools
 import logging
 
-from . import settings as _settings
+from .. import settings as _settings
 from ..adapters import Adapter
 from ..kernels.native import mapped_mpi_libraries
 

@@ -16,7 +16,7 @@ import logging
 import sys
 from typing import Mapping, Sequence
 
-from . import settings as _settings
+from .. import settings as _settings
 
 __all__ = ["AdasumLaunchError", "check_launch", "launch_problem"]
 
@@ -156,7 +156,7 @@ def _job(size: int | None, rank: int | None) -> str:
 
 
 def _environment() -> dict[str, str]:
-    """The launcher variables of this process's environment, as :mod:`adasum.runtime.settings` kept them at import."""
+    """The launcher variables of this process's environment, as :mod:`adasum.settings` kept them at import."""
     env = _settings.launch_environment()
     return {name: env[name] for name in VARIABLES if name in env}
 

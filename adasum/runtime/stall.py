@@ -1,7 +1,7 @@
 """The stall inspector: a rank that never arrives becomes a message that names it.
 
 Every call starts with the agreement, one small allreduce on the library's communicator (see
-:mod:`adasum.call.agreement`). It is posted nonblocking and waited for like a blocking allreduce (without the GIL,
+:mod:`adasum.runtime.agreement`). It is posted nonblocking and waited for like a blocking allreduce (without the GIL,
 by the compiled kernels where they are bound) for a short patience. A rank still waiting after that tells
 every other rank of the communicator, with one small message, that it is in call #N (its op, number of
 tensors and bytes), and goes on waiting while it collects the others' messages. So the ranks that have

@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 from ..rule import tree
 from ..adapters import nonempty
-from ..call.fusion import Operand, layer_spans
+from .fusion import Operand, layer_spans
 from ..runtime.transport import Transport
 from .halving import fold_out
 

@@ -23,7 +23,7 @@ from mpi4py import MPI
 from ..rule import tree
 from ..rule.combine import NO_SCALE, coefficients, merge_partials, partial_width
 from ..rule.dtypes import itemsize
-from ..call.fusion import Operand, Placement, group_pieces
+from .fusion import Operand, Placement, group_pieces
 from ..runtime.collectives import Collectives
 from ..runtime.transport import Transport
 

@@ -33,7 +33,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..rule.combine import merge_partials
-from ..call.fusion import Group, Operand
+from .fusion import Group, Operand
 from ..runtime.topology import NodeLayout, node_layout
 from ..runtime.collectives import Collectives
 from ..runtime.transport import Transport, transport_for

@@ -20,10 +20,10 @@ from mpi4py import MPI
 from ..rule import tree
 from ..runtime import waiting
 from ..rule.dtypes import itemsize
-from ..call.fusion import TensorLayout, layer_spans
+from .fusion import TensorLayout, layer_spans
 from ..adapters.base import host_numpy
 from ..runtime.transport import TAG
-from ..call.agreement import AGREE_BYTES, explain, resume
+from ..runtime.agreement import AGREE_BYTES, explain, resume
 from ..kernels.native import compiled as _kernels  # None without a C compiler: SmallCall is then never made
 from ..kernels.native import handle, mpi_bound
 
@@ -128,7 +128,7 @@ class SmallCall:
         """The whole call, agreement on ``digest`` included, in one ``_kernels.small_doubling``: 0, -1 if
         the ranks disagree (nothing was sent; every rank must then explain), or MPI's error code. An
         agreement still waiting after ``patience`` seconds (the stall inspector's) goes on in
-        :func:`adasum.call.agreement.resume`, as the general path's does (``descs`` describe the call there), and
+        :func:`adasum.runtime.agreement.resume`, as the general path's does (``descs`` describe the call there), and
         the call then resumes where it stopped. Counted in ``compiled_calls`` however it ends."""
         ctx = self.ctx
         buf, scr = self._buffers()

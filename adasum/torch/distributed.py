@@ -12,7 +12,7 @@ from mpi4py import MPI
 from ..runtime import exchange
 from ..runtime.context import check_comm
 from ..runtime.launch import check_launch
-from ..runtime.settings import export_environment, launch_environment
+from ..settings import export_environment, launch_environment
 from ..runtime.world import local_rank, local_size
 
 __all__ = ["init_process_group"]

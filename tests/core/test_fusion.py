@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from adasum.call.fusion import pieces
+from adasum.schedules.fusion import pieces
 
 
 def test_pieces_straddling_and_empty_layers():

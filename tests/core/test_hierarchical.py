@@ -17,7 +17,7 @@ import adasum
 from adasum.adapters import NumpyAdapter
 from adasum.runtime.context import context_for
 from adasum.runtime.topology import node_layout
-from adasum.call.fusion import Group, Operand
+from adasum.schedules.fusion import Group, Operand
 from adasum.schedules.hierarchical import _slice_bounds, _slice_group, hierarchical_reduce
 from adasum.rule.reference import reference_allreduce, reference_hierarchical
 

@@ -182,7 +182,7 @@ def test_the_compiled_and_the_python_agreement_wait_alike(comm):
 def test_stall_settings_are_validated_and_read_from_the_environment():
     with pytest.raises(ValueError, match="stall_timeout must be a positive number of seconds"):
         adasum.configure(stall_timeout=0)
-    from adasum.runtime.settings import from_environment
+    from adasum.settings import from_environment
 
     s = from_environment({"ADASUM_STALL_WARNING": "5", "ADASUM_STALL_TIMEOUT": "30"})
     assert (s.stall_warning, s.stall_timeout) == (5.0, 30.0)

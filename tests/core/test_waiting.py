@@ -12,7 +12,7 @@ import torch
 import adasum
 import adasum.torch
 from adasum.rule.reference import reference_allreduce
-from adasum.runtime.settings import from_environment
+from adasum.settings import from_environment
 
 LATE = 0.6  # seconds the last rank arrives after the others
 

@@ -15,7 +15,7 @@ from adasum import adapters
 from adasum.kernels import native
 from adasum.rule.combine import combine
 from adasum.rule.sixteen import narrow, widen
-from adasum.runtime.settings import from_environment
+from adasum.settings import from_environment
 
 K = pytest.importorskip("adasum.kernels._kernels") if os.environ.get("ADASUM_ALLOW_NO_KERNELS") else None
 if K is None:

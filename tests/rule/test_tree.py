@@ -8,7 +8,7 @@ import pytest
 
 from adasum.rule import tree
 from adasum.rule.combine import coefficients, combine
-from adasum.call.fusion import pieces
+from adasum.schedules.fusion import pieces
 from adasum.rule.reference import tree_combine
 
 SIZES = list(range(1, 65))

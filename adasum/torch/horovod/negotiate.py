@@ -19,7 +19,7 @@ from typing import Any, Callable, NamedTuple
 
 from mpi4py import MPI
 
-from ...call.agreement import AdasumMismatchError
+from ...runtime.agreement import AdasumMismatchError
 from ...runtime import exchange, world
 from .basics import HorovodInternalError
 

@@ -24,7 +24,7 @@ import zlib
 import torch
 from mpi4py import MPI
 
-from ...call.agreement import AdasumMismatchError, agree_exchange
+from ...runtime.agreement import AdasumMismatchError, agree_exchange
 from ...runtime import exchange
 from ...runtime.context import check_comm
 

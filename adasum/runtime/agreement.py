@@ -15,8 +15,8 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from ..runtime import stall, waiting
-from ..runtime.stall import AdasumCollectiveError
+from . import stall, waiting
+from .stall import AdasumCollectiveError
 from ..adapters import Adapter, Adapters
 from ..rule.dtypes import FLOAT_DTYPES, INT_DTYPES, dtype_code, op_code
 from ..kernels.native import compiled, mpi_bound, request
