@@ -1,0 +1,231 @@
+"""FSDP2 with Adasum across replicas (``adasum.torch.fsdp.adasum_replicas``) at 4 ranks, meshes 2×2 and 4×1:
+SGD against a serial reference (each replica's gradient the mean of its ranks' micro-batch gradients, the
+tree over replicas on whole parameters), ``op="mean"`` against native HSDP, ``op="sum"``, bf16 reductions,
+accumulation without sync, and the errors every rank raises."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.mpi, pytest.mark.world_size(4)]
+
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+
+from adasum.rule.reference import tree_combine  # noqa: E402
+from adasum.torch.fsdp import adasum_replicas  # noqa: E402
+
+from helpers import assert_identical_across_ranks  # noqa: E402
+
+STEPS, LR = 8, 0.05
+MESHES = [(2, 2), (4, 1)]
+
+
+class Net(torch.nn.Module):
+    """Two blocks (each its own FSDP module), one with a row count that 2 does not divide (padded shards)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 5)
+        self.b = torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def batch(step: int, rank: int, micro: int = 0):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+
+
+def fresh() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def make_mesh(shape):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+
+
+def shard(model: Net, mesh, **kw) -> Net:
+    fsdp.fully_shard(model.a, mesh=mesh, **kw)
+    fsdp.fully_shard(model.b, mesh=mesh, **kw)
+    fsdp.fully_shard(model, mesh=mesh, **kw)
+    return model
+
+
+def train(model, opt, rank: int, steps: int = STEPS, micro: int = 1) -> None:
+    for step in range(steps):
+        for m in range(micro):
+            if hasattr(model, "set_requires_gradient_sync"):
+                model.set_requires_gradient_sync(m == micro - 1)
+            x, y = batch(step, rank, m)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def full(model) -> list[np.ndarray]:
+    out = []
+    for p in model.parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out.append(t.detach().to(torch.float64).numpy().copy())
+    return out
+
+
+def reference(shape, op: str, micro: int = 1, dtype: str | None = "float32") -> list[np.ndarray]:
+    """The serial reference: replica g's gradient is the mean over its ranks g·S … g·S+S-1 of their
+    gradients (summed over the micro-batches), the replicas' gradients combined per whole parameter."""
+    replicas, shards = shape
+    model = fresh()
+    for step in range(STEPS):
+        per_replica = []
+        for g in range(replicas):
+            grads = []
+            for rank in range(g * shards, (g + 1) * shards):
+                model.zero_grad()
+                for m in range(micro):
+                    x, y = batch(step, rank, m)
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                grads.append([p.grad.to(torch.float64).numpy().copy() for p in model.parameters()])
+            per_replica.append([np.mean(layer, axis=0) for layer in zip(*grads)])
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                layer = [r[i].astype(np.float32).astype(np.float64) for r in per_replica]
+                if op == "adasum":
+                    g = tree_combine(layer, dtype=dtype).reshape(p.shape)
+                elif op == "sum":
+                    g = np.sum(layer, axis=0)
+                else:
+                    g = np.mean(layer, axis=0)
+                p -= LR * torch.from_numpy(g).to(p.dtype)
+    return [p.detach().to(torch.float64).numpy() for p in model.parameters()]
+
+
+def assert_close(got, want, rtol: float) -> None:
+    for i, (g, w) in enumerate(zip(got, want)):
+        err = np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30)
+        assert err <= rtol, f"parameter {i}: relative error {err:.3g} > {rtol}"
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("op", ["adasum", "sum"])
+def test_against_serial_reference(pg, comm, shape, op):
+    mesh = make_mesh(shape)
+    model = shard(fresh(), mesh["shard"])
+    hooks = adasum_replicas(model, mesh, op=op)
+    train(model, torch.optim.SGD(model.parameters(), lr=LR), comm.Get_rank())
+    got = full(model)
+    hooks.close()
+    assert_close(got, reference(shape, op), 1e-5)
+    assert_identical_across_ranks(comm, got)
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_adasum_differs_from_mean(pg, comm, shape):
+    """A property the reference alone would not show: the replicas' gradients are not collinear, so Adasum
+    and the mean give different models (the test above could not pass with a mean)."""
+    assert max(np.abs(a - b).max() for a, b in zip(reference(shape, "adasum"), reference(shape, "mean"))) > 1e-4
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_mean_equals_native_hsdp(pg, comm, shape):
+    mesh = make_mesh(shape)
+    ours = shard(fresh(), mesh["shard"])
+    hooks = adasum_replicas(ours, mesh, op="mean")
+    train(ours, torch.optim.SGD(ours.parameters(), lr=LR), comm.Get_rank())
+    native = shard(fresh(), mesh)
+    train(native, torch.optim.SGD(native.parameters(), lr=LR), comm.Get_rank())
+    assert_close(full(ours), full(native), 1e-6)
+    hooks.close()
+
+
+def test_accumulation_without_sync(pg, comm):
+    """Two micro-batches, the first with ``set_requires_gradient_sync(False)``: the hook runs once per
+    step, on the sum of both micro-batches' gradients."""
+    mesh = make_mesh((2, 2))
+    model = shard(fresh(), mesh["shard"])
+    hooks = adasum_replicas(model, mesh)
+    train(model, torch.optim.SGD(model.parameters(), lr=LR), comm.Get_rank(), micro=2)
+    hooks.close()
+    assert_close(full(model), reference((2, 2), "adasum", micro=2), 1e-5)
+
+
+def test_bf16_reduce_dtype(pg, comm):
+    """A mixed precision policy that reduces in bf16: the hook combines bf16 shards (float64 arithmetic,
+    each level stored in bf16), close to the float32 reference at bf16's precision."""
+    mesh = make_mesh((2, 2))
+    policy = fsdp.MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+    model = shard(fresh(), mesh["shard"], mp_policy=policy)
+    hooks = adasum_replicas(model, mesh)
+    train(model, torch.optim.SGD(model.parameters(), lr=LR), comm.Get_rank())
+    hooks.close()
+    got = full(model)
+    assert_close(got, reference((2, 2), "adasum"), 2e-2)
+    assert_identical_across_ranks(comm, got)
+
+
+def test_schedule_whole_layer_dots(comm):
+    """The schedule alone, on a 2×2 layout: two layers of 7 elements cut 4 + 3 (+ 1 of padding) over each
+    replica's two ranks give the whole-layer Adasum of the replicas' vectors; the padding stays zero."""
+    from adasum.torch.replicas import ReplicaTree
+
+    g, i = divmod(comm.Get_rank(), 2)
+    shard, replicate = comm.Split(g, i), comm.Split(i, g)
+    rng = np.random.default_rng(7)
+    whole = rng.standard_normal((2, 2, 7))  # [replica][layer]
+
+    def cut(v):
+        return v[:4] if i == 0 else np.concatenate([v[4:], [0.0]])
+
+    mine = torch.tensor(np.concatenate([cut(whole[g][0]), cut(whole[g][1])]))
+    ReplicaTree(replicate, shard, "adasum").reduce_(mine, (4, 4), "test")
+    pieces = comm.allgather(mine.numpy())
+    for layer in range(2):
+        want = tree_combine([whole[0][layer], whole[1][layer]])
+        for h in range(2):
+            lo, hi = pieces[2 * h][4 * layer:4 * layer + 4], pieces[2 * h + 1][4 * layer:4 * layer + 4]
+            np.testing.assert_allclose(np.concatenate([lo, hi[:3]]), want, rtol=1e-12)
+            assert hi[3] == 0.0
+    assert np.array_equal(pieces[0], pieces[2]) and np.array_equal(pieces[1], pieces[3])
+    shard.Free()
+    replicate.Free()
+
+
+def test_native_hsdp_refused(pg, comm):
+    mesh = make_mesh((2, 2))
+    model = shard(fresh(), mesh)
+    with pytest.raises(ValueError, match=r'fully_shard\(module, mesh=mesh\["shard"\]\)') as info:
+        adasum_replicas(model, mesh)
+    assert "native HSDP" in str(info.value)
+
+
+def test_bad_mesh_refused(pg, comm):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    flat = init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))
+    model = shard(fresh(), flat)
+    with pytest.raises(ValueError, match="2-D"):
+        adasum_replicas(model, flat)
+    mesh = make_mesh((2, 2))
+    with pytest.raises(ValueError, match=r"sharded over ranks \[0, 1, 2, 3\]"):
+        adasum_replicas(model, mesh)  # sharded over 4 ranks, mesh["shard"] holds 2
+
+
+def test_mismatch_between_ranks_raises_everywhere(pg, comm):
+    """Rank 3 has an extra parameter: every rank raises, naming rank 3 and the parameter."""
+    mesh = make_mesh((2, 2))
+    model = fresh()
+    if comm.Get_rank() == 3:
+        model.b.extra = torch.nn.Parameter(torch.zeros(2))
+    shard(model, mesh["shard"])
+    with pytest.raises(ValueError, match="rank 3: FSDP module b with 3 parameters, rank 0 has b with 2"):
+        adasum_replicas(model, mesh)
+    m22, m41 = make_mesh((2, 2)), make_mesh((4, 1))  # every rank makes both (collectively)
+    other = m41 if comm.Get_rank() == 1 else m22
+    model = shard(fresh(), other["shard"])
+    with pytest.raises(ValueError, match=r"rank 1: mesh .* with ranks \[\[0\], \[1\], \[2\], \[3\]\]"):
+        adasum_replicas(model, other)
