@@ -28,7 +28,7 @@ from ..call.allreduce import Op
 from ..runtime import exchange
 from .replicas import ReplicaTree
 
-__all__ = ["ReplicaHooks", "adasum_replicas"]
+__all__ = ["ReplicaHooks", "adasum_replicas", "replica_comms"]
 
 _NATIVE = ('the model is sharded on the 2-D mesh (native HSDP), whose own all-reduce averages the replicas '
            'before any hook runs. Shard it over the shard dimension instead: fully_shard(module, '
@@ -118,12 +118,21 @@ def adasum_replicas(model: torch.nn.Module, mesh, *, op: str | Op = "adasum") ->
                               "adasum_replicas: comparing the ranks")
     rows = layout[1]
     g, i = next((g, row.index(comm.Get_rank())) for g, row in enumerate(rows) if comm.Get_rank() in row)
-    shard = comm.Split(color=g, key=i)
-    replicate = comm.Split(color=i, key=g)
-    tree = ReplicaTree(replicate, shard, op)
+    tree = ReplicaTree(*replica_comms(comm, rows, g, i), op)
     for module, (name, params) in zip(modules, plan):
         module.set_all_reduce_hook(_Hook(tree, name, tuple(p[4] for p in params)))
     return ReplicaHooks(modules, tree)
+
+
+def replica_comms(comm: MPI.Intracomm, rows: list, g: int, i: int) -> tuple[MPI.Intracomm, MPI.Intracomm]:
+    """This rank's replicate group (the ranks of column ``i`` of ``rows``, in replica order) and shard group
+    (row ``g``, in shard order), split from ``comm``; named by their world ranks, as stall reports show them
+    (the ranks those reports number are the group's own)."""
+    shard = comm.Split(color=g, key=i)
+    replicate = comm.Split(color=i, key=g)
+    shard.Set_name(f"shard group {g}, world ranks {rows[g]}")
+    replicate.Set_name(f"replicate group {i}, world ranks {[row[i] for row in rows]}")
+    return replicate, shard
 
 
 def _check_mesh(mesh) -> tuple:

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.world_size(4)]
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 
 from adasum.rule.reference import tree_combine  # noqa: E402
-from adasum.torch.fsdp import adasum_replicas  # noqa: E402
+from adasum.torch.fsdp import adasum_replicas, replica_comms  # noqa: E402
 
 from helpers import assert_identical_across_ranks  # noqa: E402
 
@@ -229,3 +229,24 @@ def test_mismatch_between_ranks_raises_everywhere(pg, comm):
     model = shard(fresh(), other["shard"])
     with pytest.raises(ValueError, match=r"rank 1: mesh .* with ranks \[\[0\], \[1\], \[2\], \[3\]\]"):
         adasum_replicas(model, other)
+
+
+def test_absent_rank_named(comm):
+    """Rank 3 never enters the reduction: the ranks that wait for it raise AdasumStallError (after the
+    setting ``stall_timeout``) instead of hanging; its replica partner names it."""
+    import adasum
+    from adasum.torch.replicas import ReplicaTree
+
+    g, i = divmod(comm.Get_rank(), 2)
+    replicate, shard = replica_comms(comm, [[0, 1], [2, 3]], g, i)
+    old = adasum.configure(stall_timeout=2.0, stall_warning=None)
+    try:
+        if comm.Get_rank() != 3:
+            with pytest.raises(adasum.AdasumStallError) as info:
+                ReplicaTree(replicate, shard, "adasum").reduce_(torch.ones(4), (4,), "test")
+            if comm.Get_rank() == 1:
+                assert "communicator 'replicate group 1, world ranks [1, 3]'" in str(info.value)
+                assert "for rank 1, which has not entered it" in str(info.value)
+    finally:
+        adasum.configure(old)
+    comm.Barrier()
