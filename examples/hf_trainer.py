@@ -8,6 +8,10 @@ in DDP, and the callback registers the Adasum hook on it before the first step. 
 Trainer starts distributed mode only with ``use_cpu=True``. The Trainer writes to ``hf-out/`` in the
 current directory. Every rank prints its final test accuracy (the same on every rank). docs/frameworks.md
 shows the middle of this script.
+
+At 2 ranks it reaches 71.8 % test accuracy in seconds (AdamW): like every recipe it trains 4 epochs on
+1600 signals, to show the calls, where examples/train.py trains 20 epochs on 4000 with a cosine
+schedule for its 96-97 %.
 """
 
 import os
