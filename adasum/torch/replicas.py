@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 from ..call.agreement import agree_exchange
 from ..call.allreduce import adasum_allreduce_inplace
-from ..rule.combine import coefficients
+from ..rule.combine import NO_SCALE, coefficients
 from ..rule.tree import role
 from ..runtime import exchange, stall
 from ..runtime.transport import TAG
@@ -52,56 +52,61 @@ class ReplicaTree:
         if self.op in ("sum", "mean"):
             adasum_allreduce_inplace(host, op=self.op, comm=self.replicate)
         else:
-            host.copy_(self._tree(host, sizes, label))
+            self._tree(host, sizes, label)
         if host is not flat:
             flat.copy_(host)
 
-    def _tree(self, x: torch.Tensor, sizes: tuple[int, ...], label: str) -> torch.Tensor:
+    def _tree(self, x: torch.Tensor, sizes: tuple[int, ...], label: str) -> None:
         size, me = self.replicate.Get_size(), self.replicate.Get_rank()
         r = role(size, me)
-        lengths = torch.tensor(sizes, dtype=torch.int64)
+        ends = np.cumsum(sizes, dtype=np.int64)
+        pieces = np.stack([ends - np.asarray(sizes, dtype=np.int64), ends], axis=1)
         what = f"adasum_replicas ({label})"
         with exchange.call_on(self.replicate, what) as call:
-            agree_exchange(call, what, None, extra=(("elements", x.numel()), ("dtype", zlib.crc32(str(x.dtype).encode())),
-                                                    ("layers", len(sizes))))
+            agree_exchange(call, what, None, extra=(("elements", x.numel()), ("layers", len(sizes)),
+                                                    ("dtype", zlib.crc32(str(x.dtype).encode()))))
             if r.out_of is not None:  # folded out: hand the vector over, receive the root's result
                 _swap(call, x, None, r.out_of, what)
-                out = torch.empty_like(x)
-                _swap(call, None, out, r.out_of, what)
-                return out
-            cur = x
+                _swap(call, None, x, r.out_of, what)
+                return
+            combine = _Combine(call, self.shard, pieces)
+            other = torch.empty_like(x)
             if r.fold is not None:
                 partner, mine, theirs = r.fold
-                other = torch.empty_like(x)
                 _swap(call, None, other, partner, what)
-                cur = self._combine(cur, other, lengths, mine, theirs)
+                combine(x, other, mine, theirs)
             for level in r.levels:
-                other = torch.empty_like(x)
-                _swap(call, cur, other, level.partner, what)
-                left, right = (other, cur) if level.upper else (cur, other)
-                cur = self._combine(left, right, lengths, level.count_left, level.count_right)
+                _swap(call, x, other, level.partner, what)
+                left, right = (other, x) if level.upper else (x, other)
+                combine(left, right, level.count_left, level.count_right, dst=x)
             if r.fold is not None:
-                _swap(call, cur, None, r.fold[0], what)
-            return cur
+                _swap(call, x, None, r.fold[0], what)
 
-    def _combine(self, a: torch.Tensor, b: torch.Tensor, lengths: torch.Tensor, count_a: int,
-                 count_b: int) -> torch.Tensor:
-        """Adasum of the layers of ``a`` (the left side) and ``b``, with dot products over the whole layer
-        (summed over the shard group), rounded to the input dtype."""
-        a64, b64 = a.to(torch.float64), b.to(torch.float64)
-        partial = torch.stack([_segment_sums(a64 * b64, lengths), _segment_sums(a64 * a64, lengths),
-                               _segment_sums(b64 * b64, lengths)], dim=1).numpy()
+
+class _Combine:
+    """Adasum of the layers of two buffers, their dot products over the whole layer (summed over the shard
+    group), by the library's kernels (the array adapter's dot products and scaled add): float64 dot
+    products and coefficients, the result rounded once to the input dtype."""
+
+    __slots__ = ("call", "shard", "pieces", "adapter")
+
+    def __init__(self, call, shard: MPI.Intracomm, pieces: np.ndarray):
+        self.call, self.shard, self.pieces = call, shard, pieces
+        self.adapter = call.ctx.adapters.of("torch")
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, count_a: int, count_b: int, dst=None) -> None:
+        """``dst`` (default ``a``) ← Adasum(a, b), ``a`` the left side."""
+        s = self.call.settings
+        partial = self.adapter.partial_dots(a, b, self.pieces, s=s)
+        if partial.shape[1] == 4:  # float64 data: rows at a scale 4**k of their own (adasum.rule.combine)
+            k = np.where(partial[:, 3] == NO_SCALE, 0.0, partial[:, 3])[:, None]
+            partial = np.ldexp(partial[:, :3], (2 * k).astype(np.int64))
+        partial = np.ascontiguousarray(partial, dtype=np.float64)
         if self.shard.Get_size() > 1:
             adasum_allreduce_inplace(partial, op="sum", comm=self.shard)
         ca, cb = coefficients(partial[:, 0], partial[:, 1], partial[:, 2], count_a, count_b)
-        ca_t = torch.from_numpy(np.asarray(ca, dtype=np.float64)).repeat_interleave(lengths)
-        cb_t = torch.from_numpy(np.asarray(cb, dtype=np.float64)).repeat_interleave(lengths)
-        return (ca_t * a64 + cb_t * b64).to(a.dtype)
-
-
-def _segment_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """The sum of each consecutive piece of ``values`` (``lengths`` elements each; 0 for an empty piece)."""
-    return torch.segment_reduce(values, "sum", lengths=lengths, unsafe=True, initial=0.0)
+        self.adapter.scaled_add(a, b, self.pieces, np.asarray(ca, dtype=np.float64),
+                                np.asarray(cb, dtype=np.float64), a if dst is None else dst, s=s)
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
