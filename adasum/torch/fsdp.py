@@ -162,6 +162,9 @@ def _plan(model: torch.nn.Module, shard_mesh) -> tuple[list, list]:
     if not found:
         raise ValueError(f"rank {rank}: adasum_replicas: the model has no module sharded with fully_shard")
     want = shard_mesh.mesh.tolist()
+    if not hasattr(found[0][1], "set_all_reduce_hook"):
+        raise ValueError(f"rank {rank}: adasum_replicas needs FSDP2's set_all_reduce_hook (torch 2.7 or later), "
+                         f"this is torch {torch.__version__}")
     plan = []
     for name, module in found:
         params = []
