@@ -28,7 +28,7 @@ from ..call.allreduce import Op
 from ..runtime import exchange
 from .replicas import ReplicaTree
 
-__all__ = ["ReplicaHooks", "adasum_replicas", "replica_comms"]
+__all__ = ["ReplicaDeltas", "ReplicaHooks", "adasum_replicas", "replica_comms"]
 
 _NATIVE = ('the model is sharded on the 2-D mesh (native HSDP), whose own all-reduce averages the replicas '
            'before any hook runs. Shard it over the shard dimension instead: fully_shard(module, '
@@ -72,6 +72,68 @@ def _free(*comms) -> None:
             c.Free()
 
 
+class ReplicaDeltas:
+    """Adasum of weight deltas across the replicas of an FSDP2 model: each replica's optimizer steps its
+    ranks' shards on the gradients FSDP reduced over the shard group alone (no hook), then the deltas of
+    every parameter are combined across the replicas with the tree on the whole parameter (as
+    :func:`adasum_replicas` combines gradients) and every replica continues from start + combined delta.
+    Optimizer state (momentum, Adam's moments) stays with each replica, as with
+    :class:`~adasum.torch.DistributedOptimizer`. ``op="mean"`` averages the deltas (model averaging).
+
+    Collective over MPI's world (the constructor and every :meth:`step`), after
+    ``adasum.torch.init_process_group()``; the model sharded with ``fully_shard(..., mesh=mesh["shard"])``
+    and no :func:`adasum_replicas` hook (it would combine the gradients first)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, mesh, *, op: str | Op = "adasum"):
+        modules, plan, self.tree = _setup(model, mesh, op)
+        self.params = [p for m in modules for _, p in _managed(m)]
+        known = {id(p) for p in self.params}
+        stray = [i for i, p in enumerate(q for g in optimizer.param_groups for q in g["params"]) if id(p) not in known]
+        problem = (f"rank {MPI.COMM_WORLD.Get_rank()}: ReplicaDeltas: the optimizer's parameters {stray} are not "
+                   "parameters of the model's FSDP modules") if stray else None
+        exchange.raise_everywhere(MPI.COMM_WORLD, problem, ValueError, "ReplicaDeltas: checking the optimizer")
+        self.optimizer = optimizer
+        self._finalizer = weakref.finalize(self, _free, self.tree.replicate, self.tree.shard)
+
+    @property
+    def param_groups(self) -> list:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):
+        """The wrapped optimizer's step on this rank's shards, then the deltas combined across the
+        replicas. Returns the closure's loss (None without one)."""
+        if not self._finalizer.alive:
+            raise RuntimeError("ReplicaDeltas.step() after close()")
+        with torch.no_grad():
+            shards = [p.to_local() for p in self.params]
+            start = [t.clone() for t in shards]
+        loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        with torch.no_grad():
+            sizes = tuple(t.numel() for t in shards)
+            flat = torch.cat([(t - s).reshape(-1) for t, s in zip(shards, start)])
+            self.tree.reduce_(flat, sizes, "weight deltas")
+            for t, s, d in zip(shards, start, flat.split(sizes)):
+                t.copy_(s + d.view_as(s))
+        return loss
+
+    def close(self) -> None:
+        """Free the communicators; any later :meth:`step` raises."""
+        self._finalizer()
+
+
 class _Hook:
     """The all-reduce hook of one FSDP module: its flat reduce-scatter output holds one padded shard per
     parameter, in the module's parameter order."""
@@ -103,6 +165,14 @@ def adasum_replicas(model: torch.nn.Module, mesh, *, op: str | Op = "adasum") ->
             message shows the one-line change), or where the ranks differ in the mesh or in the
             parameters (names, shapes, dtypes, placements), naming the rank and the difference.
     """
+    modules, plan, tree = _setup(model, mesh, op)
+    for module, (name, params) in zip(modules, plan):
+        module.set_all_reduce_hook(_Hook(tree, name, tuple(p[4] for p in params)))
+    return ReplicaHooks(modules, tree)
+
+
+def _setup(model: torch.nn.Module, mesh, op) -> tuple[list, list, ReplicaTree]:
+    """Check the mesh and the model on every rank, compare the ranks, split the communicators."""
     op = Op(op).value
     comm = MPI.COMM_WORLD
     problem, layout, modules, plan = None, None, [], []
@@ -118,10 +188,7 @@ def adasum_replicas(model: torch.nn.Module, mesh, *, op: str | Op = "adasum") ->
                               "adasum_replicas: comparing the ranks")
     rows = layout[1]
     g, i = next((g, row.index(comm.Get_rank())) for g, row in enumerate(rows) if comm.Get_rank() in row)
-    tree = ReplicaTree(*replica_comms(comm, rows, g, i), op)
-    for module, (name, params) in zip(modules, plan):
-        module.set_all_reduce_hook(_Hook(tree, name, tuple(p[4] for p in params)))
-    return ReplicaHooks(modules, tree)
+    return modules, plan, ReplicaTree(*replica_comms(comm, rows, g, i), op)
 
 
 def replica_comms(comm: MPI.Intracomm, rows: list, g: int, i: int) -> tuple[MPI.Intracomm, MPI.Intracomm]:

@@ -1,7 +1,8 @@
 """Every training path with a compiled model (``torch.compile(model)``, inductor on CPU) against the same run
 uncompiled: DistributedOptimizer (with and without overlap, accumulation, local steps), the DDP gradient and
-delta hooks, the Lightning strategy and the FSDP2 replicas hook. The two runs agree within the compiler's
-rounding (inductor fuses and reorders float32 arithmetic), and every rank ends with the same model.
+delta hooks, the Lightning strategy and FSDP2 across replicas (the gradient hook and the delta form). The
+two runs agree within the compiler's rounding (inductor fuses and reorders float32 arithmetic), and every
+rank ends with the same model.
 
 One model class and one input shape throughout: dynamo compiles the class's graphs once per process and
 reuses them for every instance (parameters are graph inputs), so compile time is paid once."""
@@ -107,19 +108,21 @@ def test_ddp_hooks(comm, pg, delta):
     assert_identical_across_ranks(comm, list(compiled.parameters()))
 
 
-def fsdp_run(comm, compiled: bool) -> torch.nn.Module:
+def fsdp_run(comm, compiled: bool, form: str) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from adasum.torch.fsdp import adasum_replicas
+    from adasum.torch.fsdp import ReplicaDeltas, adasum_replicas
 
     mesh = init_device_mesh("cpu", (2, comm.Get_size() // 2), mesh_dim_names=("replicate", "shard"))
     model = fresh()
     fully_shard(model.a, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
-    hooks = adasum_replicas(model, mesh)
     run = torch.compile(model) if compiled else model
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if form == "hook":
+        hooks, opt = adasum_replicas(model, mesh), torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        hooks = opt = ReplicaDeltas(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, mesh)
     for x, y in batches(comm.Get_rank(), 4):
         torch.nn.functional.mse_loss(run(x), y).backward()
         opt.step()
@@ -129,9 +132,10 @@ def fsdp_run(comm, compiled: bool) -> torch.nn.Module:
 
 
 @pytest.mark.world_size(4)
-def test_fsdp_replicas_hook(comm, pg):
-    compiled = fsdp_run(comm, True)
-    assert_close(compiled, fsdp_run(comm, False))
+@pytest.mark.parametrize("form", ["hook", "deltas"])
+def test_fsdp_replicas(comm, pg, form):
+    compiled = fsdp_run(comm, True, form)
+    assert_close(compiled, fsdp_run(comm, False, form))
     assert_identical_across_ranks(comm, [_full(p) for p in compiled.parameters()])
 
 

@@ -250,3 +250,69 @@ def test_absent_rank_named(comm):
     finally:
         adasum.configure(old)
     comm.Barrier()
+
+
+def delta_reference(shape, op: str, momentum: float) -> list[np.ndarray]:
+    """The serial reference of the delta form: each replica's optimizer (its own momentum) steps its copy
+    from the common parameters on its ranks' mean gradient; the replicas' deltas are combined per whole
+    parameter (float32 at each level) and every copy continues from start + combined delta."""
+    replicas, shards = shape
+    copies = [fresh() for _ in range(replicas)]
+    opts = [torch.optim.SGD(c.parameters(), lr=LR, momentum=momentum) for c in copies]
+    for step in range(STEPS):
+        start = [p.detach().clone() for p in copies[0].parameters()]
+        deltas = []
+        for g, (model, opt) in enumerate(zip(copies, opts)):
+            grads = []
+            for rank in range(g * shards, (g + 1) * shards):
+                model.zero_grad()
+                x, y = batch(step, rank)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                grads.append([p.grad.to(torch.float64) for p in model.parameters()])
+            with torch.no_grad():
+                for p, layer in zip(model.parameters(), zip(*grads)):
+                    p.grad = (sum(layer) / shards).to(p.dtype)
+            opt.step()
+            deltas.append([(p.detach() - s).to(torch.float64).numpy() for p, s in zip(model.parameters(), start)])
+        with torch.no_grad():
+            for i, s in enumerate(start):
+                layer = [d[i] for d in deltas]
+                combined = tree_combine(layer, dtype="float32") if op == "adasum" else np.mean(layer, axis=0)
+                new = s + torch.from_numpy(combined.reshape(s.shape)).to(s.dtype)
+                for model in copies:
+                    list(model.parameters())[i].copy_(new)
+    return [p.detach().to(torch.float64).numpy() for p in copies[0].parameters()]
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("op", ["adasum", "mean"])
+def test_deltas_against_serial_reference(pg, comm, shape, op):
+    from adasum.torch.fsdp import ReplicaDeltas
+
+    mesh = make_mesh(shape)
+    model = shard(fresh(), mesh["shard"])
+    opt = ReplicaDeltas(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), model, mesh, op=op)
+    train(model, opt, comm.Get_rank())
+    opt.close()
+    got = full(model)
+    assert_close(got, delta_reference(shape, op, 0.9), 1e-5)
+    assert_identical_across_ranks(comm, got)
+    with pytest.raises(RuntimeError, match="after close"):
+        opt.step()
+
+
+def test_deltas_of_plain_sgd_are_the_gradient_hook(pg, comm):
+    """Adasum(c·a, c·b) = c·Adasum(a, b): with SGD without momentum the delta form gives the gradient
+    form's model."""
+    from adasum.torch.fsdp import ReplicaDeltas
+
+    mesh = make_mesh((2, 2))
+    deltas = shard(fresh(), mesh["shard"])
+    opt = ReplicaDeltas(torch.optim.SGD(deltas.parameters(), lr=LR), deltas, mesh)
+    train(deltas, opt, comm.Get_rank())
+    grads = shard(fresh(), mesh["shard"])
+    hooks = adasum_replicas(grads, mesh)
+    train(grads, torch.optim.SGD(grads.parameters(), lr=LR), comm.Get_rank())
+    hooks.close()
+    opt.close()
+    assert_close(full(deltas), full(grads), 1e-6)
