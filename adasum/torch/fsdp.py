@@ -15,6 +15,9 @@ docs/design.md on the whole parameter (the dot products summed over the shard gr
 mesh) gives, ``op="sum"`` the sum. Gradient accumulation: ``model.set_requires_gradient_sync(False)`` on the
 micro-steps without a reduction (the hook runs on the step that reduces); mixed precision: the hook works in
 the policy's ``reduce_dtype``.
+
+:class:`ReplicaDeltas` is the weight-delta form: no hook, each replica's optimizer steps its shards, and the
+deltas are combined across the replicas the same way.
 """
 
 from __future__ import annotations
