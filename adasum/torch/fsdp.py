@@ -82,13 +82,20 @@ class ReplicaDeltas:
     :func:`adasum_replicas` combines gradients) and every replica continues from start + combined delta.
     Optimizer state (momentum, Adam's moments) stays with each replica, as with
     :class:`~adasum.torch.DistributedOptimizer`. ``op="mean"`` averages the deltas (model averaging).
+    ``local_steps=H``: H optimizer steps between combines, the deltas taken since the window's start (local
+    SGD); :meth:`flush` combines a window left open. At each combine the ranks agree on the window's number
+    and its steps; a rank that took another number of steps makes every rank raise, naming the counts.
 
     Collective over MPI's world (the constructor and every :meth:`step`), after
     ``adasum.torch.init_process_group()``; the model sharded with ``fully_shard(..., mesh=mesh["shard"])``
     and no :func:`adasum_replicas` hook (it would combine the gradients first)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, mesh, *, op: str | Op = "adasum"):
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, mesh, *, op: str | Op = "adasum",
+                 local_steps: int = 1):
+        if type(local_steps) is not int or local_steps < 1:
+            raise ValueError(f"local_steps must be a positive int, got {local_steps!r}")
         modules, plan, self.tree = _setup(model, mesh, op)
+        self.local_steps, self.windows, self._steps, self._start = local_steps, 0, 0, None
         self.params = [p for m in modules for _, p in _managed(m)]
         known = {id(p) for p in self.params}
         stray = [i for i, p in enumerate(q for g in optimizer.param_groups for q in g["params"]) if id(p) not in known]
@@ -116,21 +123,41 @@ class ReplicaDeltas:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure=None):
-        """The wrapped optimizer's step on this rank's shards, then the deltas combined across the
-        replicas. Returns the closure's loss (None without one)."""
+        """The wrapped optimizer's step on this rank's shards; at the end of a window (every ``local_steps``
+        steps) the deltas since its start combined across the replicas. Returns the closure's loss."""
         if not self._finalizer.alive:
             raise RuntimeError("ReplicaDeltas.step() after close()")
+        if self._start is None:
+            with torch.no_grad():
+                self._start = [p.to_local().clone() for p in self.params]
+        loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self._steps += 1
+        if self._steps == self.local_steps:
+            self._combine()
+        return loss
+
+    def flush(self) -> None:
+        """Combine the open window now, however many steps it holds (collective)."""
+        if not self._finalizer.alive:
+            raise RuntimeError("ReplicaDeltas.flush() after close()")
+        if self._start is not None:
+            self._combine()
+
+    def _combine(self) -> None:
+        comm = MPI.COMM_WORLD
+        counts = exchange.allgather(comm, (self.windows, self._steps), "ReplicaDeltas: the window's steps")
+        if len(set(counts)) > 1:
+            seen = ", ".join(f"rank {r}: window {w}, {n} steps" for r, (w, n) in enumerate(counts))
+            raise RuntimeError(f"(raised on rank {comm.Get_rank()}) ReplicaDeltas: the ranks combine different "
+                               f"windows or step counts ({seen})")
         with torch.no_grad():
             shards = [p.to_local() for p in self.params]
-            start = [t.clone() for t in shards]
-        loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
-        with torch.no_grad():
             sizes = tuple(t.numel() for t in shards)
-            flat = torch.cat([(t - s).reshape(-1) for t, s in zip(shards, start)])
+            flat = torch.cat([(t - s).reshape(-1) for t, s in zip(shards, self._start)])
             self.tree.reduce_(flat, sizes, "weight deltas")
-            for t, s, d in zip(shards, start, flat.split(sizes)):
+            for t, s, d in zip(shards, self._start, flat.split(sizes)):
                 t.copy_(s + d.view_as(s))
-        return loss
+        self.windows, self._steps, self._start = self.windows + 1, 0, None
 
     def close(self) -> None:
         """Free the communicators; any later :meth:`step` raises."""

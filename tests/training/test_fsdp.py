@@ -316,3 +316,62 @@ def test_deltas_of_plain_sgd_are_the_gradient_hook(pg, comm):
     hooks.close()
     opt.close()
     assert_close(full(deltas), full(grads), 1e-6)
+
+
+def local_reference(h: int, steps: int) -> list[np.ndarray]:
+    """2×2, SGD with momentum, ``h`` local steps per combine: each replica steps its copy ``h`` times on its
+    ranks' mean gradients, then the window's deltas are combined (a last short window too)."""
+    copies = [fresh() for _ in range(2)]
+    opts = [torch.optim.SGD(c.parameters(), lr=LR, momentum=0.9) for c in copies]
+    for lo in range(0, steps, h):
+        start = [p.detach().clone() for p in copies[0].parameters()]
+        for step in range(lo, min(lo + h, steps)):
+            for g, (model, opt) in enumerate(zip(copies, opts)):
+                grads = []
+                for rank in (2 * g, 2 * g + 1):
+                    model.zero_grad()
+                    x, y = batch(step, rank)
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    grads.append([p.grad.to(torch.float64) for p in model.parameters()])
+                with torch.no_grad():
+                    for p, layer in zip(model.parameters(), zip(*grads)):
+                        p.grad = (sum(layer) / 2).to(p.dtype)
+                opt.step()
+        with torch.no_grad():
+            for i, s in enumerate(start):
+                layer = [(list(c.parameters())[i].detach() - s).to(torch.float64).numpy() for c in copies]
+                new = s + torch.from_numpy(tree_combine(layer, dtype="float32").reshape(s.shape)).to(s.dtype)
+                for c in copies:
+                    list(c.parameters())[i].copy_(new)
+    return [p.detach().to(torch.float64).numpy() for p in copies[0].parameters()]
+
+
+def test_deltas_with_local_steps(pg, comm):
+    """``local_steps=3`` over 8 steps: two windows of 3, and a last one of 2 that flush() combines."""
+    from adasum.torch.fsdp import ReplicaDeltas
+
+    mesh = make_mesh((2, 2))
+    model = shard(fresh(), mesh["shard"])
+    opt = ReplicaDeltas(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), model, mesh, local_steps=3)
+    train(model, opt, comm.Get_rank())
+    assert opt.windows == 2
+    opt.flush()
+    assert opt.windows == 3
+    got = full(model)
+    opt.close()
+    assert_close(got, local_reference(3, STEPS), 1e-5)
+    assert_identical_across_ranks(comm, got)
+
+
+def test_deltas_step_counts_that_differ_raise_everywhere(pg, comm):
+    from adasum.torch.fsdp import ReplicaDeltas
+
+    mesh = make_mesh((2, 2))
+    model = shard(fresh(), mesh["shard"])
+    opt = ReplicaDeltas(torch.optim.SGD(model.parameters(), lr=LR), model, mesh, local_steps=4)
+    train(model, opt, comm.Get_rank(), steps=2)
+    if comm.Get_rank() == 2:
+        opt.step()  # one step more on one rank (no backward: FSDP's own collectives stay matched)
+    with pytest.raises(RuntimeError, match="rank 1: window 0, 2 steps, rank 2: window 0, 3 steps"):
+        opt.flush()
+    opt.close()
