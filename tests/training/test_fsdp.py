@@ -375,3 +375,20 @@ def test_deltas_step_counts_that_differ_raise_everywhere(pg, comm):
     with pytest.raises(RuntimeError, match="rank 1: window 0, 2 steps, rank 2: window 0, 3 steps"):
         opt.flush()
     opt.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_schedule_on_cuda_tensors_is_the_host_result(comm):
+    """CUDA shards travel through host memory: the result on the device is the host schedule's, bitwise."""
+    from adasum.torch.replicas import ReplicaTree
+
+    g, i = divmod(comm.Get_rank(), 2)
+    replicate, shard = replica_comms(comm, [[0, 1], [2, 3]], g, i)
+    x = torch.randn(10, generator=torch.Generator().manual_seed(comm.Get_rank()))
+    on_host, on_device = x.clone(), x.cuda()
+    tree = ReplicaTree(replicate, shard, "adasum")
+    tree.reduce_(on_host, (6, 4), "host")
+    tree.reduce_(on_device, (6, 4), "device")
+    assert torch.equal(on_device.cpu(), on_host)
+    replicate.Free()
+    shard.Free()
