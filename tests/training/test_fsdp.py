@@ -23,15 +23,18 @@ MESHES = [(2, 2), (4, 1)]
 
 
 class Net(torch.nn.Module):
-    """Two blocks (each its own FSDP module), one with a row count that 2 does not divide (padded shards)."""
+    """Two blocks (each its own FSDP module), row counts that 2 does not divide (padded shards), and the
+    root's own parameters, a sub-module's before its own (the order in which FSDP flattens them)."""
 
     def __init__(self):
         super().__init__()
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 3))
         self.a = torch.nn.Linear(6, 5)
         self.b = torch.nn.Linear(5, 3)
+        self.c = torch.nn.Linear(3, 3)
 
     def forward(self, x):
-        return self.b(torch.tanh(self.a(x)))
+        return self.c(self.b(torch.tanh(self.a(x)))) * self.scale
 
 
 def batch(step: int, rank: int, micro: int = 0):
