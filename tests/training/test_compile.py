@@ -59,7 +59,8 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to(torch.float64)
 
 
-def optimizer_run(comm, compiled: bool, **kw) -> torch.nn.Module:
+def optimizer_run(comm, compiled: bool, **kw) -> tuple[torch.nn.Module, int]:
+    """The trained model and how many boundaries reduced their buckets during backward."""
     model = fresh()
     run = torch.compile(model) if compiled else model
     k = kw.get("accumulation_steps", 1)
@@ -69,8 +70,9 @@ def optimizer_run(comm, compiled: bool, **kw) -> torch.nn.Module:
         torch.nn.functional.mse_loss(run(x), y).backward()
         opt.step()
         opt.zero_grad()
+    overlapped = opt.overlapped_boundaries
     opt.close()
-    return model
+    return model, overlapped
 
 
 @pytest.mark.world_size(2, 3)
@@ -79,9 +81,12 @@ def optimizer_run(comm, compiled: bool, **kw) -> torch.nn.Module:
                                 {"op": "mean"}],
                          ids=["plain", "overlap", "accumulation", "overlap+accumulation", "local-steps", "mean"])
 def test_distributed_optimizer(comm, kw):
-    compiled = optimizer_run(comm, True, **kw)
-    assert_close(compiled, optimizer_run(comm, False, **kw))
+    compiled, overlapped = optimizer_run(comm, True, **kw)
+    eager, eager_overlapped = optimizer_run(comm, False, **kw)
+    assert_close(compiled, eager)
     assert_identical_across_ranks(comm, list(compiled.parameters()))
+    # with overlap, the compiled backward's gradients still start their buckets during backward
+    assert overlapped == eager_overlapped and (overlapped > 0) == bool(kw.get("overlap"))
 
 
 def ddp_run(comm, compiled: bool, delta: bool) -> torch.nn.Module:
