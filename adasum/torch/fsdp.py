@@ -189,6 +189,9 @@ def adasum_replicas(model: torch.nn.Module, mesh, *, op: str | Op = "adasum") ->
     after ``adasum.torch.init_process_group()``. ``mesh``: a 2-D ``DeviceMesh`` with dimension names
     ``("replicate", "shard")``.
 
+    Returns:
+        A :class:`ReplicaHooks`: ``close()`` removes the hooks and frees the two communicators.
+
     Raises:
         ValueError: on every rank, where the mesh is not 2-D or lacks those names, where the model was
             sharded on another mesh than ``mesh["shard"]`` (on the 2-D mesh itself: native HSDP, the
