@@ -395,3 +395,26 @@ def test_schedule_on_cuda_tensors_is_the_host_result(comm):
     assert torch.equal(on_device.cpu(), on_host)
     replicate.Free()
     shard.Free()
+
+
+def test_schedule_three_replicas(comm):
+    """Replicas that are not a power of two (3 of one rank each; rank 3 stays out): the fold of §3, weighted
+    subtrees, every replica the serial tree's result, bitwise alike."""
+    from mpi4py import MPI
+
+    from adasum.torch.replicas import ReplicaTree
+
+    rank = comm.Get_rank()
+    replicate = comm.Split(0 if rank < 3 else MPI.UNDEFINED, rank)
+    rng = np.random.default_rng(11)
+    vectors = rng.standard_normal((3, 9))
+    if replicate != MPI.COMM_NULL:
+        mine = torch.tensor(vectors[rank], dtype=torch.float32)
+        ReplicaTree(replicate, MPI.COMM_SELF, "adasum").reduce_(mine, (5, 4), "test")
+        rounded = [v.astype(np.float32).astype(np.float64) for v in vectors]
+        want = np.concatenate([tree_combine([v[:5] for v in rounded], dtype="float32"),
+                               tree_combine([v[5:] for v in rounded], dtype="float32")])
+        np.testing.assert_allclose(mine.numpy(), want, rtol=1e-6)
+        got = replicate.allgather(mine.numpy().tobytes())
+        assert got == [got[0]] * 3
+        replicate.Free()
