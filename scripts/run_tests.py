@@ -133,8 +133,9 @@ def _selection(extra: list[str], env: dict, py: str) -> list[dict] | None:
         return json.loads(out.read_text()) if out.exists() else None
 
 
-def _holds(tests: list[dict], name: str, cmd: list[str]) -> bool:
-    """Whether the run ``name`` (``cmd``) would run one of ``tests``."""
+def _holds(tests: list[dict], name: str, cmd: list[str], extra: list[str]) -> bool:
+    """Whether the run ``name`` (``cmd``, with the user's pytest arguments ``extra``) would run one of
+    ``tests``."""
     def at(t, n):
         return t["sizes"] is None or n in t["sizes"]
 
@@ -146,7 +147,7 @@ def _holds(tests: list[dict], name: str, cmd: list[str]) -> bool:
     if name.startswith("docs"):
         return any(t["id"].startswith("tests/docs/") for t in tests)
     n = int(cmd[cmd.index("-n") + 1])
-    files = [a for a in cmd if a.startswith("tests/") and a.endswith(".py")]
+    files = [a for a in cmd if a.startswith("tests/") and a.endswith(".py") and a not in extra]
     if files:  # the numpy-kernel and emulated-node runs: their files only
         return any(at(t, n) and t["id"].split("::")[0] in files for t in mpi)
     frameworks = ", frameworks" in name
@@ -159,7 +160,7 @@ def _touched(runs: list, extra: list[str], env: dict, py: str) -> list:
     if tests is None:
         print("selection: collecting the tests failed; every run starts", flush=True)
         return runs
-    kept = [r for r in runs if _holds(tests, r[0], r[1])]
+    kept = [r for r in runs if _holds(tests, r[0], r[1], extra)]
     print(f"selection: {len(tests)} tests; runs: {', '.join(r[0] for r in kept) or 'none'}", flush=True)
     return kept
 
