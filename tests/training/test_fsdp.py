@@ -1,7 +1,8 @@
 """FSDP2 with Adasum across replicas (``adasum.torch.fsdp.adasum_replicas``) at 4 ranks, meshes 2×2 and 4×1:
 SGD against a serial reference (each replica's gradient the mean of its ranks' micro-batch gradients, the
 tree over replicas on whole parameters), ``op="mean"`` against native HSDP, ``op="sum"``, bf16 reductions,
-accumulation without sync, and the errors every rank raises."""
+accumulation without sync, the schedule on its own (cut layers, three replicas, CUDA), and the errors every
+rank raises. The delta form: test_fsdp_deltas.py."""
 
 from __future__ import annotations
 
@@ -17,66 +18,8 @@ from adasum.rule.reference import tree_combine  # noqa: E402
 from adasum.torch.fsdp import adasum_replicas, replica_comms  # noqa: E402
 
 from helpers import assert_identical_across_ranks  # noqa: E402
-
-STEPS, LR = 8, 0.05
-MESHES = [(2, 2), (4, 1)]
-
-
-class Net(torch.nn.Module):
-    """Two blocks (each its own FSDP module), row counts that 2 does not divide (padded shards), and the
-    root's own parameters, a sub-module's before its own (the order in which FSDP flattens them)."""
-
-    def __init__(self):
-        super().__init__()
-        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 3))
-        self.a = torch.nn.Linear(6, 5)
-        self.b = torch.nn.Linear(5, 3)
-        self.c = torch.nn.Linear(3, 3)
-
-    def forward(self, x):
-        return self.c(self.b(torch.tanh(self.a(x)))) * self.scale
-
-
-def batch(step: int, rank: int, micro: int = 0):
-    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
-    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
-
-
-def fresh() -> Net:
-    torch.manual_seed(0)
-    return Net()
-
-
-def make_mesh(shape):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
-
-
-def shard(model: Net, mesh, **kw) -> Net:
-    fsdp.fully_shard(model.a, mesh=mesh, **kw)
-    fsdp.fully_shard(model.b, mesh=mesh, **kw)
-    fsdp.fully_shard(model, mesh=mesh, **kw)
-    return model
-
-
-def train(model, opt, rank: int, steps: int = STEPS, micro: int = 1) -> None:
-    for step in range(steps):
-        for m in range(micro):
-            if hasattr(model, "set_requires_gradient_sync"):
-                model.set_requires_gradient_sync(m == micro - 1)
-            x, y = batch(step, rank, m)
-            torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-
-
-def full(model) -> list[np.ndarray]:
-    out = []
-    for p in model.parameters():
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out.append(t.detach().to(torch.float64).numpy().copy())
-    return out
+from fsdp_helpers import (LR, MESHES, STEPS, assert_close, batch, fresh, full, make_mesh, shard,  # noqa: E402
+                          train)
 
 
 def reference(shape, op: str, micro: int = 1, dtype: str | None = "float32") -> list[np.ndarray]:
@@ -106,12 +49,6 @@ def reference(shape, op: str, micro: int = 1, dtype: str | None = "float32") -> 
                     g = np.mean(layer, axis=0)
                 p -= LR * torch.from_numpy(g).to(p.dtype)
     return [p.detach().to(torch.float64).numpy() for p in model.parameters()]
-
-
-def assert_close(got, want, rtol: float) -> None:
-    for i, (g, w) in enumerate(zip(got, want)):
-        err = np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30)
-        assert err <= rtol, f"parameter {i}: relative error {err:.3g} > {rtol}"
 
 
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
@@ -253,131 +190,6 @@ def test_absent_rank_named(comm):
     finally:
         adasum.configure(old)
     comm.Barrier()
-
-
-def delta_reference(shape, op: str, momentum: float) -> list[np.ndarray]:
-    """The serial reference of the delta form: each replica's optimizer (its own momentum) steps its copy
-    from the common parameters on its ranks' mean gradient; the replicas' deltas are combined per whole
-    parameter (float32 at each level) and every copy continues from start + combined delta."""
-    replicas, shards = shape
-    copies = [fresh() for _ in range(replicas)]
-    opts = [torch.optim.SGD(c.parameters(), lr=LR, momentum=momentum) for c in copies]
-    for step in range(STEPS):
-        start = [p.detach().clone() for p in copies[0].parameters()]
-        deltas = []
-        for g, (model, opt) in enumerate(zip(copies, opts)):
-            grads = []
-            for rank in range(g * shards, (g + 1) * shards):
-                model.zero_grad()
-                x, y = batch(step, rank)
-                torch.nn.functional.mse_loss(model(x), y).backward()
-                grads.append([p.grad.to(torch.float64) for p in model.parameters()])
-            with torch.no_grad():
-                for p, layer in zip(model.parameters(), zip(*grads)):
-                    p.grad = (sum(layer) / shards).to(p.dtype)
-            opt.step()
-            deltas.append([(p.detach() - s).to(torch.float64).numpy() for p, s in zip(model.parameters(), start)])
-        with torch.no_grad():
-            for i, s in enumerate(start):
-                layer = [d[i] for d in deltas]
-                combined = tree_combine(layer, dtype="float32") if op == "adasum" else np.mean(layer, axis=0)
-                new = s + torch.from_numpy(combined.reshape(s.shape)).to(s.dtype)
-                for model in copies:
-                    list(model.parameters())[i].copy_(new)
-    return [p.detach().to(torch.float64).numpy() for p in copies[0].parameters()]
-
-
-@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("op", ["adasum", "mean"])
-def test_deltas_against_serial_reference(pg, comm, shape, op):
-    from adasum.torch.fsdp import ReplicaDeltas
-
-    mesh = make_mesh(shape)
-    model = shard(fresh(), mesh["shard"])
-    opt = ReplicaDeltas(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), model, mesh, op=op)
-    train(model, opt, comm.Get_rank())
-    opt.close()
-    got = full(model)
-    assert_close(got, delta_reference(shape, op, 0.9), 1e-5)
-    assert_identical_across_ranks(comm, got)
-    with pytest.raises(RuntimeError, match="after close"):
-        opt.step()
-
-
-def test_deltas_of_plain_sgd_are_the_gradient_hook(pg, comm):
-    """Adasum(c·a, c·b) = c·Adasum(a, b): with SGD without momentum the delta form gives the gradient
-    form's model."""
-    from adasum.torch.fsdp import ReplicaDeltas
-
-    mesh = make_mesh((2, 2))
-    deltas = shard(fresh(), mesh["shard"])
-    opt = ReplicaDeltas(torch.optim.SGD(deltas.parameters(), lr=LR), deltas, mesh)
-    train(deltas, opt, comm.Get_rank())
-    grads = shard(fresh(), mesh["shard"])
-    hooks = adasum_replicas(grads, mesh)
-    train(grads, torch.optim.SGD(grads.parameters(), lr=LR), comm.Get_rank())
-    hooks.close()
-    opt.close()
-    assert_close(full(deltas), full(grads), 1e-6)
-
-
-def local_reference(h: int, steps: int) -> list[np.ndarray]:
-    """2×2, SGD with momentum, ``h`` local steps per combine: each replica steps its copy ``h`` times on its
-    ranks' mean gradients, then the window's deltas are combined (a last short window too)."""
-    copies = [fresh() for _ in range(2)]
-    opts = [torch.optim.SGD(c.parameters(), lr=LR, momentum=0.9) for c in copies]
-    for lo in range(0, steps, h):
-        start = [p.detach().clone() for p in copies[0].parameters()]
-        for step in range(lo, min(lo + h, steps)):
-            for g, (model, opt) in enumerate(zip(copies, opts)):
-                grads = []
-                for rank in (2 * g, 2 * g + 1):
-                    model.zero_grad()
-                    x, y = batch(step, rank)
-                    torch.nn.functional.mse_loss(model(x), y).backward()
-                    grads.append([p.grad.to(torch.float64) for p in model.parameters()])
-                with torch.no_grad():
-                    for p, layer in zip(model.parameters(), zip(*grads)):
-                        p.grad = (sum(layer) / 2).to(p.dtype)
-                opt.step()
-        with torch.no_grad():
-            for i, s in enumerate(start):
-                layer = [(list(c.parameters())[i].detach() - s).to(torch.float64).numpy() for c in copies]
-                new = s + torch.from_numpy(tree_combine(layer, dtype="float32").reshape(s.shape)).to(s.dtype)
-                for c in copies:
-                    list(c.parameters())[i].copy_(new)
-    return [p.detach().to(torch.float64).numpy() for p in copies[0].parameters()]
-
-
-def test_deltas_with_local_steps(pg, comm):
-    """``local_steps=3`` over 8 steps: two windows of 3, and a last one of 2 that flush() combines."""
-    from adasum.torch.fsdp import ReplicaDeltas
-
-    mesh = make_mesh((2, 2))
-    model = shard(fresh(), mesh["shard"])
-    opt = ReplicaDeltas(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), model, mesh, local_steps=3)
-    train(model, opt, comm.Get_rank())
-    assert opt.windows == 2
-    opt.flush()
-    assert opt.windows == 3
-    got = full(model)
-    opt.close()
-    assert_close(got, local_reference(3, STEPS), 1e-5)
-    assert_identical_across_ranks(comm, got)
-
-
-def test_deltas_step_counts_that_differ_raise_everywhere(pg, comm):
-    from adasum.torch.fsdp import ReplicaDeltas
-
-    mesh = make_mesh((2, 2))
-    model = shard(fresh(), mesh["shard"])
-    opt = ReplicaDeltas(torch.optim.SGD(model.parameters(), lr=LR), model, mesh, local_steps=4)
-    train(model, opt, comm.Get_rank(), steps=2)
-    if comm.Get_rank() == 2:
-        opt.step()  # one step more on one rank (no backward: FSDP's own collectives stay matched)
-    with pytest.raises(RuntimeError, match="rank 1: window 0, 2 steps, rank 2: window 0, 3 steps"):
-        opt.flush()
-    opt.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
