@@ -166,19 +166,25 @@ class ReplicaDeltas:
 
 class _Hook:
     """The all-reduce hook of one FSDP module: its flat reduce-scatter output holds one padded shard per
-    parameter, in the module's parameter order."""
+    parameter that has a gradient, in the module's parameter order. Frozen parameters
+    (``requires_grad=False``) have none; which ones are frozen is read at each call."""
 
-    __slots__ = ("tree", "name", "sizes", "total")
+    __slots__ = ("tree", "name", "sizes", "params")
 
-    def __init__(self, tree: ReplicaTree, name: str, sizes: tuple[int, ...]):
-        self.tree, self.name, self.sizes, self.total = tree, name, sizes, sum(sizes)
+    def __init__(self, tree: ReplicaTree, name: str, sizes: tuple[int, ...], params: list):
+        self.tree, self.name, self.sizes, self.params = tree, name, sizes, params
 
     def __call__(self, output: torch.Tensor) -> None:
-        if output.numel() != self.total or output.dim() != 1:
-            raise RuntimeError(f"rank {MPI.COMM_WORLD.Get_rank()}: adasum_replicas: FSDP module "
-                               f"{self.name or '(root)'} handed its hook shape {tuple(output.shape)}, its "
-                               f"parameters' shards make {self.total} elements")
-        self.tree.reduce_(output, self.sizes, self.name or "root")
+        sizes = self.sizes
+        if output.numel() != sum(sizes):
+            sizes = tuple(n for n, p in zip(self.sizes, self.params) if p.requires_grad)
+        if output.numel() != sum(sizes) or output.dim() != 1:
+            raise RuntimeError(
+                f"rank {MPI.COMM_WORLD.Get_rank()}: adasum_replicas: FSDP module {self.name or '(root)'} "
+                f"handed its hook shape {tuple(output.shape)}; its parameters' shards make {sum(self.sizes)} "
+                f"elements, those that require gradients {sum(sizes)}. A parameter that forward did not use "
+                "has no gradient and leaves the layers unknown: use every parameter, or freeze it")
+        self.tree.reduce_(output, sizes, self.name or "root")
 
 
 def adasum_replicas(model: torch.nn.Module, mesh, *, op: str | Op = "adasum") -> ReplicaHooks:
@@ -200,7 +206,8 @@ def adasum_replicas(model: torch.nn.Module, mesh, *, op: str | Op = "adasum") ->
     """
     modules, plan, tree = _setup(model, mesh, op)
     for module, (name, params) in zip(modules, plan):
-        module.set_all_reduce_hook(_Hook(tree, name, tuple(p[4] for p in params)))
+        sizes = tuple(p[4] for p in params)
+        module.set_all_reduce_hook(_Hook(tree, name, sizes, [p for _, p in _managed(module)]))
     return ReplicaHooks(modules, tree)
 
 

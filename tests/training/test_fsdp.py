@@ -22,11 +22,13 @@ from fsdp_helpers import (LR, MESHES, STEPS, assert_close, batch, fresh, full, m
                           train)
 
 
-def reference(shape, op: str, micro: int = 1, dtype: str | None = "float32") -> list[np.ndarray]:
+def reference(shape, op: str, micro: int = 1, dtype: str | None = "float32", model=None) -> list[np.ndarray]:
     """The serial reference: replica g's gradient is the mean over its ranks g·S … g·S+S-1 of their
-    gradients (summed over the micro-batches), the replicas' gradients combined per whole parameter."""
+    gradients (summed over the micro-batches), the replicas' gradients combined per whole parameter.
+    ``model``: the unsharded start (default :func:`fresh`); its frozen parameters stay as they are."""
     replicas, shards = shape
-    model = fresh()
+    model = fresh() if model is None else model
+    trained = [p for p in model.parameters() if p.requires_grad]
     for step in range(STEPS):
         per_replica = []
         for g in range(replicas):
@@ -36,10 +38,10 @@ def reference(shape, op: str, micro: int = 1, dtype: str | None = "float32") -> 
                 for m in range(micro):
                     x, y = batch(step, rank, m)
                     torch.nn.functional.mse_loss(model(x), y).backward()
-                grads.append([p.grad.to(torch.float64).numpy().copy() for p in model.parameters()])
+                grads.append([p.grad.to(torch.float64).numpy().copy() for p in trained])
             per_replica.append([np.mean(layer, axis=0) for layer in zip(*grads)])
         with torch.no_grad():
-            for i, p in enumerate(model.parameters()):
+            for i, p in enumerate(trained):
                 layer = [r[i].astype(np.float32).astype(np.float64) for r in per_replica]
                 if op == "adasum":
                     g = tree_combine(layer, dtype=dtype).reshape(p.shape)
@@ -230,3 +232,32 @@ def test_schedule_three_replicas(comm):
         got = replicate.allgather(mine.numpy().tobytes())
         assert got == [got[0]] * 3
         replicate.Free()
+
+
+def test_frozen_parameter(pg, comm):
+    """A frozen parameter (``requires_grad=False``) has no gradient, so FSDP leaves it out of the buffer the
+    hook gets: the others are still combined per layer, against the reference that never moves it."""
+    mesh = make_mesh((2, 2))
+    model = fresh()
+    model.b.weight.requires_grad_(False)
+    shard(model, mesh["shard"])
+    hooks = adasum_replicas(model, mesh)
+    train(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR), comm.Get_rank())
+    hooks.close()
+    want_model = fresh()
+    want_model.b.weight.requires_grad_(False)
+    assert_close(full(model), reference((2, 2), "adasum", model=want_model), 1e-5)
+
+
+def test_unused_parameter_is_a_clear_error(pg, comm):
+    """A parameter forward does not use has no gradient and cannot be told apart from its neighbours: every
+    rank raises, naming the module and the element counts."""
+    mesh = make_mesh((2, 2))
+    model = fresh()
+    model.b.spare = torch.nn.Linear(2, 2)  # never used in forward
+    shard(model, mesh["shard"])
+    hooks = adasum_replicas(model, mesh)
+    x, y = batch(0, comm.Get_rank())
+    with pytest.raises(RuntimeError, match="FSDP module b handed its hook shape .* use every parameter, or freeze"):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    hooks.close()
