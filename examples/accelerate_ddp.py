@@ -7,6 +7,10 @@ world, wraps the model in DDP and deals the batches to the ranks, and the hook g
 On a host without GPUs, ``Accelerator()`` starts no distributed mode (each rank would train alone): pass
 ``cpu=True``. Every rank prints its final test accuracy (the same on every rank). docs/frameworks.md shows
 the middle of this script.
+
+At 2 ranks it reaches 43.5 % test accuracy in seconds (SGD): like every recipe it trains 4 epochs on
+1600 signals, to show the calls, where examples/train.py trains 20 epochs on 4000 with a cosine
+schedule for its 96-97 %.
 """
 
 import os

@@ -5,6 +5,10 @@ windows, clipping and a cosine schedule stepped once per window, on MNIST-1D::
 
 Every rank prints its final test accuracy (the same on every rank). examples/train.py is the full example,
 with its options.
+
+At 2 ranks it reaches 41.8 % test accuracy in seconds (AdamW, but windows of 4 micro-batches: a quarter of the optimizer steps): like every recipe it trains 4 epochs on
+1600 signals, to show the calls, where examples/train.py trains 20 epochs on 4000 with a cosine
+schedule for its 96-97 %.
 """
 
 import math

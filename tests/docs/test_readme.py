@@ -196,3 +196,21 @@ def test_every_option_a_command_passes_to_an_example_is_one_it_takes(readme):
                     if f'"{option}"' not in source:
                         unknown.append(f"{script} {option} in: {line.strip()}")
     assert not unknown, f"{readme.relative_to(ROOT)}: options the scripts do not define:\n" + "\n".join(unknown)
+
+
+def test_torch_pin_is_what_the_extra_installs():
+    """``pip install ".[mpich,torch]"`` (README's install) and the development setup agree on torch: the
+    version requirements-dev.txt pins lies in the ``torch`` extra's range, and the extra has an upper bound
+    (a plain install would otherwise take an untested newer torch)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    pin = next(line for line in (ROOT / "requirements-dev.txt").read_text().splitlines() if line.startswith("torch=="))
+    version = pin.split("==")[1].strip()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for name in ("torch", "triton"):
+        (req,) = [Requirement(r) for r in extras[name] if r.startswith("torch")]
+        assert req.specifier.contains(version), f"extra {name!r}: {req} excludes the pinned torch {version}"
+        assert any(s.operator in ("<", "<=", "==", "~=") for s in req.specifier), f"extra {name!r}: {req} has no upper bound"
+    assert version.rsplit(".", 1)[0] in (ROOT / "README.md").read_text(), "README.md does not name the pinned torch"

@@ -26,6 +26,8 @@ RECIPES = [
     ("ddp_hook.py", None),
     ("ddp_delta_hook.py", None),
     ("ddp_local_steps.py", None),
+    ("fsdp_hsdp.py", None),
+    ("fsdp_deltas.py", None),
     ("horovod_style.py", None),
     ("lightning_mnist1d.py", "lightning"),
     ("accelerate_ddp.py", "accelerate"),

@@ -258,7 +258,7 @@ def test_ddp_no_sync_recipe_is_distributed_optimizer_with_local_steps(comm, pg):
     """DDP users: every backward inside ``model.no_sync()`` (DDP reduces nothing), DistributedOptimizer with
     ``local_steps`` does the combine (docs/frameworks.md)."""
     model = tiny_model()
-    ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, forward_sync_buffers=False)
     opt = DistributedOptimizer(inner("adam", ddp.parameters()), accumulation_steps=2, local_steps=3)
     ctx = context_for(comm)
     calls = ctx.calls
