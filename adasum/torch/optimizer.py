@@ -281,10 +281,12 @@ class DistributedOptimizer(_Wrapping):
         state_dicts.load_state_dict(self._parts, self._steps, state_dict)
 
     def _restore_window(self) -> None:
-        """After a checkpoint's model (the root rank's parameters) was loaded over a loaded open window of
-        local steps: this rank's own parameters again."""
+        """After a checkpoint's model (the root rank's) was loaded over a loaded open window: this rank's own
+        parameters (local steps) and module buffers again."""
         if self._parts.local is not None:
             self._parts.local.restore_parameters()
+        if self._parts.buffers is not None:
+            self._parts.buffers.restore()
 
     # --- what the loop shows ------------------------------------------------------------------------------
 

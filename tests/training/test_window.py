@@ -259,3 +259,86 @@ def test_close_combines_what_is_open_and_every_later_call_raises(comm, settings)
             call()
     opt.close()  # again: nothing
     assert "adasum" in opt.state_dict()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("settings", [{"local_steps": 2}, {"local_steps": 3, "delay": 1}, {"outer_lr": 0.7}],
+                         ids=["local-steps", "delay", "outer"])
+def test_a_frozen_parameter_with_a_zero_gradient_is_not_stepped(comm, settings):
+    """Frozen after a flush, its gradient kept as zeros (``zero_grad(set_to_none=False)``): Adam would move it
+    through its moments; it stays where it was, on every rank."""
+    model = model3()
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), **settings)
+    for s in range(12):
+        if s == 6:
+            opt.flush()
+            model[0].requires_grad_(False)
+            frozen = [p.detach().clone() for p in model[0].parameters()]
+        micro(model, comm.Get_rank(), s)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    opt.flush()
+    assert [raw_bytes(p) for p in model[0].parameters()] == [raw_bytes(p) for p in frozen]
+    assert_identical_across_ranks(comm, list(model.parameters()))
+
+
+def bn_model() -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)).double()
+
+
+def bn_step(model, opt, rank: int, step: int) -> None:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    model(torch.randn(6, 4, generator=g, dtype=torch.float64)).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("settings", [{}, {"local_steps": 2}], ids=["boundary", "local-steps"])
+def test_flush_keeps_the_module_buffers_alike(comm, settings):
+    """Forward passes after the last window (a micro-batch under no_sync(), as Lightning's accumulation runs
+    one) change each rank's BatchNorm statistics: flush() makes them alike again."""
+    model = bn_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, **settings)
+    bn_step(model, opt, comm.Get_rank(), 0)
+    with opt.no_sync():
+        model(torch.randn(6, 4, dtype=torch.float64) + comm.Get_rank()).sum().backward()
+    opt.flush()
+    assert_identical_across_ranks(comm, list(model.parameters()) + list(model.buffers()))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("settings", [{"accumulation_steps": 2}, {"local_steps": 2}, {"local_steps": 2, "delay": 1}],
+                         ids=["accumulation", "local-steps", "delay"])
+def test_a_mid_window_checkpoint_with_batchnorm_resumes_bitwise(comm, shared_dir, settings):
+    """Each rank's own BatchNorm statistics and the values the next average is taken against travel with
+    the optimizer's state: the resumed run is bitwise the run without a stop."""
+    import os
+
+    from adasum.torch import load_checkpoint, save_checkpoint
+
+    def build():
+        model = bn_model()
+        return model, DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                           module=model, **settings)
+
+    model, opt = build()
+    for s in range(7):
+        bn_step(model, opt, comm.Get_rank(), s)
+    opt.flush()
+    want = [raw_bytes(t) for t in model.state_dict().values()]
+    opt.close()
+    model, opt = build()
+    for s in range(3):  # stop inside a window
+        bn_step(model, opt, comm.Get_rank(), s)
+    path = os.path.join(shared_dir, "bn.pt")
+    save_checkpoint(path, model=model, optimizer=opt)
+    opt.close(combine=False)
+    model, opt = build()
+    load_checkpoint(path, model=model, optimizer=opt)
+    for s in range(3, 7):
+        bn_step(model, opt, comm.Get_rank(), s)
+    opt.flush()
+    assert [raw_bytes(t) for t in model.state_dict().values()] == want

@@ -20,6 +20,10 @@ def state_dict(parts: Parts, steps: Steps) -> dict[str, Any]:
                            "skipped_updates": steps.skipped_updates, "scaler_good_steps": parts.loss.good_steps}
     if parts.local is not None:
         own.update(parts.local.state_dict())
+    if parts.buffers is not None:
+        local = parts.local
+        window_open = bool(parts.window.seen or (local is not None and (local.taken or local.pending)))
+        own["module_buffers"] = parts.buffers.state_dict(window_open)
     if parts.window.seen:
         own["accumulated_grads"] = [None if p.grad is None else p.grad.detach()
                                     for p in trained_params(parts.optimizer)]
@@ -38,6 +42,8 @@ def load_state_dict(parts: Parts, steps: Steps, state_dict: dict[str, Any]) -> N
     problem = load_problem(own, None if parts.local is None else parts.local.settings)
     if problem is not None:
         raise ValueError(f"rank {parts.comm.Get_rank()}: {problem}")
+    if parts.buffers is not None and own.get("module_buffers"):
+        parts.buffers.check_state(own["module_buffers"])
     parts.optimizer.load_state_dict(state)
     parts.window.load_state_dict(own)
     parts.ledger.combines = int(own.get("boundaries", 0))
@@ -47,6 +53,8 @@ def load_state_dict(parts: Parts, steps: Steps, state_dict: dict[str, Any]) -> N
     parts.boundary.reset()
     if parts.local is not None:
         parts.local.load_state_dict(own)
+    if parts.buffers is not None and own.get("module_buffers"):
+        parts.buffers.load_state_dict(own["module_buffers"])
     if grads is not None:
         for p, g in zip(params, grads):
             p.grad = None if g is None else g.detach().to(device=p.device, dtype=p.dtype, copy=True)

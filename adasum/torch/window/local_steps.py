@@ -133,7 +133,7 @@ class LocalSteps:
             # A rank whose gradients are not finite skips this local step (its optimizer state stays finite);
             # after a failed step the window only counts: its combine raises on every rank.
             if finite and self.error is None:
-                self.optimizer.step()
+                _step_trained(self.optimizer)
         except BaseException as e:  # noqa: BLE001 - raised on every rank at the combine
             self.error = self.error or _describe(e)
         finally:
@@ -340,6 +340,21 @@ class LocalSteps:
         with torch.no_grad():
             for p, v in self._own:
                 p.copy_(v)
+
+
+def _step_trained(optimizer) -> None:
+    """``optimizer.step()`` (with its hooks and any instance-level wrapper) on the trained parameters only:
+    a frozen parameter that still holds a gradient (zeros, after ``zero_grad(set_to_none=False)``) is not
+    stepped, as without local steps; its gradient is back afterwards."""
+    frozen = [p for p in all_params(optimizer) if not p.requires_grad and p.grad is not None]
+    held = [p.grad for p in frozen]
+    for p in frozen:
+        p.grad = None
+    try:
+        optimizer.step()
+    finally:
+        for p, g in zip(frozen, held):
+            p.grad = g
 
 
 def _names(params: list[torch.Tensor]) -> list[str]:

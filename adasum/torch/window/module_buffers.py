@@ -24,7 +24,7 @@ uses every rank's data rather than one rank's, and it costs one small sum per bo
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from mpi4py import MPI
@@ -82,6 +82,40 @@ class BufferSync:
                         buf.copy_(kept.to(torch.int64) + torch.div(total, size, rounding_mode="floor"))
                     kept.copy_(buf)
 
+
+    def state_dict(self, window_open: bool) -> dict[str, Any]:
+        """The values at the last boundary (what each rank's change is taken against), and, where a window is
+        open, this rank's own values (a checkpoint's model holds the root's)."""
+        self._follow_module()
+        state: dict[str, Any] = {"kept": [k.detach().to("cpu", copy=True) for k in self.kept]}
+        if window_open:
+            state["values"] = [b.detach().to("cpu", copy=True) for b in self.buffers]
+        return state
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise ValueError where ``state`` does not fit these buffers (before anything changes)."""
+        for key in ("kept", "values"):
+            saved = state.get(key)
+            if saved and (len(saved) != len(self.buffers) or any(
+                    tuple(s.shape) != tuple(b.shape) for s, b in zip(saved, self.buffers))):
+                raise ValueError(f"rank {self.comm.Get_rank()}: the state's module buffers ({key}, {len(saved)} "
+                                 f"tensors) do not fit the {len(self.buffers)} buffers kept alike")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._follow_module()
+        if state.get("kept") and self.kept:
+            self.kept = [k.to(device=b.device, dtype=b.dtype) for k, b in zip(state["kept"], self.buffers)]
+        self._own = state.get("values")
+        self.restore()
+
+    def restore(self) -> None:
+        """This rank's own values of a loaded open window, again (after a checkpoint's model was loaded)."""
+        own = getattr(self, "_own", None)
+        if own:
+            self._follow_module()
+            with torch.no_grad():
+                for b, v in zip(self.buffers, own):
+                    b.copy_(v)
 
     def _follow_module(self) -> None:
         """Take the module's current buffer tensors where it replaced them (moved, cast or assigned), keeping

@@ -80,6 +80,8 @@ class Steps:
         if decision.failed:
             raise RuntimeError(f"(raised on rank {parts.comm.Get_rank()}) flush() found the ranks out of step; "
                                f"nothing was changed: {decision.failed}")
+        if parts.buffers is not None:  # forward passes since the last window changed them on each rank
+            parts.buffers.sync()
         return False
 
     @contextlib.contextmanager
