@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from ..runtime.elastic import mpi_error
 from ..runtime import stall, waiting
 from ..runtime.stall import AdasumCollectiveError
 from ..adapters import Adapter, Adapters
@@ -138,7 +139,7 @@ def agree(call, op: str, descs: Sequence[TensorDesc] | None, error: Exception | 
         if rc == 1:
             resume(call, op, descs, patience)
         elif rc:
-            raise MPI.Exception(rc)
+            raise mpi_error(rc, call.what)
     else:
         stall.wait(call, call.lcomm.Iallreduce(scratch[0:4], scratch[4:8], op=MPI.MAX), op, descs)
     if agreed(scratch):

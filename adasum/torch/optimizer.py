@@ -133,6 +133,7 @@ class DistributedOptimizer(_Wrapping):
         comm = check_comm(comm)
         check_launch()  # a job whose processes MPI does not see raises here
         self.optimizer, self.comm, self.grad_scaler = optimizer, comm, grad_scaler
+        self._module = module  # kept for rejoin()
         wire = Wire(opts.compression)
         self.op, self.compression, self.bucket_bytes, self.start_copy = (
             opts.op, wire.name, opts.bucket_bytes, opts.start_copy)
@@ -146,6 +147,25 @@ class DistributedOptimizer(_Wrapping):
         self.local_steps, self.outer_lr, self.outer_momentum, self.delay = (
             int(opts.local_steps), float(opts.outer_lr), float(opts.outer_momentum), int(opts.delay))
         self._parts = self._assemble(module, kept, wire, loss, overlap)
+        self._steps = Steps(self._parts)
+
+    def rejoin(self, comm: MPI.Intracomm | None = None) -> None:
+        """Go on over ``comm`` (default: the current world) after the world shrank
+        (:mod:`adasum.torch.elastic`): the lanes of the old communicator are dropped, never waited for, the
+        settings are checked again across the new ranks (collective over ``comm``) and the window, counters
+        and the Adasum tree start afresh at the new size. The wrapped optimizer and its state are kept; load
+        the committed :meth:`state_dict` afterwards to restore the counters."""
+        self._check_open("rejoin()")
+        parts = self._parts
+        if parts.engine is not None:
+            parts.engine.drop()
+        if parts.local is not None and parts.local.lane is not None:
+            parts.local.lane.drop("the world shrank")
+        self.comm = check_comm(comm)
+        wire, loss = Wire(self.options.compression), LossScale(self.grad_scaler)
+        kept = [] if self.buffers is None else buffers_of(self._module)
+        overlap = self._agree(wire, kept, loss)
+        self._parts = self._assemble(self._module, kept, wire, loss, overlap)
         self._steps = Steps(self._parts)
 
     def _agree(self, wire: Wire, kept: list[torch.Tensor], loss: LossScale) -> bool:
