@@ -33,8 +33,8 @@ from ..adapters import Adapters
 from .buffers import Buffers
 from ..kernels.native import handle
 from . import stall
-from .elastic import WorldChanged, is_revoked, world
-from .stall import AdasumStallError
+from .elastic import is_revoked, world
+from .stall import AdasumCollectiveError, AdasumStallError
 from .settings import Settings, current
 
 __all__ = ["Call", "Context", "Traffic", "check_comm", "check_root", "context_for", "count_traffic", "library_comm", "live_contexts", "release_buffers"]
@@ -156,8 +156,9 @@ class Context:
         call runs reads the live settings again. Every 64th call first drops the stall inspector's messages
         of earlier calls."""
         if self.broken is not None:
-            if self._freed:
-                raise WorldChanged(f"{what} on {self.name}: {self.broken}")
+            if self._freed:  # abandoned after a failure: not a new failure, a stale communicator
+                raise AdasumCollectiveError(f"{what} on {self.name}: {self.broken}; use the survivors' world "
+                                            "(comm=None, or rebuild in a reset callback)")
             raise AdasumStallError(f"{what} on {self.name}: the library can no longer use this communicator, "
                                    f"an earlier call timed out there ({self.broken})")
         if not self._busy.acquire(blocking=False):

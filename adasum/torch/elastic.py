@@ -41,7 +41,7 @@ from ..runtime import exchange
 from ..runtime.elastic import WorldChanged, is_failure, shrink, ulfm_problem, world
 from .state.broadcast import broadcast_optimizer_state, broadcast_parameters
 
-__all__ = ["State", "run", "WorldChanged"]
+__all__ = ["State", "run", "WorldChanged", "world"]
 
 _log = logging.getLogger("adasum")
 _told: list[bool] = [False]
@@ -66,6 +66,7 @@ class State:
         self._callbacks: list[Callable[[], None]] = []
         self.resets = 0
         self.last_recovery_seconds: float | None = None
+        self.last_failure_seen_at: float | None = None  # time.time() when this rank saw the last failure
         self._saved: dict[str, Any] = {}
         self._save()
 
@@ -176,7 +177,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
             except Exception as exc:  # noqa: BLE001 - only a rank's death is handled, the rest re-raised
                 if problem is not None or not is_failure(exc):
                     raise
-                detected = time.monotonic()
+                detected, state.last_failure_seen_at = time.monotonic(), time.time()
                 _reset(state, detected)
 
     return wrapper
