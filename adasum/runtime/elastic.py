@@ -18,7 +18,10 @@ ends the job there.
 
 from __future__ import annotations
 
+import atexit
+import faulthandler
 import functools
+import logging
 import os
 
 from mpi4py import MPI
@@ -36,6 +39,9 @@ class WorldChanged(AdasumCollectiveError):
     Horovod's elastic scripts expect."""
 
 
+_log = logging.getLogger("adasum")
+# Seconds MPI_Finalize may take at exit once ranks died before this process ends without it.
+FINALIZE_PATIENCE = 10.0
 _current: list[MPI.Intracomm] = [MPI.COMM_WORLD]
 # Handles of the communicators revoked in this process (their contexts are abandoned, never freed).
 _revoked: set[int] = set()
@@ -139,6 +145,23 @@ def revoke_all() -> None:
         _revoke(ctx.library_comm_or_none)
 
 
+def _finalize_or_leave() -> None:
+    """At exit, once ranks died: ``MPI_Finalize`` under a watchdog. Open MPI 5's finalize waits in a fence
+    over every process of the job, which after two failures may never end; then this process leaves
+    without it (exit status 1) after ``FINALIZE_PATIENCE`` seconds, rather than hang the job. The watchdog
+    is faulthandler's: a thread of its own that needs no Python to run."""
+    if MPI.Is_finalized():
+        return
+    faulthandler.dump_traceback_later(FINALIZE_PATIENCE, exit=True, file=_quiet())
+    MPI.Finalize()
+    faulthandler.cancel_dump_traceback_later()
+
+
+def _quiet():
+    _quiet.file = getattr(_quiet, "file", None) or open(os.devnull, "w")  # kept open for the watchdog
+    return _quiet.file
+
+
 def shrink() -> MPI.Intracomm:
     """The survivors' world: the current world revoked (:func:`revoke_all`) and shrunk, every context of
     the old communicators abandoned, the new one made current. Collective over the survivors."""
@@ -151,6 +174,8 @@ def shrink() -> MPI.Intracomm:
         if is_revoked(ctx.user_comm):
             ctx.abandon("a rank died and the world shrank; this communicator is revoked")
     new.Set_name(f"the survivors' world ({new.Get_size()} ranks)")
+    if old == MPI.COMM_WORLD:
+        atexit.register(_finalize_or_leave)
     replace_world(new)
     for fn in _listeners:
         fn()
