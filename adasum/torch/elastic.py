@@ -50,7 +50,8 @@ _told: list[bool] = [False]
 class State:
     """What training rolls back to after a failure: ``model`` (a torch module), ``optimizer`` (a
     :class:`~adasum.torch.DistributedOptimizer` or any torch optimizer) and named attributes (``epoch=0``,
-    ``batch=0``: plain picklable values, read and written as attributes of the state).
+    ``batch=0``: picklable values, read and written as attributes of the state; an attribute with
+    ``state_dict()`` and ``load_state_dict()``, such as a learning-rate scheduler, is kept through them).
 
     A copy is kept at construction and at every :meth:`commit`. Attributes:
         resets: failures survived so far.
@@ -88,8 +89,28 @@ class State:
             flush()
         self._save()
 
+    def save(self) -> None:
+        """Keep a copy of model, optimizer and attributes (local; :meth:`commit` flushes first)."""
+        self._save()
+
+    def check_host_updates(self) -> None:
+        """Horovod's check for added or removed hosts: nothing to do, the world only shrinks, at a failure."""
+
+    def _values(self) -> dict[str, Any]:
+        """The attributes, each one that has ``state_dict()`` and ``load_state_dict()`` (a scheduler, a
+        sampler, a grad scaler) as its state dict."""
+        return {name: getattr(self, name).state_dict() if _stateful(getattr(self, name)) else getattr(self, name)
+                for name in self._names}
+
+    def _load_values(self, values: dict[str, Any]) -> None:
+        for name, value in values.items():
+            if _stateful(getattr(self, name)):
+                getattr(self, name).load_state_dict(value)
+            else:
+                setattr(self, name, value)
+
     def _save(self) -> None:
-        saved = {"attributes": copy.deepcopy({name: getattr(self, name) for name in self._names})}
+        saved = {"attributes": copy.deepcopy(self._values())}
         if self.model is not None:
             saved["model"] = copy.deepcopy(self.model.state_dict())
         if self.optimizer is not None:
@@ -103,8 +124,7 @@ class State:
             self.model.load_state_dict(saved["model"])
         if "optimizer" in saved:
             self.optimizer.load_state_dict(copy.deepcopy(saved["optimizer"]))
-        for name, value in copy.deepcopy(saved["attributes"]).items():
-            setattr(self, name, value)
+        self._load_values(copy.deepcopy(saved["attributes"]))
 
     def sync(self) -> None:
         """Collective over the current world: the parameters and buffers, the optimizer's state and the
@@ -113,10 +133,8 @@ class State:
             broadcast_parameters(self.model.state_dict(), root=0, comm=world())
         if self.optimizer is not None:
             broadcast_optimizer_state(self.optimizer, root=0, comm=world())
-        values = exchange.bcast(world(), {name: getattr(self, name) for name in self._names}, root=0,
-                                what="the elastic state's attributes")
-        for name, value in values.items():
-            setattr(self, name, value)
+        values = exchange.bcast(world(), self._values(), root=0, what="the elastic state's attributes")
+        self._load_values(values)
 
     def rejoin(self) -> None:
         """Rebuild what holds the old world on the current one: the optimizer (its ``rejoin()``)."""
@@ -136,6 +154,10 @@ class State:
         _log.warning("adasum: rank %d: a rank died; the world shrank from %d to %d ranks and went back to the "
                      "last commit (reset %d, %.2f s)", world().Get_rank(), before, world().Get_size(),
                      self.resets, time.monotonic() - detected)
+
+
+def _stateful(obj) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
 def tell_once() -> str | None:
