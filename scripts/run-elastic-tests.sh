@@ -29,7 +29,7 @@ echo "run-elastic-tests: environment ready in $(( $(date +%s) - start )) s"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # Each job has its own limit in the tests (LAUNCH_TIMEOUT); this one bounds the whole run.
 status=0
-timeout --kill-after=30 "${ELASTIC_TIMEOUT:-2400}" "$VENV/bin/python" -m pytest -p no:cacheprovider -q -rs -s \
+timeout --kill-after=30 "${ELASTIC_TIMEOUT:-2400}" "$VENV/bin/python" -m pytest -p no:cacheprovider -q -rs -s --durations=0 \
     tests/elastic "$@" || status=$?
 echo "run-elastic-tests: $(( $(date +%s) - start )) s in all, exit $status"
 exit $status
