@@ -229,6 +229,11 @@ class Context:
         self._lcomm = None
 
     @property
+    def freed(self) -> bool:
+        """Whether the context was freed (its communicator freed) or abandoned."""
+        return self._freed
+
+    @property
     def user_comm(self) -> MPI.Intracomm:
         """The user's communicator this context belongs to."""
         return self._comm

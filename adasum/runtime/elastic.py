@@ -141,6 +141,8 @@ def revoke_all() -> None:
 
     _revoke(world())
     for ctx in live_contexts():
+        if ctx.freed:  # its communicators are gone (freed, or revoked already)
+            continue
         _revoke(ctx.user_comm)
         _revoke(ctx.library_comm_or_none)
 
