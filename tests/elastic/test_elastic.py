@@ -88,10 +88,15 @@ def test_survivors_finish(tmp_path, ranks, kills, failures):
     report(f"np={ranks} kill {kills}", result, killed)
 
 
-def test_survivors_finish_with_local_steps(tmp_path):
-    result, killed = launch(tmp_path, 4, "--local-steps", "4", "--kill", "2@1.6")
-    check_survived(result, 4, 1)
-    report("np=4 local_steps=4", result, killed)
+@pytest.mark.parametrize("ranks, args", [
+    (4, ["--local-steps", "4", "--kill", "2@1.6"]),             # inside a window of local steps
+    (5, ["--local-steps", "4", "--delay", "1", "--kill", "2@1.5"]),  # a combine in flight on the lane
+    (4, ["--overlap", "--kill", "1@1.2:step"]),                 # the overlap engine's lane
+], ids=["local-steps", "delay", "overlap"])
+def test_survivors_finish_with_options(tmp_path, ranks, args):
+    result, killed = launch(tmp_path, ranks, *args)
+    check_survived(result, ranks, 1)
+    report(f"np={ranks} {' '.join(args[:-2])}", result, killed)
 
 
 def test_horovod_elastic_api(tmp_path):

@@ -5,7 +5,8 @@
 ``--kill R@E.B[:where]`` (repeatable): the rank of ``MPI.COMM_WORLD`` ``R`` SIGKILLs itself at epoch ``E``,
 batch ``B``, ``where`` being ``before`` (between two steps, the default) or ``step`` (after its backward,
 while the others are already inside ``optimizer.step()``'s combine). ``--api hvd`` trains through
-``adasum.horovod``; ``--local-steps 4`` with ``DistributedOptimizer(local_steps=4)``; ``--plain`` also trains
+``adasum.horovod``; ``--local-steps 4`` with ``DistributedOptimizer(local_steps=4)`` (and ``--delay 1``), ``--overlap`` with
+``overlap=True``; ``--plain`` also trains
 the same model without elastic first and records whether both end bitwise alike.
 
 Rank 0 of the final world writes ``--out``: the world's size, the resets of each survivor, whether the
@@ -38,6 +39,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--api", choices=["native", "hvd"], default="native")
     p.add_argument("--local-steps", type=int, default=1)
     p.add_argument("--plain", action="store_true")
+    p.add_argument("--overlap", action="store_true", help="DistributedOptimizer(overlap=True): a lane")
+    p.add_argument("--delay", type=int, default=0, help="DistributedOptimizer(delay=...) with --local-steps")
     p.add_argument("--out", required=True)
     return p.parse_args()
 
@@ -71,7 +74,8 @@ def make(args):
         opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), op=hvd.Adasum,
                                        local_steps=args.local_steps)
     else:
-        opt = adasum.torch.DistributedOptimizer(inner, op="adasum", local_steps=args.local_steps)
+        opt = adasum.torch.DistributedOptimizer(inner, op="adasum", local_steps=args.local_steps,
+                                                overlap=args.overlap, delay=args.delay)
     return model, opt
 
 
