@@ -37,7 +37,8 @@ from .elastic import is_revoked, world
 from .stall import AdasumCollectiveError, AdasumStallError
 from .settings import Settings, current
 
-__all__ = ["Call", "Context", "Traffic", "check_comm", "check_root", "context_for", "count_traffic", "library_comm", "live_contexts", "release_buffers"]
+__all__ = ["Call", "Context", "Traffic", "check_comm", "check_root", "context_for", "count_traffic", "library_comm",
+           "live_contexts", "release_buffers"]
 
 # Plans kept per communicator: a training loop reduces a few lists of the same shapes over and over.
 MAX_PLANS = 64

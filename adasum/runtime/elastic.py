@@ -28,8 +28,8 @@ from mpi4py import MPI
 
 from .stall import AdasumCollectiveError
 
-__all__ = ["WorldChanged", "world", "replace_world", "ulfm_problem", "is_failure", "failed", "mpi_error", "revoke_all",
-           "shrink", "is_revoked", "when_shrunk"]
+__all__ = ["WorldChanged", "world", "replace_world", "ulfm_problem", "is_failure", "failed", "mpi_error",
+           "revoke_all", "shrink", "is_revoked", "when_shrunk"]
 
 
 class WorldChanged(AdasumCollectiveError):
@@ -66,8 +66,9 @@ def when_shrunk(fn) -> None:
 
 
 def _failure_classes() -> set[int]:
-    return {c for c in (getattr(MPI, "ERR_PROC_FAILED", None), getattr(MPI, "ERR_PROC_FAILED_PENDING", None),
-                        getattr(MPI, "ERR_REVOKED", None)) if c is not None}
+    names = ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+    generic = (MPI.ERR_UNKNOWN, MPI.ERR_OTHER)  # what an MPI without ULFM may give these names
+    return {c for c in (getattr(MPI, n, None) for n in names) if c is not None and c not in generic}
 
 
 @functools.lru_cache(maxsize=1)

@@ -5,8 +5,8 @@
 ``--kill R@E.B[:where]`` (repeatable): the rank of ``MPI.COMM_WORLD`` ``R`` SIGKILLs itself at epoch ``E``,
 batch ``B``, ``where`` being ``before`` (between two steps, the default) or ``step`` (after its backward,
 while the others are already inside ``optimizer.step()``'s combine). ``--api hvd`` trains through
-``adasum.horovod``; ``--local-steps 4`` with ``DistributedOptimizer(local_steps=4)`` (and ``--delay 1``), ``--overlap`` with
-``overlap=True``; ``--plain`` also trains
+``adasum.horovod``; ``--local-steps 4`` with ``DistributedOptimizer(local_steps=4)`` (and ``--delay 1``),
+``--overlap`` with ``overlap=True``; ``--plain`` also trains
 the same model without elastic first and records whether both end bitwise alike.
 
 Rank 0 of the final world writes ``--out``: the world's size, the resets of each survivor, whether the

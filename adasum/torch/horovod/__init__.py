@@ -10,7 +10,8 @@ changing only its import::
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
 
-The world is ``MPI.COMM_WORLD`` (the survivors' communicator after an elastic reset). ``init()`` is collective; the synchronous calls work without it, the
+The world is ``MPI.COMM_WORLD`` (the survivors' communicator after an elastic reset). ``init()`` is
+collective; the synchronous calls work without it, the
 asynchronous calls, ``join()`` and process sets raise ``ValueError`` until it was called.
 Where the meaning differs from Horovod's:
 
