@@ -17,7 +17,6 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
-from ..runtime.elastic import mpi_error
 from ..rule import tree
 from ..runtime import waiting
 from ..rule.dtypes import itemsize
@@ -76,7 +75,7 @@ def run_small(call, plan, items: list, inplace: bool, extras: dict):
     if rc == -1:
         raise explain(call, "adasum", plan.descs, None, extras["adasum"])
     if rc:
-        raise mpi_error(rc, call.what)
+        raise MPI.Exception(rc)
     if inplace:
         if host is not live:
             g.adapter.wrote_parts(items)

@@ -3,7 +3,6 @@ with micro-batch accumulation), a scheduler that steps once per accumulation win
 root rank, and checkpoints that resume bitwise; ``torch.distributed`` started from MPI (:func:`init_process_group`) and
 DDP communication hooks (:mod:`adasum.torch.ddp`)."""
 
-from . import elastic
 from .distributed import init_process_group
 from .optimizer import DistributedOptimizer
 from .options import Options
@@ -22,5 +21,4 @@ __all__ = [
     "load_checkpoint",
     "read_checkpoint",
     "init_process_group",
-    "elastic",
 ]
