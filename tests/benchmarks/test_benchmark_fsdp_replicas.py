@@ -20,6 +20,7 @@ _spec.loader.exec_module(bench)
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.world_size(4)
+@pytest.mark.fsdp
 @pytest.mark.timeout(300)
 def test_quick_run(comm, pg, capsys):
     root = comm.bcast(tempfile.mkdtemp() if comm.Get_rank() == 0 else None, root=0)

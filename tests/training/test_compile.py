@@ -137,6 +137,7 @@ def fsdp_run(comm, compiled: bool, form: str) -> torch.nn.Module:
 
 
 @pytest.mark.world_size(4)
+@pytest.mark.fsdp
 @pytest.mark.parametrize("form", ["hook", "deltas"])
 def test_fsdp_replicas(comm, pg, form):
     compiled = fsdp_run(comm, True, form)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = [pytest.mark.mpi, pytest.mark.world_size(4)]
+pytestmark = [pytest.mark.mpi, pytest.mark.world_size(4), pytest.mark.fsdp]
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 
