@@ -55,6 +55,7 @@ def stall_comm(comm):
     yield dup
     adasum.configure(old)
     comm.Barrier()
+    dup.Free()  # with the library's duplicate of it (a test suite makes more communicators than MPI keeps)
 
 
 @pytest.fixture

@@ -230,7 +230,14 @@ class Context:
         if self.nodes is not None:
             self.nodes.free()
             self.nodes = None
-        if self._lcomm is not None and self._lcomm != MPI.COMM_SELF and not MPI.Is_finalized():
+        if MPI.Is_finalized():
+            self._lcomm = None
+            return
+        # The inspector's messages still waiting here would outlive the communicators' contexts and meet
+        # the next communicators MPI makes with them (the user's one carried those of the duplicate's making).
+        stall.forget(self._comm)
+        if self._lcomm is not None and self._lcomm != MPI.COMM_SELF:
+            stall.forget(self._lcomm)
             self._lcomm.Free()
         self._lcomm = None
 

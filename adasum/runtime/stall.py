@@ -37,7 +37,7 @@ from ..rule.dtypes import itemsize, op_code, op_name
 from .transport import TAG
 from .waiting import wait_all
 
-__all__ = ["AdasumCollectiveError", "AdasumStallError", "patience", "wait", "drain"]
+__all__ = ["AdasumCollectiveError", "AdasumStallError", "drain", "forget", "patience", "wait"]
 
 _log = logging.getLogger("adasum")
 
@@ -122,13 +122,27 @@ def _announce(ctx, comm: MPI.Intracomm, mine: np.ndarray) -> None:
 
 
 def _collect(comm: MPI.Intracomm, seq: int, heard: dict) -> None:
-    """Receive every waiting message that has arrived on ``comm``; keep those of call ``seq``."""
-    status = MPI.Status()
+    """Receive every waiting message that has arrived on ``comm``; keep those of call ``seq``.
+
+    Each message is received as the one its probe matched (a matched probe), and read only where it names
+    a rank of ``comm``: a message left behind on a communicator that was freed meanwhile can meet a later
+    communicator that MPI gave the same context, and must neither raise nor count."""
+    size = comm.Get_size()
     buf = np.empty(_FIELDS, dtype=np.int64)
-    while comm.Iprobe(MPI.ANY_SOURCE, STALL_TAG, status):
-        comm.Recv([buf, MPI.INT64_T], status.Get_source(), STALL_TAG)
-        if int(buf[0]) == seq:
+    while True:
+        message = comm.Improbe(MPI.ANY_SOURCE, STALL_TAG)
+        if message is None:
+            return
+        message.Recv([buf, MPI.INT64_T])
+        if int(buf[0]) == seq and 0 <= int(buf[4]) < size:
             heard[int(buf[4])] = buf[1:4].copy()
+
+
+def forget(comm: MPI.Intracomm) -> None:
+    """Drop the inspector's messages waiting on ``comm``, before the library frees it: left there, they
+    would stay in this rank's queue under the communicator's context, which MPI may give to the next
+    communicator it makes."""
+    _collect(comm, -1, {})
 
 
 def drain(call) -> None:

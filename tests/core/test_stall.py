@@ -189,3 +189,35 @@ def test_stall_settings_are_validated_and_read_from_the_environment():
     s = from_environment({"ADASUM_STALL_WARNING": "off"})
     assert (s.stall_warning, s.stall_timeout) == (None, None)
     assert from_environment({}).stall_warning == 60.0
+
+
+@pytest.mark.mpi(min_size=4)
+def test_a_message_left_on_a_freed_communicator_does_not_reach_the_next_one(comm):
+    """An "I am waiting" message that no rank received (its sender waited in a call the receiver entered
+    late) stays in the receiver's queue under its communicator's context; once that communicator is freed,
+    MPI may give the context to the next communicator it makes, here one without the sender's rank. The
+    inspector of a call there receives it as the message its probe matched and ignores it: the call (its
+    duplicate's making waited on for the late ranks) completes, with the right result."""
+    from mpi4py import MPI
+
+    from adasum.runtime.stall import STALL_TAG
+
+    rank = comm.Get_rank()
+    old_comm = comm.Dup()
+    if rank == 3:  # what a waiting rank 3 announces: call 0, rank 3 (a rank the next communicator lacks)
+        old_comm.Send([np.array([0, 1, 1, 8, 3], dtype=np.int64), MPI.INT64_T], 0, STALL_TAG)
+    old_comm.Barrier()
+    old_comm.Free()
+    small = comm.Split(0 if rank < 3 else MPI.UNDEFINED, rank)
+    old = adasum.configure(stall_warning=0.05, stall_timeout=None)
+    try:
+        if small != MPI.COMM_NULL:
+            if rank != 0:
+                time.sleep(0.5)  # rank 0 waits long enough to look at the messages waiting for it
+            x = [np.full(4, small.Get_rank() + 1.0)]
+            got = adasum.adasum_allreduce(x, op="sum", comm=small)
+            np.testing.assert_array_equal(got[0], np.full(4, 6.0))
+            small.Free()
+    finally:
+        adasum.configure(old)
+        comm.Barrier()
