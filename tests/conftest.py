@@ -3,27 +3,15 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 
 import pytest
 
 
-# Tests of adasum.torch.fsdp under mpiexec: they hang now and then at 4 ranks under MPICH (FSDP2's gloo
-# collectives and the replica hook's MPI ones on 2 cores; issue "hsdp"), so they run only where asked for:
-# ADASUM_FSDP_TESTS=1 bash scripts/run-tests.sh --sizes 4 tests/training/test_fsdp.py
-FSDP_TESTS = os.environ.get("ADASUM_FSDP_TESTS") == "1"
-
-
 def pytest_collection_modifyitems(config, items):
     """Under ``--with-mpi``, a test marked ``world_size(n, ...)`` runs only at those world sizes (its subject
     does not depend on the size, so one size is enough); elsewhere it is deselected, not skipped."""
-    if not FSDP_TESTS:
-        skip = pytest.mark.skip(reason="FSDP2 replica tests run with ADASUM_FSDP_TESTS=1 (they may hang at 4 ranks)")
-        for item in items:
-            if item.get_closest_marker("fsdp") is not None:
-                item.add_marker(skip)
     if not config.getoption("--with-mpi", default=False):
         return
     from mpi4py import MPI
