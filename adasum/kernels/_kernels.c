@@ -6,7 +6,8 @@
  *                                  loops of _kernels_loops.c)
  *   bind_mpi, agree, wait_requests the MPI library, bound at run time, the waiting rule and the agreement's
  *                                  wait (_kernels_mpi.c)
- *   small_doubling                 a whole small Adasum call in one call (_kernels_small.c)
+ *   small_doubling, small_plain    a whole small Adasum call, or a whole small sum or mean, in one call
+ *                                  (_kernels_small.c)
  *   layout, address, key, use_isa  small helpers of the Python side (here)
  *
  * Any operand may be one buffer that the spans index or a list of buffers, one per span: the caller's own
@@ -176,6 +177,15 @@ static PyMethodDef methods[] = {
      "disagree), -2 (still waiting for the agreement after patience seconds; its request in scratch[8]) or an "
      "MPI error code: a small Adasum call by recursive doubling, agreement included, without Python in "
      "between (see the source for the program's fields)."},
+    {"small_plain", k_small_plain, METH_VARARGS,
+     "small_plain(buf, tensors, spans, program, digest, scratch, patience, stage, inplace, spin, nap, nap_max) "
+     "-> (status, layout): a small sum or mean of float32 or float64 tensors, agreement included, as one "
+     "MPI_Iallreduce(SUM) of them packed into buf (in place and back to back: where they lie), without Python "
+     "in between. tensors: numpy arrays or the addresses of contiguous tensors, one per span; layout: as "
+     "layout() says. status: 0, -1 (the ranks disagree), -2 (still waiting for the agreement after patience "
+     "seconds), -3 (still waiting for the allreduce; both with the request in scratch[8]), -4 (in place on "
+     "overlapping tensors: not taken, nothing sent) or an MPI error code (see the source for the program's "
+     "fields and the stages)."},
     {"copy", k_copy, METH_VARARGS,
      "copy(dst, src, spans): dst[s:e] = src[s:e] for each span; operands as for dots."},
     {"address", k_address, METH_O, "address(obj): the address of the first element of obj's buffer."},

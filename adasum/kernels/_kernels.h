@@ -9,7 +9,8 @@
  *                        buffer per span (the caller's tensors where they lie)
  *   _kernels_pair.c      the kernels over spans: dots, scaled_add, pair (the pairwise rule), copy
  *   _kernels_mpi.c       the MPI library's functions, bound at run time, and the agreement's wait
- *   _kernels_small.c     the compiled small call: a whole small Adasum call by recursive doubling
+ *   _kernels_small.c     the compiled small calls: a whole small Adasum call by recursive doubling, and a
+ *                        whole small sum or mean (the agreement and one allreduce of the packed tensors)
  *
  * This header holds what they share. Everything in it is internal to the module (hidden from other
  * shared objects), so the calls between the files cost what calls inside one file cost.
@@ -87,6 +88,9 @@ INTERNAL int same_type(const operand *ops, int count);
 INTERNAL int acquire_call(call_args *c, PyObject *ospans, PyObject **objs, const char **names, int count,
                           int first_writable);
 INTERNAL void release_call(call_args *c);
+INTERNAL int get_tensor_parts(PyObject *obj, operand *op, int writable, int type, const int64_t *sp, Py_ssize_t n,
+                              const char *name);
+INTERNAL int get_typed_whole(PyObject *obj, operand *op, int type, Py_ssize_t count, const char *name);
 
 /* --- _kernels_pair.c ---------------------------------------------------------------------------------- */
 
@@ -138,5 +142,6 @@ INTERNAL PyObject *k_wait_requests(PyObject *self, PyObject *args);
 /* --- _kernels_small.c --------------------------------------------------------------------------------- */
 
 INTERNAL PyObject *k_small_doubling(PyObject *self, PyObject *args);
+INTERNAL PyObject *k_small_plain(PyObject *self, PyObject *args);
 
 #endif

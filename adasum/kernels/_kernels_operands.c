@@ -216,3 +216,95 @@ acquire_call(call_args *c, PyObject *ospans, PyObject **objs, const char **names
     }
     return 1;
 }
+
+static const int item_sizes[T_COUNT] = {4, 8, 2, 2};
+
+/* An address given as a Python int, or NULL with an exception set. */
+static void *
+address_of(PyObject *obj, const char *name)
+{
+    void *p = PyLong_AsVoidPtr(obj);
+    if (p == NULL && !PyErr_Occurred())
+        PyErr_Format(PyExc_ValueError, "%s: a null address", name);
+    return p;
+}
+
+/*
+ * The tensors of a call as an operand of one part per span, each a C-contiguous buffer of elements of
+ * `type` (a numpy array) or an int, the address of such memory (a contiguous torch tensor's data_ptr(),
+ * which costs a small fraction of a numpy view of it); an address must hold its span's elements for as long
+ * as the operand is held (its caller holds the tensors). 1, or 0 with an exception set and nothing held.
+ */
+int
+get_tensor_parts(PyObject *obj, operand *op, int writable, int type, const int64_t *sp, Py_ssize_t n,
+                 const char *name)
+{
+    PyObject *seq = PySequence_Fast(obj, "the tensors must be a sequence");
+    if (!seq)
+        return 0;
+    op->n = n;
+    op->type = type;
+    op->itemsize = item_sizes[type];
+    op->parts = NULL;
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %zd parts (one per span), got %zd", name, n,
+                     PySequence_Fast_GET_SIZE(seq));
+        Py_DECREF(seq);
+        return 0;
+    }
+    if (!(op->parts = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer)))) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        Py_buffer *v = &op->parts[i];
+        Py_ssize_t len = (sp[2 * i + 1] - sp[2 * i]) * op->itemsize;
+        int ok;
+        if (PyLong_Check(item)) {
+            ok = (v->buf = address_of(item, name)) != NULL;
+            v->len = len, v->obj = NULL;
+        } else {
+            int t = -1;
+            ok = float_buffer(item, v, writable, name, &t) != 0;
+            if (ok && (t != type || v->len != len)) {
+                PyErr_Format(PyExc_ValueError, "%s: part %zd: expected %zd bytes of the call's dtype", name, i, len);
+                PyBuffer_Release(v);
+                ok = 0;
+            }
+        }
+        if (!ok) {
+            op->n = i; /* release the parts acquired before this one */
+            release_operand(op);
+            Py_DECREF(seq);
+            return 0;
+        }
+    }
+    Py_DECREF(seq);
+    return 1;
+}
+
+/* One writable buffer of at least `count` elements of `type`, or the address of one (an int); 1, or 0 with
+ * an exception set and nothing held. */
+int
+get_typed_whole(PyObject *obj, operand *op, int type, Py_ssize_t count, const char *name)
+{
+    op->parts = NULL;
+    op->n = 0;
+    op->type = type;
+    op->itemsize = item_sizes[type];
+    if (PyLong_Check(obj)) {
+        op->whole.obj = NULL;
+        op->whole.len = count * op->itemsize;
+        return (op->whole.buf = address_of(obj, name)) != NULL;
+    }
+    int t = -1;
+    if (!float_buffer(obj, &op->whole, 1, name, &t))
+        return 0;
+    if (t == type && op->whole.len >= count * op->itemsize)
+        return 1;
+    PyErr_Format(PyExc_ValueError, "%s: expected at least %zd elements of the call's dtype", name, count);
+    PyBuffer_Release(&op->whole);
+    return 0;
+}
