@@ -166,7 +166,12 @@ def _plain(call: Call, extras: dict, tensors, op, inplace: bool):
         plan, key = plan_for(call, items, op, extras[op])
     except Exception:
         return _NOT_TAKEN
-    out = run_plain(call, plan, items, single, inplace, op, extras[op])
+    small = plan.small
+    out = None
+    if small is not None and small_call.allowed(call.settings):  # the compiled small plain call
+        out = small(call, items, single, inplace, extras["patience"])
+    if out is None:
+        out = run_plain(call, plan, items, single, inplace, op, extras[op])
     if out is None:
         return _NOT_TAKEN
     if key is not None:

@@ -11,6 +11,10 @@ post the same collectives in the same order.
 
 Torch CPU tensors are reduced through numpy views of their memory (kept between calls by the adapter), so
 they cost what numpy arrays of the same bytes cost.
+
+Where every tensor is below the threshold (one float32 or float64 group), the compiled small plain call
+(:mod:`adasum.call.small_plain`) makes the same collectives in one call into the compiled kernels; this
+path takes what it leaves.
 """
 
 from __future__ import annotations
@@ -22,11 +26,9 @@ from ..kernels.native import compiled
 from ..runtime import stall
 from ..runtime.agreement import agree
 from .plan import Schedule
+from .small_plain import FUSED_VOTE
 
 __all__ = ["FUSED_VOTE", "run_plain"]
-
-# The vote of a rank that reduces sum/mean by the general path (one fused buffer per group).
-FUSED_VOTE = 1
 _SIXTEEN = ("float16", "bfloat16")
 
 

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 from ..runtime import stall
 from ..runtime.agreement import describe, signature
 from ..schedules.small_call import small_call_for
+from .small_plain import small_plain_for
 from ..rule.dtypes import itemsize
 from ..schedules.fusion import Group, Operand, Placement, TensorLayout, layer_spans, make_groups
 from ..kernels.native import compiled
@@ -71,7 +72,9 @@ def agreed_extras(call) -> dict:
 
 class Plan:
     """What a call's tensors and agreed settings determine: descriptions, the agreement signature, the
-    groups with their layer tables, the schedule, and the compiled small call where it may run. Kept in the
+    groups with their layer tables, the schedule, and the compiled small call where it may run
+    (:class:`~adasum.schedules.small_call.SmallCall` for Adasum, :class:`~adasum.call.small_plain.SmallPlain`
+    for sum and mean). Kept in the
     communicator's context; holds no buffers (what one call holds lives in its operands)."""
 
     __slots__ = ("descs", "signature", "nbytes", "one_group", "groups", "schedule", "small", "torch",
@@ -92,8 +95,11 @@ class Plan:
         self.one_group = len(self.groups) == 1 and self.groups[0].indices == list(range(len(items)))
         # the agreed settings are part of the plan's key, so the schedule is the plan's
         self.schedule = choose(op, dict(extra)["hierarchical"], ctx.size, self.nbytes, s, ctx.across_hosts)
+        # the compiled small call (Adasum) or small plain call (sum, mean), where the plan's calls may take it
         self.small = small_call_for(call, self.schedule is Schedule.DOUBLING, self.one_group, self.groups,
-                                    len(items))  # the compiled small call, where the plan's calls may take it
+                                    len(items)) or \
+            small_plain_for(call, op if self.schedule in (Schedule.SUM, Schedule.MEAN) else None, self.one_group,
+                            self.groups, len(items), self.descs, self.signature, extra)
         self._transports: tuple = (None, [])
 
     def transports(self, call, operands: Sequence[Operand]) -> list[Transport]:
