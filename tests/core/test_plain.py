@@ -1,7 +1,13 @@
-"""``sum`` and ``mean`` of host tensors where they lie (adasum.call.plain): exact results, the copies and
-collectives they make, and the ranks that disagree or take the general path."""
+"""``sum`` and ``mean`` of host tensors where they lie (adasum.call.plain) and in one compiled call
+(adasum.call.small_plain): exact results, the copies and collectives they make, the same bits whichever
+path each rank takes, and the ranks that disagree, take the general path or come late."""
 
 from __future__ import annotations
+
+import logging
+import platform
+import re
+import time
 
 import numpy as np
 import pytest
@@ -9,6 +15,7 @@ import torch
 
 import adasum
 from adasum import AdasumMismatchError
+from adasum.call import plain
 from helpers import assert_identical_across_ranks
 
 pytestmark = pytest.mark.mpi(min_size=1)
@@ -174,3 +181,187 @@ def test_views_of_one_buffer_go_as_one_message_without_a_copy(comm, kind):
     assert t.copied_bytes == (2 * 4 * sum(sizes) if apart else 0)
     want = np.arange(sum(sizes), dtype=np.float64) + (size - 1) / 2
     np.testing.assert_array_equal(np.concatenate([_np(v) for v in views]), want.astype(np.float32))
+
+
+# Below LIMIT in float32 and float64: calls of these shapes are the compiled small plain call's.
+SMALL = [(500,), (1,), (0,), (5, 7), (20, 20), (64,)]
+
+
+def _compiled_here() -> bool:
+    """Whether small host calls run as one compiled call here (native_mpi on): the platforms the extension
+    binds MPI on, with the compiled kernels in use."""
+    return (platform.system() == "Linux" and platform.machine() in ("x86_64", "aarch64")
+            and adasum.kernels_backend() == "c")
+
+
+def _random(rank: int, dtype: str, seed: int = 7) -> list[np.ndarray]:
+    """Values whose sums round: the paths must agree bit for bit, not only to within rounding."""
+    rng = np.random.default_rng([seed, rank])
+    return [rng.standard_normal(s).astype(dtype) for s in SMALL]
+
+
+def _one_buffer(mine: list, kind: str) -> list:
+    """Copies of ``mine`` as views of one flat buffer (for torch, of one tensor: one storage)."""
+    flat = np.concatenate([x.reshape(-1) for x in mine])
+    if kind == "torch":
+        return [v.view(x.shape) for v, x in zip(torch.from_numpy(flat).split([x.size for x in mine]), mine)]
+    return [v.reshape(x.shape) for v, x in zip(np.split(flat, np.cumsum([x.size for x in mine])[:-1]), mine)]
+
+
+def _every_way(mine: list, kind: str, op: str) -> tuple[list[bytes], list[tuple]]:
+    """The call made in place on separate tensors, in place on views of one buffer, and out of place:
+    each result's bytes, and what each call counted (compiled calls, collectives, copied bytes)."""
+    results, counts = [], []
+    for way in ("separate", "views", "out of place"):
+        tensors = _one_buffer(mine, kind) if way == "views" else [x.copy() for x in mine]
+        if kind == "torch" and way != "views":
+            tensors = [torch.from_numpy(t) for t in tensors]
+        with adasum.count_traffic() as t:
+            if way == "out of place":
+                out = adasum.adasum_allreduce(tensors, op=op)
+                assert all(type(o) is type(x) for o, x in zip(out, tensors))
+            else:
+                out = adasum.adasum_allreduce_inplace(tensors, op=op)
+                assert out is tensors
+        assert [tuple(o.shape) for o in out] == SMALL
+        results.append(b"".join(_np(o).tobytes() for o in out))
+        counts.append((t.compiled_calls, t.collectives, t.copied_bytes))
+    return results, counts
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_the_compiled_small_plain_call_gives_the_bits_of_the_python_one(comm, kind, dtype, op):
+    """The small call made in one compiled call (agreement, packing, the allreduce, the mean's division)
+    and the same call made step by step in Python: the same bits, the same collectives and copies, in place
+    on separate tensors, on views of one buffer (reduced where they lie) and out of place."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    mine = _random(rank, dtype)
+    seen = {}
+    try:
+        for native in (False, True):
+            adasum.configure(native_mpi=native)
+            seen[native] = _every_way(mine, kind, op)
+    finally:
+        adasum.configure(native_mpi=True)
+    (python, python_counts), (native, native_counts) = seen[False], seen[True]
+    assert native == python
+    assert len(set(python)) == 1  # every way of passing the tensors gives the same bits
+    compiled = int(_compiled_here() and size > 1)
+    nbytes = sum(x.nbytes for x in mine)
+    assert [c[0] for c in native_counts] == [compiled] * 3, f"rank {rank}: {native_counts}"
+    assert [c[0] for c in python_counts] == [0] * 3
+    assert [c[1:] for c in native_counts] == [c[1:] for c in python_counts]
+    if size > 1:
+        assert [c[1:] for c in python_counts] == [(2, 2 * nbytes), (2, 0), (2, nbytes)]
+    exact = [sum(_random(r, "float64")[i] for r in range(size)) for i in range(len(SMALL))]
+    got = np.frombuffer(native[0], dtype=dtype)
+    want = np.concatenate([(e / size if op == "mean" else e).reshape(-1) for e in exact])
+    np.testing.assert_allclose(got, want, rtol=1e-5 if dtype == "float32" else 1e-12, atol=1e-5)
+    assert_identical_across_ranks(comm, [got])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_ranks_may_mix_the_compiled_and_the_python_plain_call(comm, kind, op):
+    """In one call, some ranks make the compiled small plain call, some the Python one (native_mpi off, or
+    tensors it does not take: not contiguous), some with their tensors back to back (which votes for one
+    fused message): the same collectives, the same bits as every rank on the Python path; and a rank
+    that disagrees makes every rank raise, whichever way it made the call, before anything is written."""
+    size, rank, last = comm.Get_size(), comm.Get_rank(), comm.Get_size() - 1
+    mine = _random(rank, "float32", seed=9)
+    adasum.configure(native_mpi=False)
+    try:
+        want, _ = _every_way(mine, kind, op)
+    finally:
+        adasum.configure(native_mpi=True)
+    way = rank % 4  # 0: compiled, 1: Python, 2: not contiguous (Python), 3: views of one buffer (compiled)
+    try:
+        adasum.configure(native_mpi=way != 1)
+        for inplace in (True, False):
+            if way == 2:
+                spread = [np.zeros((*x.shape, 2), x.dtype) for x in mine]
+                for s, x in zip(spread, mine):
+                    s[..., 1] = x
+                tensors = [s[..., 1] for s in spread]  # every other element
+            else:
+                tensors = [x.copy() for x in mine]
+            if kind == "torch":
+                tensors = [torch.from_numpy(t) for t in tensors]
+            if way == 3:
+                tensors = _one_buffer(mine, kind)
+            with adasum.count_traffic() as t:
+                out = (adasum.adasum_allreduce_inplace if inplace else adasum.adasum_allreduce)(tensors, op=op)
+            assert t.collectives == 2
+            assert t.compiled_calls == int(_compiled_here() and way in (0, 3))
+            assert b"".join(np.ascontiguousarray(_np(o)).tobytes() for o in out) == want[0]
+        bad = [x.copy() for x in mine]
+        if rank == last:
+            bad[4] = bad[4][:-1].copy()
+        tensors = [torch.from_numpy(b) for b in bad] if kind == "torch" else bad
+        with pytest.raises(AdasumMismatchError, match=rf"\(raised on rank {rank}\) tensor 4 differs: rank {last} "
+                                                      r"has shape \(19, 20\) float32, rank 0 has shape \(20, 20\)"):
+            adasum.adasum_allreduce_inplace(tensors, op=op)
+        for b, x in zip(bad[:4], mine[:4]):
+            assert b.tobytes() == x.tobytes()  # nothing written
+    finally:
+        adasum.configure(native_mpi=True)
+    again = adasum.adasum_allreduce([x.copy() for x in mine], op=op)  # the communicator still works
+    assert b"".join(_np(o).tobytes() for o in again) == want[0]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_overlapping_tensors_in_place_take_the_python_path(comm):
+    """In place on tensors that share memory the results are written back one by one (the Python path);
+    the compiled call leaves them to it before sending anything."""
+    size = comm.Get_size()
+    base = np.arange(100, dtype=np.float64)
+    with adasum.count_traffic() as t:
+        adasum.adasum_allreduce_inplace([base[:60], base[40:]], op="sum")
+    assert t.compiled_calls == 0 and t.collectives == 2
+    np.testing.assert_array_equal(base, np.arange(100, dtype=np.float64) * size)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("native", [False, True], ids=["python", "compiled"])
+def test_an_allreduce_waiting_past_the_patience_goes_to_the_stall_inspector(comm, caplog, monkeypatch, native):
+    """After the agreement, a rank late to the allreduce itself (here: rank 1, slowed on the Python path) is
+    waited for by the stall inspector like a rank late to the agreement: the compiled call hands its
+    request over, the lowest waiting rank warns naming the late rank, and the call completes."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    mine = _random(rank, "float64", seed=11)
+    old = adasum.configure(stall_warning=0.3, stall_timeout=None, native_mpi=native and rank != 1)
+    try:
+        if rank == 1:
+            agree = plain.agree
+
+            def slow(*args, **kwargs):  # agrees, then comes late to the allreduce
+                out = agree(*args, **kwargs)
+                time.sleep(1.2)
+                return out
+
+            monkeypatch.setattr(plain, "agree", slow)
+        dup = comm.Dup()
+        with caplog.at_level(logging.WARNING, logger="adasum"), adasum.count_traffic(dup) as t:
+            out = adasum.adasum_allreduce(mine, op="mean", comm=dup)
+        monkeypatch.undo()
+        want = [sum(_random(r, "float64", seed=11)[i] for r in range(size)) / size for i in range(len(SMALL))]
+        for got, w in zip(out, want):
+            np.testing.assert_allclose(got, w, rtol=1e-12, atol=1e-15)
+        assert_identical_across_ranks(comm, out)
+        assert t.compiled_calls == int(native and rank != 1 and _compiled_here())
+        warned = [r.getMessage() for r in caplog.records if "has not entered it" in r.getMessage()]
+        if rank == 0:
+            assert len(warned) == 1, warned
+            assert re.search(r"call #1 on a communicator of \d+ ranks \(an exchange \(a collective of "
+                             r"adasum_allreduce, \d+ bytes\)\) has waited \d+\.\d s for rank 1, which has not "
+                             r"entered it", warned[0]), warned
+        else:
+            assert not warned, warned
+        for _ in range(3):  # later calls drain the waiting ranks' messages and work
+            adasum.adasum_allreduce(mine, op="mean", comm=dup)
+        dup.Free()
+    finally:
+        adasum.configure(old)

@@ -34,32 +34,36 @@ def _check_world_still_works(comm) -> None:
         np.testing.assert_allclose(got, w, rtol=1e-12)
 
 
+@pytest.mark.parametrize("op", ["adasum", "sum"])
 @pytest.mark.parametrize("first", [True, False], ids=["first-call", "later-call"])
-def test_a_rank_that_never_calls_is_named_and_the_others_raise(comm, quick_stalls, first):
-    """A first call on a communicator waits in the library's duplicate of it, a later one in the agreement:
-    both name the rank that is not there."""
+def test_a_rank_that_never_calls_is_named_and_the_others_raise(comm, quick_stalls, first, op):
+    """A first call on a communicator waits in the library's duplicate of it, a later one in the agreement
+    (made inside the compiled small call or the compiled small plain call, where they run): both name the
+    rank that is not there."""
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1:
         pytest.skip("needs a rank to wait for")
     dup = comm.Dup()
     dup.Set_name("stalled")
     if not first:
-        adasum.adasum_allreduce(_x(rank), comm=dup)
+        adasum.adasum_allreduce(_x(rank), op=op, comm=dup)
     if rank == 0:
         dup.Barrier()  # the bug: rank 0 is somewhere else
     else:
         started = time.monotonic()
         others = ", ".join(map(str, range(1, size)))
-        what = "making the library's duplicate of it" if first else "op 'adasum', 2 tensors, 64 bytes"
-        with pytest.raises(adasum.AdasumStallError,
-                           match=rf"^rank {rank}: call #{1 if first else 2} on communicator 'stalled' \({what}\) has "
-                                 rf"waited \d+\.\d s for rank 0, which has not entered it; waiting in it: "
-                                 rf"ranks? {others}$"):
-            adasum.adasum_allreduce(_x(rank), comm=dup)
+        what = "making the library's duplicate of it" if first else f"op '{op}', 2 tensors, 64 bytes"
+        with adasum.count_traffic(dup) as t, pytest.raises(
+                adasum.AdasumStallError,
+                match=rf"^rank {rank}: call #{1 if first else 2} on communicator 'stalled' \({what}\) has "
+                      rf"waited \d+\.\d s for rank 0, which has not entered it; waiting in it: ranks? {others}$"):
+            adasum.adasum_allreduce(_x(rank), op=op, comm=dup)
+        if op == "sum" and not first:
+            assert t.compiled_calls == (1 if _compiled_small_calls() else 0)
         assert 0.9 < time.monotonic() - started < 10
         dup.Barrier()  # rank 0 gets out
         with pytest.raises(adasum.AdasumStallError, match="an earlier call timed out there"):
-            adasum.adasum_allreduce(_x(rank), comm=dup)
+            adasum.adasum_allreduce(_x(rank), op=op, comm=dup)
     comm.Barrier()
     _check_world_still_works(comm)  # the user's communicator and the library on it are fine
 
@@ -117,9 +121,10 @@ def _compiled_small_calls() -> bool:
             and adasum.kernels_backend() == "c")
 
 
-def _one_path(comm, native: bool) -> dict:
+def _one_path(comm, native: bool, op: str) -> dict:
     """A result, a disagreement, a late rank and a missing rank, on a communicator of their own, with the
-    agreement waited for by the compiled kernels (``native``) or through mpi4py; what each rank saw."""
+    agreement waited for by the compiled kernels (``native``: inside the compiled small call of ``op``) or
+    through mpi4py; what each rank saw."""
     size, rank, last = comm.Get_size(), comm.Get_rank(), comm.Get_size() - 1
     compiled = 1 if native and _compiled_small_calls() else 0
     seen = {}
@@ -127,27 +132,28 @@ def _one_path(comm, native: bool) -> dict:
     try:
         dup = comm.Dup()
         dup.Set_name("agree")
-        adasum.adasum_allreduce(_x(rank), comm=dup)  # makes the plan the compiled small call needs
+        adasum.adasum_allreduce(_x(rank), op=op, comm=dup)  # makes the plan the compiled small call needs
         with adasum.count_traffic(dup) as t:
-            seen["result"] = [a.tobytes() for a in adasum.adasum_allreduce(_x(rank), comm=dup)]
+            seen["result"] = [a.tobytes() for a in adasum.adasum_allreduce(_x(rank), op=op, comm=dup)]
         assert t.compiled_calls == compiled, f"rank {rank}: {t.compiled_calls} compiled calls"
         bad = _x(rank)
         if rank == last:
             bad[1] = bad[1][:-1]
         with adasum.count_traffic(dup) as t, pytest.raises(adasum.AdasumMismatchError) as mismatch:
-            adasum.adasum_allreduce(bad, comm=dup)
+            adasum.adasum_allreduce(bad, op=op, comm=dup)
         seen["mismatch"] = str(mismatch.value)
-        assert t.compiled_calls == (0 if rank == last else compiled)  # the odd rank has no plan of its shapes
+        # the odd rank has no plan of its shapes: Adasum's compiled call takes kept plans only, sum's any
+        assert t.compiled_calls == (0 if rank == last and op == "adasum" else compiled)
         if rank == 0:
             time.sleep(0.6)  # past the first patience (0.3 s), within the timeout
         with adasum.count_traffic(dup) as t:
-            seen["late"] = [a.tobytes() for a in adasum.adasum_allreduce(_x(rank), comm=dup)]
+            seen["late"] = [a.tobytes() for a in adasum.adasum_allreduce(_x(rank), op=op, comm=dup)]
         assert t.compiled_calls == compiled
         if rank == 0:
             dup.Barrier()  # never enters the next call
         else:
             with adasum.count_traffic(dup) as t, pytest.raises(adasum.AdasumStallError) as stalled:
-                adasum.adasum_allreduce(_x(rank), comm=dup)
+                adasum.adasum_allreduce(_x(rank), op=op, comm=dup)
             seen["stall"] = re.sub(r"\d+\.\d s", "T s", str(stalled.value))
             assert t.compiled_calls == compiled
             dup.Barrier()
@@ -156,23 +162,27 @@ def _one_path(comm, native: bool) -> dict:
     return seen
 
 
-def test_the_compiled_and_the_python_agreement_wait_alike(comm):
-    """The agreement's wait has a compiled implementation (small calls, and the agreement of every call with
-    native_mpi on) and one through mpi4py: the same result, the same disagreement error, a late rank waited
-    for and a missing rank named in the same words, whichever path each call takes."""
+@pytest.mark.parametrize("op", ["adasum", "mean"])
+def test_the_compiled_and_the_python_agreement_wait_alike(comm, op):
+    """The agreement's wait has a compiled implementation (small calls, small plain calls, and the agreement
+    of every call with native_mpi on) and one through mpi4py: the same result, the same disagreement error,
+    a late rank waited for and a missing rank named in the same words, whichever path each call takes."""
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1:
         pytest.skip("needs ranks to agree with")
-    python, native = _one_path(comm, False), _one_path(comm, True)
+    python, native = _one_path(comm, False, op), _one_path(comm, True, op)
     assert native == python
-    want = reference_allreduce([_x(r) for r in range(size)])
+    if op == "adasum":
+        want = reference_allreduce([_x(r) for r in range(size)])
+    else:
+        want = [sum(_x(r)[i] for r in range(size)) / size for i in range(2)]
     for got in (python["result"], python["late"]):
         for g, w in zip(got, want):
             np.testing.assert_allclose(np.frombuffer(g), w, rtol=1e-12)
     assert re.fullmatch(rf"\(raised on rank {rank}\) tensor 1 differs: rank {size - 1} has shape \(2,\) float64, "
                         r"rank 0 has shape \(3,\) float64", python["mismatch"]), python["mismatch"]
     if rank > 0:
-        assert re.fullmatch(rf"rank {rank}: call #5 on communicator 'agree' \(op 'adasum', 2 tensors, 64 bytes\) "
+        assert re.fullmatch(rf"rank {rank}: call #5 on communicator 'agree' \(op '{op}', 2 tensors, 64 bytes\) "
                             r"has waited T s for rank 0, which has not entered it; waiting in it: ranks? [\d, ]+",
                             python["stall"]), python["stall"]
     comm.Barrier()
