@@ -152,7 +152,13 @@ def kept_plan(ctx, items, extra: tuple) -> "Plan | None":
 def kept(ctx, key, items) -> "Plan | None":
     """The plan kept under ``key`` for ``items``, or None (also where a torch tensor among them is not
     dense: the plan was made for dense ones)."""
-    plan = ctx.plans.get(key)
+    last = ctx.last_plan
+    if last[0] == key:  # the previous call's shapes again: no hashing
+        plan = last[1]
+    else:
+        plan = ctx.plans.get(key)
+        if plan is not None:
+            ctx.last_plan = (key, plan)
     if plan is not None and plan.torch and not _dense(items):
         return None
     return plan

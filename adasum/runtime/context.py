@@ -106,6 +106,9 @@ class Context:
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
         self.plans: collections.OrderedDict = collections.OrderedDict()
+        # (key, plan) of the plan found or kept last: a loop's next call compares its key with this one's
+        # instead of hashing it (hashing numpy's dtypes costs more than the rest of a small call's lookup)
+        self.last_plan: tuple = (None, None)
         self.adapters = Adapters()
         self.buffers = Buffers(self.adapters)
         # the agreement: what this rank sends [0:4], what all saw [4:8], a request left waiting [8]
@@ -209,6 +212,7 @@ class Context:
         if len(self.plans) >= MAX_PLANS:
             self.plans.popitem(last=False)
         self.plans[key] = plan
+        self.last_plan = (key, plan)
 
     def record(self, field: str, nbytes: int, messages: int = 0) -> None:
         for t in self.counters:
@@ -219,6 +223,7 @@ class Context:
         """Drop the kept buffers, plans and adapter scratch (the next call makes them again)."""
         self.buffers.clear()
         self.plans.clear()
+        self.last_plan = (None, None)
         self.adapters.clear()
 
     def free(self) -> None:
