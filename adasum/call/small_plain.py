@@ -1,8 +1,8 @@
-"""The compiled small plain call: a whole ``sum`` or ``mean`` of one host float group as one call into the
+"""The compiled small plain call: a whole ``sum`` or ``mean`` of one host group as one call into the
 compiled kernels (``_kernels.small_plain``), agreement included.
 
 It takes exactly the calls for which :mod:`adasum.call.plain` would pack every tensor into one buffer
-(one group, float32 or float64, numpy arrays or torch CPU tensors, every tensor below the setting
+(one group, float32, float64 or integers, numpy arrays or torch CPU tensors, every tensor below the setting
 ``plain_direct_bytes``) and makes what that path makes for them: the agreement (the same four integers,
 digest and vote), then one ``MPI_Iallreduce(SUM)`` of the group's elements in its MPI datatype, in place,
 waited for by the one waiting rule (:mod:`adasum.runtime.waiting`) and, beyond the stall inspector's
@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 from ..kernels.native import compiled as _kernels  # None without a C compiler: SmallPlain is then never made
 from ..kernels.native import handle, request
-from ..rule.dtypes import itemsize
+from ..rule.dtypes import FLOAT_DTYPES, INT_DTYPES, itemsize
 from ..runtime import stall
 from ..runtime.agreement import AGREE_BYTES, explain, resume
 from ..runtime.waiting import policy
@@ -34,7 +34,7 @@ __all__ = ["FUSED_VOTE", "SmallPlain", "small_plain_for"]
 # The vote of a rank that reduces sum/mean with one fused buffer per group (the general path, and the
 # plain path where a group's tensors lie back to back): the others then pack every tensor too.
 FUSED_VOTE = 1
-_DTYPES = ("float32", "float64")
+_DTYPES = FLOAT_DTYPES - {"float16", "bfloat16"} | INT_DTYPES  # integers for sum only (mean refuses them)
 _HOST = (("numpy", "cpu"), ("torch", "cpu"))
 
 
@@ -67,9 +67,11 @@ class SmallPlain:
         self.nbytes = self.n * itemsize(group.dtype)
         comm, int64, vmax = ctx.agree_handles
         dtype = np.dtype(group.dtype)
+        # the datatype mpi4py gives numpy arrays of this dtype, as the Python path hands them to MPI
         self.program = np.array([comm, int64, vmax, handle(MPI._typedict[dtype.char]), handle(MPI.SUM),
                                  int(MPI.IN_PLACE), self.n, ctx.size if op == "mean" else 0,
-                                 _ELEMENT[group.dtype], FUSED_VOTE], dtype=np.int64)
+                                 _ELEMENT.get(group.dtype, -1), ord(dtype.char), dtype.itemsize, FUSED_VOTE],
+                                dtype=np.int64)
         self.torch = None
         if group.adapter.kind == "torch":
             torch = self.torch = group.adapter.torch
@@ -168,7 +170,7 @@ class SmallPlain:
                    label=f"a collective of {call.what}")
 
 
-_ELEMENT = {"float32": 0, "float64": 1}  # the compiled kernels' element types (T_F32, T_F64 in _kernels.h)
+_ELEMENT = {"float32": 0, "float64": 1}  # the compiled kernels' element types (T_F32, T_F64; -1: integers)
 
 
 def _strides(shape: tuple) -> tuple:

@@ -179,7 +179,8 @@ static PyMethodDef methods[] = {
      "between (see the source for the program's fields)."},
     {"small_plain", k_small_plain, METH_VARARGS,
      "small_plain(buf, tensors, spans, program, digest, scratch, patience, stage, inplace, spin, nap, nap_max) "
-     "-> (status, layout): a small sum or mean of float32 or float64 tensors, agreement included, as one "
+     "-> (status, layout): a small sum or mean of float32 or float64 tensors (or sum of integers), agreement "
+     "included, as one "
      "MPI_Iallreduce(SUM) of them packed into buf (in place and back to back: where they lie), without Python "
      "in between. tensors: numpy arrays or the addresses of contiguous tensors, one per span; layout: as "
      "layout() says. status: 0, -1 (the ranks disagree), -2 (still waiting for the agreement after patience "

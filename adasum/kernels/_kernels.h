@@ -88,9 +88,19 @@ INTERNAL int same_type(const operand *ops, int count);
 INTERNAL int acquire_call(call_args *c, PyObject *ospans, PyObject **objs, const char **names, int count,
                           int first_writable);
 INTERNAL void release_call(call_args *c);
-INTERNAL int get_tensor_parts(PyObject *obj, operand *op, int writable, int type, const int64_t *sp, Py_ssize_t n,
-                              const char *name);
-INTERNAL int get_typed_whole(PyObject *obj, operand *op, int type, Py_ssize_t count, const char *name);
+
+/* The elements of a call that only moves and sums them (the compiled small plain call): any numeric type,
+ * known by the buffer format numpy exports for it and its size; `type` is T_F32 or T_F64 for the floats
+ * (which a mean divides), -1 for integers. */
+typedef struct {
+    int type;
+    char format;
+    Py_ssize_t itemsize;
+} element;
+
+INTERNAL int get_tensor_parts(PyObject *obj, operand *op, int writable, const element *el, const int64_t *sp,
+                              Py_ssize_t n, const char *name);
+INTERNAL int get_element_whole(PyObject *obj, operand *op, const element *el, Py_ssize_t count, const char *name);
 
 /* --- _kernels_pair.c ---------------------------------------------------------------------------------- */
 

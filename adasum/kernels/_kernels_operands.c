@@ -217,8 +217,6 @@ acquire_call(call_args *c, PyObject *ospans, PyObject **objs, const char **names
     return 1;
 }
 
-static const int item_sizes[T_COUNT] = {4, 8, 2, 2};
-
 /* An address given as a Python int, or NULL with an exception set. */
 static void *
 address_of(PyObject *obj, const char *name)
@@ -229,22 +227,39 @@ address_of(PyObject *obj, const char *name)
     return p;
 }
 
+/* A C-contiguous buffer of elements of `el` in the machine's byte order; 1, or 0 with an exception set. */
+static int
+element_buffer(PyObject *obj, Py_buffer *view, int writable, const element *el, const char *name)
+{
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0)
+        return 0;
+    const char *fmt = view->format ? view->format : "B";
+    size_t len = strlen(fmt);
+    if (len && fmt[len - 1] == el->format && (len == 1 || (len == 2 && (fmt[0] == '@' || fmt[0] == '='))) &&
+        view->itemsize == el->itemsize)
+        return 1;
+    PyErr_Format(PyExc_ValueError, "%s: expected a buffer of format '%c', got '%s'", name, el->format, fmt);
+    PyBuffer_Release(view);
+    return 0;
+}
+
 /*
  * The tensors of a call as an operand of one part per span, each a C-contiguous buffer of elements of
- * `type` (a numpy array) or an int, the address of such memory (a contiguous torch tensor's data_ptr(),
+ * `el` (a numpy array) or an int, the address of such memory (a contiguous torch tensor's data_ptr(),
  * which costs a small fraction of a numpy view of it); an address must hold its span's elements for as long
  * as the operand is held (its caller holds the tensors). 1, or 0 with an exception set and nothing held.
  */
 int
-get_tensor_parts(PyObject *obj, operand *op, int writable, int type, const int64_t *sp, Py_ssize_t n,
+get_tensor_parts(PyObject *obj, operand *op, int writable, const element *el, const int64_t *sp, Py_ssize_t n,
                  const char *name)
 {
     PyObject *seq = PySequence_Fast(obj, "the tensors must be a sequence");
     if (!seq)
         return 0;
     op->n = n;
-    op->type = type;
-    op->itemsize = item_sizes[type];
+    op->type = el->type;
+    op->itemsize = el->itemsize;
     op->parts = NULL;
     if (PySequence_Fast_GET_SIZE(seq) != n) {
         PyErr_Format(PyExc_ValueError, "%s: expected %zd parts (one per span), got %zd", name, n,
@@ -266,10 +281,9 @@ get_tensor_parts(PyObject *obj, operand *op, int writable, int type, const int64
             ok = (v->buf = address_of(item, name)) != NULL;
             v->len = len, v->obj = NULL;
         } else {
-            int t = -1;
-            ok = float_buffer(item, v, writable, name, &t) != 0;
-            if (ok && (t != type || v->len != len)) {
-                PyErr_Format(PyExc_ValueError, "%s: part %zd: expected %zd bytes of the call's dtype", name, i, len);
+            ok = element_buffer(item, v, writable, el, name);
+            if (ok && v->len != len) {
+                PyErr_Format(PyExc_ValueError, "%s: part %zd: expected %zd bytes, got %zd", name, i, len, v->len);
                 PyBuffer_Release(v);
                 ok = 0;
             }
@@ -285,26 +299,25 @@ get_tensor_parts(PyObject *obj, operand *op, int writable, int type, const int64
     return 1;
 }
 
-/* One writable buffer of at least `count` elements of `type`, or the address of one (an int); 1, or 0 with
+/* One writable buffer of at least `count` elements of `el`, or the address of one (an int); 1, or 0 with
  * an exception set and nothing held. */
 int
-get_typed_whole(PyObject *obj, operand *op, int type, Py_ssize_t count, const char *name)
+get_element_whole(PyObject *obj, operand *op, const element *el, Py_ssize_t count, const char *name)
 {
     op->parts = NULL;
     op->n = 0;
-    op->type = type;
-    op->itemsize = item_sizes[type];
+    op->type = el->type;
+    op->itemsize = el->itemsize;
     if (PyLong_Check(obj)) {
         op->whole.obj = NULL;
         op->whole.len = count * op->itemsize;
         return (op->whole.buf = address_of(obj, name)) != NULL;
     }
-    int t = -1;
-    if (!float_buffer(obj, &op->whole, 1, name, &t))
+    if (!element_buffer(obj, &op->whole, 1, el, name))
         return 0;
-    if (t == type && op->whole.len >= count * op->itemsize)
+    if (op->whole.len >= count * op->itemsize)
         return 1;
-    PyErr_Format(PyExc_ValueError, "%s: expected at least %zd elements of the call's dtype", name, count);
+    PyErr_Format(PyExc_ValueError, "%s: expected at least %zd elements", name, count);
     PyBuffer_Release(&op->whole);
     return 0;
 }

@@ -140,18 +140,21 @@ k_small_doubling(PyObject *self, PyObject *args)
 }
 
 /*
- * The compiled small plain call: a whole sum or mean of one host float group, as
- * adasum.call.small_plain.SmallPlain makes it, with the collectives of the Python path
+ * The compiled small plain call: a whole sum or mean of one host group (float32, float64, or integers for a
+ * sum), as adasum.call.small_plain.SmallPlain makes it, with the collectives of the Python path
  * (adasum/call/plain.py) for the same call: the agreement, then one MPI_Iallreduce(SUM) of the group packed
  * into one buffer, in place. So ranks may mix the two paths.
  */
 
 /* The fields of small_plain()'s program (int64): the handles of the library's communicator, MPI_INT64_T,
  * MPI_MAX, the group's datatype and MPI_SUM, the value of MPI_IN_PLACE, the group's element count, the
- * mean's divisor (0: a sum), the element type (T_F32, T_F64) and the vote of tensors that lie back to back. */
-enum { Q_COMM, Q_INT64, Q_MAX, Q_TYPE, Q_SUM, Q_IN_PLACE, Q_COUNT, Q_DIVISOR, Q_ELEMENT, Q_VOTE, Q_FIELDS };
+ * mean's divisor (0: a sum), the elements (the element type T_F32, T_F64 or -1 for integers, the buffer
+ * format numpy exports for them and their size) and the vote of tensors that lie back to back. */
+enum { Q_COMM, Q_INT64, Q_MAX, Q_TYPE, Q_SUM, Q_IN_PLACE, Q_COUNT, Q_DIVISOR, Q_ELEMENT, Q_FORMAT, Q_ITEMSIZE,
+       Q_VOTE, Q_FIELDS };
 
-/* x[0:count] /= divisor in the element type, as numpy's np.divide(x, divisor, out=x) rounds it. */
+/* x[0:count] /= divisor in the element type (float32 or float64), as numpy's np.divide(x, divisor, out=x)
+ * rounds it. */
 static void
 divide_by(void *x, int type, Py_ssize_t count, long long divisor)
 {
@@ -285,10 +288,11 @@ k_small_plain(PyObject *self, PyObject *args)
         return NULL;
     }
     const int64_t *p = (const int64_t *)prog.buf;
-    int type = (int)p[Q_ELEMENT];
+    element el = {(int)p[Q_ELEMENT], (char)p[Q_FORMAT], (Py_ssize_t)p[Q_ITEMSIZE]};
     Py_ssize_t count = (Py_ssize_t)p[Q_COUNT];
     call_args c;
-    int ok = (type == T_F32 || type == T_F64) && count >= 1 && count <= INT32_MAX;
+    int ok = (el.type == T_F32 || el.type == T_F64 || (el.type == -1 && p[Q_DIVISOR] == 0)) && el.itemsize > 0 &&
+             count >= 1 && count <= INT32_MAX;
     if (!ok)
         PyErr_SetString(PyExc_ValueError, "small_plain: malformed program");
     else
@@ -298,10 +302,10 @@ k_small_plain(PyObject *self, PyObject *args)
         PyBuffer_Release(&scratch);
         return NULL;
     }
-    ok = get_tensor_parts(otensors, &c.ops[0], inplace, type, c.sp, c.n, "tensors");
+    ok = get_tensor_parts(otensors, &c.ops[0], inplace, &el, c.sp, c.n, "tensors");
     if (ok) {
         c.count = 1;
-        ok = get_typed_whole(obuf, &c.ops[1], type, count, "buf");
+        ok = get_element_whole(obuf, &c.ops[1], &el, count, "buf");
         if (ok)
             c.count = 2;
     }
