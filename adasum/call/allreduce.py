@@ -163,7 +163,8 @@ def _plain(call: Call, extras: dict, tensors, op, inplace: bool):
     op = op.value if type(op) is Op else op  # one of _PLAIN_OPS: the enum call costs a microsecond
     try:
         single, items = _as_list(tensors)
-        plan, key = plan_for(call, items, op, extras[op])
+        # a sparse torch tensor may find the plan of dense ones here: both paths below refuse it
+        plan, key = plan_for(call, items, op, extras[op], dense=False)
     except Exception:
         return _NOT_TAKEN
     small = plan.small

@@ -151,7 +151,10 @@ def _host_views(call, plan, items: list, inplace: bool) -> list | None:
             return None
         mine = [items[i] for i in g.indices]
         if g.adapter.kind == "torch":
-            views = g.adapter.host_views(mine)  # torch's memory is always writable
+            try:
+                views = g.adapter.host_views(mine)  # torch's memory is always writable
+            except (TypeError, RuntimeError):  # a tensor without memory of its own (sparse, found with the
+                return None  # plan of dense ones): the general path says what is wrong
         elif g.adapter.kind == "numpy":
             views = mine
             if inplace and not all(v.flags.writeable for v in views):

@@ -149,9 +149,10 @@ def kept_plan(ctx, items, extra: tuple) -> "Plan | None":
         return None
 
 
-def kept(ctx, key, items) -> "Plan | None":
+def kept(ctx, key, items, dense: bool = True) -> "Plan | None":
     """The plan kept under ``key`` for ``items``, or None (also where a torch tensor among them is not
-    dense: the plan was made for dense ones)."""
+    dense: the plan was made for dense ones; ``dense=False`` leaves that check to a caller that refuses such
+    tensors itself)."""
     last = ctx.last_plan
     if last[0] == key:  # the previous call's shapes again: no hashing
         plan = last[1]
@@ -159,7 +160,7 @@ def kept(ctx, key, items) -> "Plan | None":
         plan = ctx.plans.get(key)
         if plan is not None:
             ctx.last_plan = (key, plan)
-    if plan is not None and plan.torch and not _dense(items):
+    if dense and plan is not None and plan.torch and not _dense(items):
         return None
     return plan
 
@@ -174,12 +175,12 @@ def _dense(items) -> bool:
     return True
 
 
-def plan_for(call, items, op: str, extra: tuple) -> tuple[Plan, tuple | None]:
+def plan_for(call, items, op: str, extra: tuple, dense: bool = True) -> tuple[Plan, tuple | None]:
     """The kept plan of this call and None, or a new plan and the key to keep it under once the call
-    succeeded (:meth:`Context.keep`; None where the call has no key)."""
+    succeeded (:meth:`Context.keep`; None where the call has no key). ``dense``: as for :func:`kept`."""
     try:
         key = plan_key(items, op, extra)
-        plan = kept(call.ctx, key, items)  # hashes the key: a TypeError where a device does not hash (cupy's)
+        plan = kept(call.ctx, key, items, dense)  # hashes the key: a TypeError where a device does not hash
     except TypeError:
         try:
             key = _spelled_key(items, op, extra)

@@ -190,12 +190,20 @@ def test_a_refused_call_leaves_no_plan_behind(comm, stall_timeout, op):
     _still_works(comm)
 
 
-def test_a_sparse_tensor_after_a_dense_call_of_its_shape_is_refused_everywhere(comm, stall_timeout):
-    """A plan kept for a dense tensor is not the plan of a sparse one of the same shape."""
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "python"])
+@pytest.mark.parametrize("op", ["adasum", "sum", "mean"])
+def test_a_sparse_tensor_after_a_dense_call_of_its_shape_is_refused_everywhere(comm, stall_timeout, op, native):
+    """A plan kept for a dense tensor is not the plan of a sparse one of the same shape (sum and mean find
+    it, and their paths, compiled or not, refuse the sparse tensor before any data moves)."""
     rank = comm.Get_rank()
     dense = torch.ones(4) * (rank + 1)
-    adasum.adasum_allreduce([dense])
-    adasum.adasum_allreduce([dense])
-    with pytest.raises(TypeError, match=r"^rank 0: tensor 0 is a sparse tensor"):
-        adasum.adasum_allreduce([dense.to_sparse()])
+    old = adasum.configure(native_mpi=native)
+    try:
+        adasum.adasum_allreduce([dense], op=op)
+        adasum.adasum_allreduce([dense], op=op)
+        for call in (adasum.adasum_allreduce, adasum.adasum_allreduce_inplace):
+            with pytest.raises(TypeError, match=r"^rank 0: tensor 0 is a sparse tensor"):
+                call([dense.to_sparse()], op=op)
+    finally:
+        adasum.configure(old)
     _still_works(comm)
