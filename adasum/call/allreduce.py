@@ -162,7 +162,7 @@ def _plain(call: Call, extras: dict, tensors, op, inplace: bool):
     check_launch()
     op = op.value if type(op) is Op else op  # one of _PLAIN_OPS: the enum call costs a microsecond
     try:
-        single, items = _as_list(tensors)
+        single, items = (False, tensors) if type(tensors) is list else _as_list(tensors)
         # a sparse torch tensor may find the plan of dense ones here: both paths below refuse it
         plan, key = plan_for(call, items, op, extras[op], dense=False)
     except Exception:

@@ -83,14 +83,10 @@ class SmallPlain:
         self._wait: tuple = ("", ())  # (waiting mode, its policy)
 
     def _buffer(self) -> np.ndarray:
-        """The context's buffer of :func:`adasum.call.plain.run_plain` (at least the group's size), held
-        weakly between calls and only while the context's buffers stay the same, so that this keeps no
-        buffer alive."""
-        buffers, kept = self.ctx.buffers, self._kept
-        if kept[0] == buffers.generation:
-            buf = kept[1]()
-            if buf is not None:
-                return buf
+        """The context's buffer of :func:`adasum.call.plain.run_plain` (at least the group's size), which a
+        call finds again (:attr:`_kept`) while the context's buffers stay the same; held weakly, so that
+        this keeps no buffer alive."""
+        buffers = self.ctx.buffers
         buf = buffers.host_whole("numpy", self.group.dtype, self.n, "plain")
         self._kept = (buffers.generation, weakref.ref(buf))
         return buf
@@ -108,17 +104,18 @@ class SmallPlain:
                 parts = tuple(map(tensor.data_ptr, live))
             except RuntimeError:  # a tensor without memory of its own (sparse): the general path says so
                 return None
-            if inplace:
-                buf = self._buffer()
-            else:
+            if not inplace:
                 out = torch.empty(self.n, dtype=self.torch_dtype)
                 buf = out.data_ptr()
         else:
             parts = live
-            if inplace:
-                buf = self._buffer()
-            else:
+            if not inplace:
                 buf = out = np.empty(self.n, self.group.dtype)
+        if inplace:
+            kept = self._kept
+            buf = kept[1]() if kept[0] == self.ctx.buffers.generation else None
+            if buf is None:
+                buf = self._buffer()
         how = self._wait
         if how[0] != call.waiting:
             how = self._wait = (call.waiting, policy(call.waiting))
