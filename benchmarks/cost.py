@@ -18,7 +18,9 @@ For each kind (numpy arrays, torch CPU tensors), size and op, on the ten uneven 
 - ``py calls`` and ``c calls``: Python functions and built-in functions entered per call (``sys.setprofile``
   on one call after the warm-up), the interpreter's share of a small call.
 
-Counts are rank 0's; times the slowest rank's.
+Counts are rank 0's; times the slowest rank's. ``--plain-direct-bytes 2MiB`` sets the threshold from which
+a ``sum``/``mean`` tensor goes to MPI where it lies (one collective each) instead of being packed, to
+compare the two at a size.
 """
 
 from __future__ import annotations
@@ -119,21 +121,30 @@ def main(argv=None) -> list:
     ap.add_argument("--kinds", default="numpy,torch")
     ap.add_argument("--repeats", type=int, default=0, help="repeats per size (default: by size)")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--plain-direct-bytes", default=None,
+                    help="the setting plain_direct_bytes for sum and mean (default: the library's): tensors of at "
+                         "least this size go to MPI where they lie, one collective each; the others are packed")
     args = ap.parse_args(argv)
     comm = MPI.COMM_WORLD
     ops = [o for o in args.ops.split(",") if o]
     out = []
-    if comm.Get_rank() == 0:
-        print(header(), flush=True)
-    kinds = [k for k in args.kinds.split(",") if k]
-    for text in args.sizes.split(","):
-        nbytes = parse_size(text)
-        repeats = args.repeats or int(np.clip(4e8 / max(nbytes, 1), 15, 301))
-        rows = measure(comm, kinds, nbytes, ops, repeats, args.warmup)
-        for (kind, op), row in rows.items():
-            out.append({"kind": kind, "bytes": nbytes, "op": op, **row})
-            if comm.Get_rank() == 0:
-                print(format_row(comm.Get_size(), kind, nbytes, op, row), flush=True)
+    old = None if args.plain_direct_bytes is None else adasum.configure(
+        plain_direct_bytes=parse_size(args.plain_direct_bytes))
+    try:
+        if comm.Get_rank() == 0:
+            print(header(), flush=True)
+        kinds = [k for k in args.kinds.split(",") if k]
+        for text in args.sizes.split(","):
+            nbytes = parse_size(text)
+            repeats = args.repeats or int(np.clip(4e8 / max(nbytes, 1), 15, 301))
+            rows = measure(comm, kinds, nbytes, ops, repeats, args.warmup)
+            for (kind, op), row in rows.items():
+                out.append({"kind": kind, "bytes": nbytes, "op": op, **row})
+                if comm.Get_rank() == 0:
+                    print(format_row(comm.Get_size(), kind, nbytes, op, row), flush=True)
+    finally:
+        if old is not None:
+            adasum.configure(old)
     return out
 
 

@@ -43,3 +43,14 @@ def test_rows_show_collectives_copies_and_python_calls(comm, capsys):
     for key, r in by.items():  # torch tensors take the path numpy arrays take
         other = by[("numpy",) + key[1:]]
         assert (r["coll"], r["msgs"], r["copied"]) == (other["coll"], other["msgs"], other["copied"])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_direct_threshold_can_be_set(comm):
+    """--plain-direct-bytes: with a threshold above every layer, a 1 MiB sum is one packed message (the
+    compiled small plain call, where it runs), and the setting is the library's again afterwards."""
+    before = adasum.current_settings().plain_direct_bytes
+    rows = bench.main(["--sizes", "1MiB", "--repeats", "2", "--warmup", "1", "--kinds", "numpy", "--ops", "sum",
+                       "--plain-direct-bytes", "2MiB"])
+    assert adasum.current_settings().plain_direct_bytes == before
+    assert rows[0]["coll"] == 2 and rows[0]["copied"] == pytest.approx(2.0)
