@@ -161,7 +161,7 @@ class NumpyAdapter(_NumpyLike):
         return list(tensors)
 
     def divide(self, buf, divisor):
-        np.divide(buf, divisor, out=buf)
+        divide_in_place(buf, divisor)
 
     def host_typed(self, buf):
         return buf
@@ -260,3 +260,11 @@ def _numpy_scaled_add(a, b, pieces, ca, cb, wide_scratch, bits_of=None) -> None:
                 a[bs:be] = x
 
 
+def divide_in_place(buf: np.ndarray, divisor: int) -> None:
+    """``buf /= divisor`` in ``buf``'s float dtype, bitwise as ``np.divide`` rounds it: by a power of two as
+    a product with its reciprocal (exact, so the same correctly rounded value, at a multiplication's cost),
+    otherwise as the division."""
+    if divisor & (divisor - 1) == 0:
+        np.multiply(buf, buf.dtype.type(1.0 / divisor), out=buf)
+    else:
+        np.divide(buf, buf.dtype.type(divisor), out=buf)

@@ -222,7 +222,10 @@ class TorchAdapter(Adapter):
                 a[bs:be].copy_(x)
 
     def divide(self, buf, divisor):
-        buf.div_(divisor)
+        if divisor & (divisor - 1) == 0:  # exact: the same correctly rounded value as the division
+            buf.mul_(1.0 / divisor)
+        else:
+            buf.div_(divisor)
 
     def host_typed(self, buf):
         return buf.numpy()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from ..adapters.host import divide_in_place
 from ..kernels.native import compiled
 from ..runtime import stall
 from ..runtime.agreement import agree
@@ -68,7 +69,7 @@ def run_plain(call, plan, items: list, single: bool, inplace: bool, op: str, ext
     stall.wait(call, reqs, "exchange", plan.nbytes, label=f"a collective of {call.what}")
     if op == "mean":  # every reduced buffer once, before the copies out of the contiguous ones
         for out in reduced:
-            np.divide(out, call.ctx.size, out=out)
+            divide_in_place(out, call.ctx.size)
     for tensor, copy in loose:  # non-contiguous tensors, reduced in a contiguous copy
         tensor[...] = copy
     for buf, part, spans, indices in after:

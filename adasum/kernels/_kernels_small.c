@@ -154,18 +154,27 @@ enum { Q_COMM, Q_INT64, Q_MAX, Q_TYPE, Q_SUM, Q_IN_PLACE, Q_COUNT, Q_DIVISOR, Q_
        Q_VOTE, Q_FIELDS };
 
 /* x[0:count] /= divisor in the element type (float32 or float64), as numpy's np.divide(x, divisor, out=x)
- * rounds it. */
+ * rounds it; by a power of two as the product with its reciprocal, which is exact and so the same value. */
 static void
 divide_by(void *x, int type, Py_ssize_t count, long long divisor)
 {
+    int power = (divisor & (divisor - 1)) == 0;
     if (type == T_F32) {
-        float *p = (float *)x, d = (float)divisor;
-        for (Py_ssize_t i = 0; i < count; i++)
-            p[i] = p[i] / d;
+        float *p = (float *)x, d = (float)divisor, r = 1.0f / d;
+        if (power)
+            for (Py_ssize_t i = 0; i < count; i++)
+                p[i] = p[i] * r;
+        else
+            for (Py_ssize_t i = 0; i < count; i++)
+                p[i] = p[i] / d;
     } else {
-        double *p = (double *)x, d = (double)divisor;
-        for (Py_ssize_t i = 0; i < count; i++)
-            p[i] = p[i] / d;
+        double *p = (double *)x, d = (double)divisor, r = 1.0 / d;
+        if (power)
+            for (Py_ssize_t i = 0; i < count; i++)
+                p[i] = p[i] * r;
+        else
+            for (Py_ssize_t i = 0; i < count; i++)
+                p[i] = p[i] / d;
     }
 }
 

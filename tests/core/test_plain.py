@@ -368,3 +368,21 @@ def test_an_allreduce_waiting_past_the_patience_goes_to_the_stall_inspector(comm
         dup.Free()
     finally:
         adasum.configure(old)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("size", [8, 5000], ids=["compiled-small", "direct"])
+def test_mean_is_the_sum_divided_in_the_dtype_bit_for_bit(comm, kind, dtype, size):
+    """Whatever the path (and a power-of-two world divides by multiplying with the exact reciprocal), the
+    mean is the sum divided by the world size as numpy rounds the division, down to subnormal results."""
+    rank, p = comm.Get_rank(), comm.Get_size()
+    tiny = np.finfo(dtype).tiny
+    rng = np.random.default_rng(rank)
+    values = rng.standard_normal(size).astype(dtype)
+    values[:4] = np.array([tiny * 3, -tiny * 5, np.finfo(dtype).max / 8, 1.0], dtype=dtype)
+    wrap = (lambda a: torch.from_numpy(a.copy())) if kind == "torch" else (lambda a: a.copy())
+    total = adasum.adasum_allreduce(wrap(values), op="sum", comm=comm)
+    mean = adasum.adasum_allreduce(wrap(values), op="mean", comm=comm)
+    total, mean = np.asarray(total), np.asarray(mean)
+    assert np.array_equal(mean, np.divide(total, np.dtype(dtype).type(p))), (p, dtype)
