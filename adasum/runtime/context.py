@@ -33,10 +33,12 @@ from ..adapters import Adapters
 from .buffers import Buffers
 from ..kernels.native import handle
 from . import stall
-from .stall import AdasumStallError
+from .elastic import is_revoked, world
+from .stall import AdasumCollectiveError, AdasumStallError
 from ..settings import Settings, current
 
-__all__ = ["Call", "Context", "Traffic", "check_comm", "check_root", "context_for", "count_traffic", "library_comm", "release_buffers"]
+__all__ = ["Call", "Context", "Traffic", "check_comm", "check_root", "context_for", "count_traffic", "library_comm",
+           "live_contexts", "release_buffers"]
 
 # Plans kept per communicator: a training loop reduces a few lists of the same shapes over and over.
 MAX_PLANS = 64
@@ -168,6 +170,9 @@ class Context:
         call runs reads the live settings again. Every 64th call first drops the stall inspector's messages
         of earlier calls."""
         if self.broken is not None:
+            if self._freed:  # abandoned after a failure: not a new failure, a stale communicator
+                raise AdasumCollectiveError(f"{what} on {self.name}: {self.broken}; use the survivors' world "
+                                            "(comm=None, or rebuild in a reset callback)")
             raise AdasumStallError(f"{what} on {self.name}: the library can no longer use this communicator, "
                                    f"an earlier call timed out there ({self.broken})")
         if not self._busy.acquire(blocking=False):
@@ -222,17 +227,43 @@ class Context:
         self.adapters.clear()
 
     def free(self) -> None:
-        """Release everything and free the communicators this context made."""
+        """Release everything and free the communicators this context made (not where they were revoked:
+        :mod:`adasum.runtime.elastic`)."""
         if self._freed:
             return
         self._freed = True
         self.release()
         if self.nodes is not None:
-            self.nodes.free()
+            if not is_revoked(self._comm):
+                self.nodes.free()
             self.nodes = None
-        if self._lcomm is not None and self._lcomm != MPI.COMM_SELF and not MPI.Is_finalized():
-            self._lcomm.Free()
+        lcomm = self._lcomm
+        if lcomm is not None and lcomm != MPI.COMM_SELF and not MPI.Is_finalized() and not is_revoked(lcomm):
+            lcomm.Free()
         self._lcomm = None
+
+    @property
+    def freed(self) -> bool:
+        """Whether the context was freed (its communicator freed) or abandoned."""
+        return self._freed
+
+    @property
+    def user_comm(self) -> MPI.Intracomm:
+        """The user's communicator this context belongs to."""
+        return self._comm
+
+    @property
+    def library_comm_or_none(self) -> MPI.Intracomm | None:
+        """The library's duplicate, None where it was not made yet (never makes it)."""
+        return self._lcomm
+
+    def abandon(self, why: str) -> None:
+        """After a failure (:mod:`adasum.runtime.elastic`): every later call raises, saying ``why``; nothing
+        is freed (the communicators were revoked)."""
+        self.broken = why
+        self._freed = True
+        self.release()
+        self.nodes = None
 
 
 def _describe(comm: MPI.Intracomm) -> str:
@@ -270,8 +301,9 @@ _registry = _Registry()
 
 
 def check_comm(comm: MPI.Intracomm | None) -> MPI.Intracomm:
-    """``comm``, or ``MPI.COMM_WORLD`` for None; TypeError for anything but an intracommunicator."""
-    comm = MPI.COMM_WORLD if comm is None else comm
+    """``comm``, or the current world for None (``MPI.COMM_WORLD``, or the survivors' communicator after a
+    failure: :mod:`adasum.runtime.elastic`); TypeError for anything but an intracommunicator."""
+    comm = world() if comm is None else comm
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
     return comm
@@ -305,6 +337,11 @@ def context_for(comm: MPI.Intracomm | None) -> Context:
                 comm.Set_attr(key, ctx)
                 _registry.live.add(ctx)
     return ctx
+
+
+def live_contexts() -> list[Context]:
+    """Every context alive in this process."""
+    return list(_registry.live)
 
 
 def library_comm(comm: MPI.Intracomm | None = None) -> MPI.Intracomm:

@@ -138,6 +138,19 @@ def drain(call) -> None:
 
 def wait(call, req: MPI.Request | list, op: str | None, descs, waited: float = 0.0,
          via: MPI.Intracomm | None = None, label: str | None = None) -> None:
+    """:func:`_wait`; a rank that died makes it raise :class:`adasum.runtime.elastic.WorldChanged`."""
+    try:
+        _wait(call, req, op, descs, waited, via, label)
+    except MPI.Exception as exc:
+        from .elastic import failed, is_failure  # imported here: elastic imports this module
+
+        if is_failure(exc):
+            raise failed(exc, call.what) from exc
+        raise
+
+
+def _wait(call, req: MPI.Request | list, op: str | None, descs, waited: float = 0.0,
+          via: MPI.Intracomm | None = None, label: str | None = None) -> None:
     """Wait for ``req`` (a request or a list of them), a collective of the call ``call`` (:class:`adasum.runtime.context.Call`; ``op`` and ``descs``: what
     this rank passed; ``op`` None: the duplicate of a first call; ``op`` "exchange": one of
     :mod:`adasum.runtime.exchange`'s calls, ``descs`` its bytes and ``label`` what it is for), ``waited`` seconds
