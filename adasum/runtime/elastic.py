@@ -26,6 +26,7 @@ import os
 
 from mpi4py import MPI
 
+from ..settings import launch_environment
 from .stall import AdasumCollectiveError
 
 __all__ = ["WorldChanged", "world", "replace_world", "ulfm_problem", "is_failure", "failed", "mpi_error",
@@ -82,7 +83,7 @@ def ulfm_problem() -> str | None:
     if not version.startswith("Open MPI") or not hasattr(MPI.Comm, "Shrink"):
         name = " ".join(version.splitlines()[0].split()) if version else "this MPI"
         return f"elastic training needs an MPI with ULFM (fault tolerance), and {name} has none: {fix}"
-    if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() not in ("1", "true", "yes", "enabled"):
+    if launch_environment().get("OMPI_MCA_mpi_ft_enable", "").lower() not in ("1", "true", "yes", "enabled"):
         return f"Open MPI was launched without fault tolerance, so a dead rank ends the job: {fix}"
     return None
 
