@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import stall, waiting
-from .elastic import mpi_error
+from .faults import mpi_error
 from .stall import AdasumCollectiveError
 from ..adapters import Adapter, Adapters
 from ..rule.dtypes import FLOAT_DTYPES, INT_DTYPES, dtype_code, op_code

@@ -33,8 +33,8 @@ from ..adapters import Adapters
 from .buffers import Buffers
 from ..kernels.native import handle
 from . import stall
-from .elastic import is_revoked, world
-from .stall import AdasumCollectiveError, AdasumStallError
+from .errors import AdasumCollectiveError, AdasumStallError
+from .faults import is_revoked, revoke_also, world
 from ..settings import Settings, current
 
 __all__ = ["Call", "Context", "Traffic", "check_comm", "check_root", "context_for", "count_traffic", "library_comm",
@@ -228,7 +228,7 @@ class Context:
 
     def free(self) -> None:
         """Release everything and free the communicators this context made (not where they were revoked:
-        :mod:`adasum.runtime.elastic`)."""
+        :mod:`adasum.runtime.faults`)."""
         if self._freed:
             return
         self._freed = True
@@ -243,19 +243,18 @@ class Context:
         self._lcomm = None
 
     @property
-    def freed(self) -> bool:
-        """Whether the context was freed (its communicator freed) or abandoned."""
-        return self._freed
-
-    @property
     def user_comm(self) -> MPI.Intracomm:
         """The user's communicator this context belongs to."""
         return self._comm
 
-    @property
-    def library_comm_or_none(self) -> MPI.Intracomm | None:
-        """The library's duplicate, None where it was not made yet (never makes it)."""
-        return self._lcomm
+    def held(self) -> list[MPI.Comm | None]:
+        """The communicators this context holds: the user's, the library's duplicate and the node
+        layout's (none once freed)."""
+        if self._freed:
+            return []
+        nodes = self.nodes
+        layout = [] if nodes is None else [nodes.node_comm, nodes.cross_comm, nodes.slice_comm]
+        return [self._comm, self._lcomm, *layout]
 
     def abandon(self, why: str) -> None:
         """After a failure (:mod:`adasum.runtime.elastic`): every later call raises, saying ``why``; nothing
@@ -302,7 +301,7 @@ _registry = _Registry()
 
 def check_comm(comm: MPI.Intracomm | None) -> MPI.Intracomm:
     """``comm``, or the current world for None (``MPI.COMM_WORLD``, or the survivors' communicator after a
-    failure: :mod:`adasum.runtime.elastic`); TypeError for anything but an intracommunicator."""
+    failure: :mod:`adasum.runtime.faults`); TypeError for anything but an intracommunicator."""
     comm = world() if comm is None else comm
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
@@ -342,6 +341,10 @@ def context_for(comm: MPI.Intracomm | None) -> Context:
 def live_contexts() -> list[Context]:
     """Every context alive in this process."""
     return list(_registry.live)
+
+
+# At a failure every communicator a live context holds is revoked with the world (adasum.runtime.faults).
+revoke_also(lambda: [comm for ctx in live_contexts() for comm in ctx.held()])
 
 
 def library_comm(comm: MPI.Intracomm | None = None) -> MPI.Intracomm:

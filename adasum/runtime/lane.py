@@ -27,7 +27,7 @@ from typing import Callable
 from mpi4py import MPI
 
 from .context import check_comm, context_for, library_comm
-from .elastic import is_revoked
+from .faults import is_revoked
 
 __all__ = ["GIVE_UP_WAIT", "Job", "Lane", "LaneClosedError"]
 

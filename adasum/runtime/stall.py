@@ -34,6 +34,8 @@ from mpi4py import MPI
 
 
 from ..rule.dtypes import itemsize, op_code, op_name
+from .errors import AdasumCollectiveError, AdasumStallError
+from .faults import failed, is_failure
 from .transport import TAG
 from .waiting import wait_all
 
@@ -48,16 +50,6 @@ ANNOUNCE_AFTER = 1.0
 _FIELDS = 5  # call number, op, tensors, bytes, rank
 # On a communicator that may be given up, a wait looks this often whether it was.
 GIVE_UP_EVERY = 0.1
-
-
-class AdasumCollectiveError(RuntimeError):
-    """A collective failed between the ranks: they called different things (:class:`AdasumMismatchError`) or
-    a rank did not arrive (:class:`AdasumStallError`). ``adasum.horovod.HorovodInternalError`` is this
-    class, so ``except hvd.HorovodInternalError`` catches both, as Horovod's scripts expect."""
-
-
-class AdasumStallError(AdasumCollectiveError):
-    """A call waited ``stall_timeout`` seconds for ranks that did not enter it; the text names them."""
 
 
 def patience(s, ctx=None) -> float:
@@ -138,12 +130,10 @@ def drain(call) -> None:
 
 def wait(call, req: MPI.Request | list, op: str | None, descs, waited: float = 0.0,
          via: MPI.Intracomm | None = None, label: str | None = None) -> None:
-    """:func:`_wait`; a rank that died makes it raise :class:`adasum.runtime.elastic.WorldChanged`."""
+    """:func:`_wait`; a rank that died makes it raise :class:`adasum.runtime.faults.WorldChanged`."""
     try:
         _wait(call, req, op, descs, waited, via, label)
     except MPI.Exception as exc:
-        from .elastic import failed, is_failure  # imported here: elastic imports this module
-
         if is_failure(exc):
             raise failed(exc, call.what) from exc
         raise

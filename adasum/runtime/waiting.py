@@ -25,6 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..kernels.native import compiled, mpi_bound
+from .faults import failed, is_failure
 
 __all__ = ["NAP_FIRST", "NAP_MAX", "SPIN", "policy", "wait_all"]
 
@@ -42,12 +43,10 @@ def wait_all(reqs: list[MPI.Request], waiting: str, until: float | None = None, 
     """Wait until every request of ``reqs`` is complete, as the setting ``waiting`` says; with ``until``
     (a ``time.monotonic()`` deadline), stop there. Returns whether they completed. ``native``: the setting
     ``native_mpi`` (wait through the compiled rule where it is bound). A rank that died makes it raise
-    :class:`adasum.runtime.elastic.WorldChanged`, every communicator of the library revoked."""
+    :class:`adasum.runtime.faults.WorldChanged`, every communicator of the library revoked."""
     try:
         return _wait_all(reqs, waiting, until, native)
     except MPI.Exception as exc:
-        from .elastic import failed, is_failure  # imported here: elastic imports the stall inspector
-
         if is_failure(exc):
             raise failed(exc, "a collective") from exc
         raise

@@ -17,7 +17,7 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
-from ..runtime.elastic import mpi_error
+from ..runtime.faults import mpi_error
 from ..rule import tree
 from ..runtime import waiting
 from ..rule.dtypes import itemsize
