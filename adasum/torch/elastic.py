@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from ..runtime import exchange
 from ..runtime.elastic import WorldChanged, is_failure, shrink, ulfm_problem, world
-from .state.broadcast import broadcast_optimizer_state, broadcast_parameters
+from .state.broadcast import broadcast_optimizer_state, broadcast_parameters, to_cpu
 
 __all__ = ["State", "run", "WorldChanged", "world"]
 
@@ -57,6 +57,8 @@ class State:
         resets: failures survived so far.
         last_recovery_seconds: of the last failure, the seconds from its detection on this rank to the
             training function being called again (shrink, rebuild, restore, callbacks and sync).
+        last_failure_seen_at, last_resumed_at: of the last failure, when (``time.time()``) this rank saw
+            it, and when the training function was called again.
     """
 
     def __init__(self, model=None, optimizer=None, **attributes: Any):
@@ -67,7 +69,8 @@ class State:
         self._callbacks: list[Callable[[], None]] = []
         self.resets = 0
         self.last_recovery_seconds: float | None = None
-        self.last_failure_seen_at: float | None = None  # time.time() when this rank saw the last failure
+        self.last_failure_seen_at: float | None = None
+        self.last_resumed_at: float | None = None
         self._saved: dict[str, Any] = {}
         self._save()
 
@@ -128,10 +131,18 @@ class State:
 
     def sync(self) -> None:
         """Collective over the current world: the parameters and buffers, the optimizer's state and the
-        attributes of its rank 0 on every rank."""
+        attributes of its rank 0 on every rank. Of a :class:`~adasum.torch.DistributedOptimizer` the whole
+        :meth:`~adasum.torch.DistributedOptimizer.state_dict` (its counters too): a rank that died inside a
+        commit may have let some survivors finish it and not others, and rank 0's commit is then everyone's."""
         if self.model is not None:
             broadcast_parameters(self.model.state_dict(), root=0, comm=world())
-        if self.optimizer is not None:
+        if self.optimizer is not None and callable(getattr(self.optimizer, "rejoin", None)):
+            root = world().Get_rank() == 0
+            state = exchange.bcast(world(), to_cpu(self.optimizer.state_dict()) if root else None, root=0,
+                                   what="the elastic state's optimizer")
+            if not root:
+                self.optimizer.load_state_dict(state)
+        elif self.optimizer is not None:
             broadcast_optimizer_state(self.optimizer, root=0, comm=world())
         values = exchange.bcast(world(), self._values(), root=0, what="the elastic state's attributes")
         self._load_values(values)
@@ -195,6 +206,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                 state.sync()
                 if detected is not None:
                     state.last_recovery_seconds = time.monotonic() - detected
+                    state.last_resumed_at = time.time()
                 return func(state, *args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - only a rank's death is handled, the rest re-raised
                 if problem is not None or not is_failure(exc):
