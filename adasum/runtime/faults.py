@@ -82,7 +82,9 @@ def ulfm_problem() -> str | None:
 def is_failure(exc: BaseException | None) -> bool:
     """Whether ``exc`` (or an exception it was raised from or during) says a rank died: a
     :class:`WorldChanged`, or an MPI error of class ``ERR_PROC_FAILED``/``ERR_REVOKED``, also as the text a
-    lane carries back from its thread."""
+    lane carries back from its thread. An ``ERR_IN_STATUS`` (a wait on several requests, whose own errors
+    are in their statuses) counts where this process knows of a dead rank or a revoked communicator
+    (:func:`_lost_a_rank`)."""
     seen: set[int] = set()
     classes = _failure_classes()
     while exc is not None and id(exc) not in seen:
@@ -91,10 +93,28 @@ def is_failure(exc: BaseException | None) -> bool:
             return True
         if isinstance(exc, MPI.Exception) and exc.Get_error_class() in classes:
             return True
+        if isinstance(exc, MPI.Exception) and exc.Get_error_class() == MPI.ERR_IN_STATUS and _lost_a_rank():
+            return True
         if any(name in str(exc) for name in _FAILURE_NAMES + ("WorldChanged",)):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def _lost_a_rank() -> bool:
+    """Under ULFM: whether the current world knows of a dead rank, or it or a communicator the library
+    holds was revoked (local calls)."""
+    if ulfm_problem() is not None:
+        return False
+    try:
+        dead = world().Get_failed()
+        lost = dead.Get_size() > 0
+        if dead != MPI.GROUP_EMPTY:
+            dead.Free()
+        return lost or any(c is not None and c != MPI.COMM_NULL and c.Is_revoked()
+                           for c in [world(), *(c for holder in _holders for c in holder())])
+    except (MPI.Exception, NotImplementedError):
+        return False
 
 
 def failed(exc: BaseException, where: str) -> WorldChanged:
