@@ -2,53 +2,34 @@
 
 Each test launches ``mpiexec --with-ft ulfm`` on tests/elastic/worker.py (from the environment of the
 running Python: scripts/run-elastic-tests.sh makes it) and checks what rank 0 of the survivors wrote: the
-smaller world, one reset per failure on every survivor, bitwise equal parameters, a falling loss. Without
-Open MPI (the main suite's MPICH) they are skipped.
+smaller world, one reset per failure on every survivor, parameters bitwise equal across the survivors and
+to a reference run in which nobody died (the world changed at the commits the failures rolled back to),
+the same losses as that reference, falling. Without Open MPI (the main suite's MPICH) they are skipped.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from mpi4py import MPI
 
-WORKER = Path(__file__).with_name("worker.py")
-ROOT = WORKER.parent.parent.parent
-MPIEXEC = Path(sys.executable).with_name("mpiexec")
-LAUNCH_TIMEOUT = 240  # seconds for one job, start-up of 4-5 torch processes on a loaded 2-core machine included
+from jobs import LAUNCH_TIMEOUT, MPIEXEC, OPEN_MPI, launch, run_job
 
 pytestmark = [
-    pytest.mark.skipif(not MPI.Get_library_version().startswith("Open MPI") or not MPIEXEC.exists(),
+    pytest.mark.skipif(not OPEN_MPI or not MPIEXEC.exists(),
                        reason="needs Open MPI with ULFM (scripts/run-elastic-tests.sh makes the environment)"),
     pytest.mark.timeout(LAUNCH_TIMEOUT + 30),
 ]
 
 
-def launch(tmp_path: Path, ranks: int, *args: str) -> tuple[dict, list[float]]:
-    """Run the worker at ``ranks`` ranks; its result and the times the killed ranks died."""
-    out = tmp_path / "result.json"
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [str(MPIEXEC), "--oversubscribe", "--with-ft", "ulfm", "-n", str(ranks), sys.executable, str(WORKER),
-           "--out", str(out), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
-    assert out.exists(), f"no result (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    killed = [float(p.read_text()) for p in tmp_path.glob("result.json.killed.*")]
-    return json.loads(out.read_text()), killed
-
-
-def check_survived(result: dict, ranks: int, failures: int) -> None:
+def check_survived(result: dict, ranks: int, failures: int, reference: bool = True) -> None:
     assert result["size"] == ranks - failures
     assert result["resets"] == [failures] * (ranks - failures)  # one reset per failure, on every survivor
     assert result["equal"], "the survivors' parameters differ"
     losses = result["losses"][0]
     assert len(losses) == 4 and losses[-1] < 0.5 * losses[0], losses
     assert all(r == losses for r in result["losses"])
+    if reference:  # nothing lost, nothing applied twice: bitwise the run whose dead ranks left at the last commit
+        assert all(result["reference_equal"]), result["reference_equal"]
+        assert all(r == losses for r in result["reference_losses"]), (losses, result["reference_losses"])
     if failures:
         assert all(s is not None and s < 30 for s in result["recovery_s"])
 
@@ -73,30 +54,53 @@ def test_no_failure_with_local_steps_is_bitwise_the_plain_run(tmp_path):
     assert result["plain_equal"] is True
 
 
-@pytest.mark.parametrize("ranks, kills, failures", [
-    (5, ["2@1.2"], 1),                    # between two commits
-    (4, ["0@2.1"], 1),                    # rank 0
-    (5, ["3@1.3:step"], 1),               # while the others are inside step()'s combine
-    (5, ["1@1.1", "4@2.6"], 2),           # two ranks, one after the other
-], ids=["between-commits", "rank-0", "inside-combine", "two-in-turn"])
-def test_survivors_finish(tmp_path, ranks, kills, failures):
-    result, killed = launch(tmp_path, ranks, *(a for k in kills for a in ("--kill", k)))
-    check_survived(result, ranks, failures)
-    assert result["sizes_at_reset"] == list(range(ranks - 1, ranks - 1 - failures, -1))
-    dead = {int(k.split("@")[0]) for k in kills}
+# The five target scenarios, each at 4 and at 5 ranks: ``--kill R@E.B[:where]`` (tests/elastic/worker.py).
+SCENARIOS = {
+    "between-commits": ["--kill", "2@1.2"],
+    "rank-0": ["--kill", "0@2.1"],
+    "inside-combine": ["--kill", "3@1.3:step"],  # while the others are inside step()'s combine
+    "two-in-turn": ["--kill", "1@1.1", "--kill", "3@2.6"],  # the second after the first reset
+    "local-steps": ["--local-steps", "4", "--kill", "2@1.6"],  # inside a window of 4 local steps
+}
+
+
+@pytest.mark.parametrize("ranks", [4, 5])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_survivors_finish(tmp_path, scenario, ranks):
+    args = SCENARIOS[scenario]
+    dead = {int(a.split("@")[0]) for a in args if "@" in a}
+    result, killed = launch(tmp_path, ranks, *args)
+    check_survived(result, ranks, len(dead))
+    assert result["sizes_at_reset"] == list(range(ranks - 1, ranks - 1 - len(dead), -1))
     assert sorted(result["survivors"]) == sorted(set(range(ranks)) - dead)
-    report(f"np={ranks} kill {kills}", result, killed)
+    report(f"np={ranks} {scenario}", result, killed)
 
 
 @pytest.mark.parametrize("ranks, args", [
-    (4, ["--local-steps", "4", "--kill", "2@1.6"]),             # inside a window of local steps
     (5, ["--local-steps", "4", "--delay", "1", "--kill", "2@1.5"]),  # a combine in flight on the lane
     (4, ["--overlap", "--kill", "1@1.2:step"]),                 # the overlap engine's lane
-], ids=["local-steps", "delay", "overlap"])
+], ids=["delay", "overlap"])
 def test_survivors_finish_with_options(tmp_path, ranks, args):
     result, killed = launch(tmp_path, ranks, *args)
     check_survived(result, ranks, 1)
     report(f"np={ranks} {' '.join(args[:-2])}", result, killed)
+
+
+def test_a_death_inside_a_commit(tmp_path):
+    """A rank SIGKILLed inside a commit's flush, which combines half a window of 8 local steps: some
+    survivors may have finished that commit and others not; after the reset every survivor goes on from
+    rank 0's (the commit it holds is not known beforehand, so there is no reference run to compare with)."""
+    result, killed = launch(tmp_path, 4, "--local-steps", "8", "--kill", "2@1.3:commit")
+    check_survived(result, 4, 1, reference=False)
+    report("np=4 inside a commit", result, killed)
+
+
+def test_a_wait_on_several_requests_sees_the_death(tmp_path):
+    """A dead rank met by ``Testall`` over several requests is ``MPI_ERR_IN_STATUS``, not
+    ``ERR_PROC_FAILED``: it counts as a failure too (tests/elastic/in_status.py)."""
+    proc = run_job(tmp_path, 3, script="in_status.py")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("rank ")]
+    assert len(lines) == 2 and all(line.endswith("is_failure True") for line in lines), proc.stdout + proc.stderr
 
 
 def test_horovod_elastic_api(tmp_path):
