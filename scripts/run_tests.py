@@ -235,9 +235,11 @@ def main() -> int:
                 f'{check} --junitxml="$ADASUM_TEST_LOGDIR/junit-rank0.xml"')
         runs.append(("convergence --quick (np=6)", ["sh", "-c", line], {"ADASUM_CONVERGENCE_QUICK": ""}))
     if not args.no_elastic:
-        # Open MPI with ULFM in its own environment (scripts/run-elastic-tests.sh makes .venv-ompi once)
-        line = f'bash {shlex.quote(str(ROOT / "scripts" / "run-elastic-tests.sh"))} ' \
-               '--junitxml="$ADASUM_TEST_LOGDIR/junit-rank0.xml"'
+        # Open MPI with ULFM in its own environment (scripts/run-elastic-tests.sh makes .venv-ompi once), with
+        # the user's pytest arguments but for paths outside tests/elastic
+        mine = [a for a in extra if not a.startswith("tests/") or a.startswith("tests/elastic")]
+        line = (f'bash {shlex.quote(str(ROOT / "scripts" / "run-elastic-tests.sh"))} '
+                f'--junitxml="$ADASUM_TEST_LOGDIR/junit-rank0.xml" {shlex.join(mine)}')
         runs.append(("elastic (Open MPI with ULFM, np=4,5)", ["sh", "-c", line], {}))
     docs = ROOT / "scripts" / "build-docs.sh"
     if not args.no_docs and docs.exists():
