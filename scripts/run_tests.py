@@ -1,7 +1,9 @@
 """Runs the test suite: once serially, then under mpiexec at each world size in --sizes, the framework
 tests (Lightning, Accelerate, transformers) at --frameworks-sizes, the core tests again on the numpy kernels
 (--numpy-kernels-sizes), the hierarchical-mode tests on emulated nodes (--hostfile-runs), the convergence
-study's --quick run with a check of its outputs, and last the documentation build (mkdocs --strict).
+study's --quick run with a check of its outputs, the elastic tests (ranks SIGKILLed under Open MPI with ULFM,
+in their own environment .venv-ompi: scripts/run-elastic-tests.sh), and last the documentation build
+(mkdocs --strict).
 
 Every mpiexec command is made by one function (``_mpiexec``). Rank 0 of each MPI run prints to the
 terminal; the other ranks write to logs that are printed, and kept, only when their run fails. The counts
@@ -146,6 +148,8 @@ def _holds(tests: list[dict], name: str, cmd: list[str], extra: list[str]) -> bo
         return any("quick_outputs" in t["id"] for t in tests)
     if name.startswith("docs"):
         return any(t["id"].startswith("tests/docs/") for t in tests)
+    if name.startswith("elastic"):
+        return any(t["id"].startswith("tests/elastic/") for t in tests)
     n = int(cmd[cmd.index("-n") + 1])
     files = [a for a in cmd if a.startswith("tests/") and a.endswith(".py") and a not in extra]
     if files:  # the numpy-kernel and emulated-node runs: their files only
@@ -180,6 +184,8 @@ def main() -> int:
     ap.add_argument("--no-convergence", action="store_true",
                     help="skip the convergence study's --quick run (benchmarks/convergence.py on 6 ranks)")
     ap.add_argument("--no-docs", action="store_true", help="skip building the documentation (mkdocs --strict)")
+    ap.add_argument("--no-elastic", action="store_true",
+                    help="skip the elastic tests (ranks killed under Open MPI with ULFM, in .venv-ompi)")
     ap.add_argument("--hostfile-runs", default=None,
                     help="emulated-node runs of the hierarchical tests: 'all', 'none' or names from "
                          f"{', '.join(name for name, _, _ in HOSTFILE_RUNS)} (comma-separated; default all)")
@@ -228,6 +234,13 @@ def main() -> int:
         line = (f'{study} "$ADASUM_CONVERGENCE_QUICK" && '
                 f'{check} --junitxml="$ADASUM_TEST_LOGDIR/junit-rank0.xml"')
         runs.append(("convergence --quick (np=6)", ["sh", "-c", line], {"ADASUM_CONVERGENCE_QUICK": ""}))
+    if not args.no_elastic:
+        # Open MPI with ULFM in its own environment (scripts/run-elastic-tests.sh makes .venv-ompi once), with
+        # the user's pytest arguments but for paths outside tests/elastic
+        mine = [a for a in extra if not a.startswith("tests/") or a.startswith("tests/elastic")]
+        line = (f'bash {shlex.quote(str(ROOT / "scripts" / "run-elastic-tests.sh"))} '
+                f'--junitxml="$ADASUM_TEST_LOGDIR/junit-rank0.xml" {shlex.join(mine)}')
+        runs.append(("elastic (Open MPI with ULFM, np=4,5)", ["sh", "-c", line], {}))
     docs = ROOT / "scripts" / "build-docs.sh"
     if not args.no_docs and docs.exists():
         runs.append(("docs (mkdocs build --strict)", ["bash", str(docs)], {}))

@@ -1,1 +1,1 @@
-"""The state and the MPI side: the per-communicator context, transport, waiting, the stall inspector, the small exchanges, the launch check, settings, the world and the node topology."""
+"""The state and the MPI side: the per-communicator context, transport, waiting, the stall inspector, the small exchanges, the launch check, settings, the world and the node topology, and a dead rank's detection and the survivors' world (faults, elastic)."""

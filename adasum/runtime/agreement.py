@@ -16,6 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import stall, waiting
+from .faults import mpi_error
 from .stall import AdasumCollectiveError
 from ..adapters import Adapter, Adapters
 from ..rule.dtypes import FLOAT_DTYPES, INT_DTYPES, dtype_code, op_code
@@ -139,7 +140,7 @@ def agree(call, op: str, descs: Sequence[TensorDesc] | None, error: Exception | 
         if rc == 1:
             resume(call, op, descs, patience)
         elif rc:
-            raise MPI.Exception(rc)
+            raise mpi_error(rc, call.what)
     else:
         stall.wait(call, call.lcomm.Iallreduce(scratch[0:4], scratch[4:8], op=MPI.MAX), op, descs)
     if agreed(scratch):

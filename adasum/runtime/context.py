@@ -33,10 +33,12 @@ from ..adapters import Adapters
 from .buffers import Buffers
 from ..kernels.native import handle
 from . import stall
-from .stall import AdasumStallError
+from .errors import AdasumCollectiveError, AdasumStallError
+from .faults import is_revoked, revoke_also, world
 from ..settings import Settings, current
 
-__all__ = ["Call", "Context", "Traffic", "check_comm", "check_root", "context_for", "count_traffic", "library_comm", "release_buffers"]
+__all__ = ["Call", "Context", "Traffic", "check_comm", "check_root", "context_for", "count_traffic", "library_comm",
+           "live_contexts", "release_buffers"]
 
 # Plans kept per communicator: a training loop reduces a few lists of the same shapes over and over.
 MAX_PLANS = 64
@@ -171,6 +173,9 @@ class Context:
         call runs reads the live settings again. Every 64th call first drops the stall inspector's messages
         of earlier calls."""
         if self.broken is not None:
+            if self._freed:  # abandoned after a failure: not a new failure, a stale communicator
+                raise AdasumCollectiveError(f"{what} on {self.name}: {self.broken}; use the survivors' world "
+                                            "(comm=None, or rebuild in a reset callback)")
             raise AdasumStallError(f"{what} on {self.name}: the library can no longer use this communicator, "
                                    f"an earlier call timed out there ({self.broken})")
         if not self._busy.acquire(blocking=False):
@@ -227,24 +232,51 @@ class Context:
         self.adapters.clear()
 
     def free(self) -> None:
-        """Release everything and free the communicators this context made."""
+        """Release everything and free the communicators this context made (not where they were revoked:
+        :mod:`adasum.runtime.faults`)."""
         if self._freed:
             return
         self._freed = True
         self.release()
         if self.nodes is not None:
-            self.nodes.free()
+            if not is_revoked(self._comm):
+                self.nodes.free()
             self.nodes = None
         if MPI.Is_finalized():
             self._lcomm = None
             return
         # The inspector's messages still waiting here would outlive the communicators' contexts and meet
-        # the next communicators MPI makes with them (the user's one carried those of the duplicate's making).
-        stall.forget(self._comm)
-        if self._lcomm is not None and self._lcomm != MPI.COMM_SELF:
-            stall.forget(self._lcomm)
-            self._lcomm.Free()
+        # the next communicators MPI makes with them (the user's one carried those of the duplicate's
+        # making). A revoked communicator is left as it is (adasum.runtime.faults).
+        if not is_revoked(self._comm):
+            stall.forget(self._comm)
+        lcomm = self._lcomm
+        if lcomm is not None and lcomm != MPI.COMM_SELF and not is_revoked(lcomm):
+            stall.forget(lcomm)
+            lcomm.Free()
         self._lcomm = None
+
+    @property
+    def user_comm(self) -> MPI.Intracomm:
+        """The user's communicator this context belongs to."""
+        return self._comm
+
+    def held(self) -> list[MPI.Comm | None]:
+        """The communicators this context holds: the user's, the library's duplicate and the node
+        layout's (none once freed)."""
+        if self._freed:
+            return []
+        nodes = self.nodes
+        layout = [] if nodes is None else [nodes.node_comm, nodes.cross_comm, nodes.slice_comm]
+        return [self._comm, self._lcomm, *layout]
+
+    def abandon(self, why: str) -> None:
+        """After a failure (:mod:`adasum.runtime.elastic`): every later call raises, saying ``why``; nothing
+        is freed (the communicators were revoked)."""
+        self.broken = why
+        self._freed = True
+        self.release()
+        self.nodes = None
 
 
 def _describe(comm: MPI.Intracomm) -> str:
@@ -282,8 +314,9 @@ _registry = _Registry()
 
 
 def check_comm(comm: MPI.Intracomm | None) -> MPI.Intracomm:
-    """``comm``, or ``MPI.COMM_WORLD`` for None; TypeError for anything but an intracommunicator."""
-    comm = MPI.COMM_WORLD if comm is None else comm
+    """``comm``, or the current world for None (``MPI.COMM_WORLD``, or the survivors' communicator after a
+    failure: :mod:`adasum.runtime.faults`); TypeError for anything but an intracommunicator."""
+    comm = world() if comm is None else comm
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
     return comm
@@ -317,6 +350,15 @@ def context_for(comm: MPI.Intracomm | None) -> Context:
                 comm.Set_attr(key, ctx)
                 _registry.live.add(ctx)
     return ctx
+
+
+def live_contexts() -> list[Context]:
+    """Every context alive in this process."""
+    return list(_registry.live)
+
+
+# At a failure every communicator a live context holds is revoked with the world (adasum.runtime.faults).
+revoke_also(lambda: [comm for ctx in live_contexts() for comm in ctx.held()])
 
 
 def library_comm(comm: MPI.Intracomm | None = None) -> MPI.Intracomm:

@@ -27,6 +27,7 @@ from typing import Callable
 from mpi4py import MPI
 
 from .context import check_comm, context_for, library_comm
+from .faults import is_revoked
 
 __all__ = ["GIVE_UP_WAIT", "Job", "Lane", "LaneClosedError"]
 
@@ -284,5 +285,5 @@ class Lane:
         if on_end is not None:
             on_end()
         comm, self._comm = self._comm, None
-        if self.owned and comm is not None and not MPI.Is_finalized():
+        if self.owned and comm is not None and not MPI.Is_finalized() and not is_revoked(comm):
             comm.Free()  # the library's state on it (and its own duplicate) goes with it

@@ -34,6 +34,8 @@ from mpi4py import MPI
 
 
 from ..rule.dtypes import itemsize, op_code, op_name
+from .errors import AdasumCollectiveError, AdasumStallError
+from .faults import failed, is_failure
 from .transport import TAG
 from .waiting import wait_all
 
@@ -48,16 +50,6 @@ ANNOUNCE_AFTER = 1.0
 _FIELDS = 5  # call number, op, tensors, bytes, rank
 # On a communicator that may be given up, a wait looks this often whether it was.
 GIVE_UP_EVERY = 0.1
-
-
-class AdasumCollectiveError(RuntimeError):
-    """A collective failed between the ranks: they called different things (:class:`AdasumMismatchError`) or
-    a rank did not arrive (:class:`AdasumStallError`). ``adasum.horovod.HorovodInternalError`` is this
-    class, so ``except hvd.HorovodInternalError`` catches both, as Horovod's scripts expect."""
-
-
-class AdasumStallError(AdasumCollectiveError):
-    """A call waited ``stall_timeout`` seconds for ranks that did not enter it; the text names them."""
 
 
 def patience(s, ctx=None) -> float:
@@ -141,8 +133,11 @@ def _collect(comm: MPI.Intracomm, seq: int, heard: dict) -> None:
 def forget(comm: MPI.Intracomm) -> None:
     """Drop the inspector's messages waiting on ``comm``, before the library frees it: left there, they
     would stay in this rank's queue under the communicator's context, which MPI may give to the next
-    communicator it makes."""
-    _collect(comm, -1, {})
+    communicator it makes. Where MPI cannot look any more (a rank of it died), nothing is dropped."""
+    try:
+        _collect(comm, -1, {})
+    except MPI.Exception:
+        pass
 
 
 def drain(call) -> None:
@@ -152,6 +147,17 @@ def drain(call) -> None:
 
 def wait(call, req: MPI.Request | list, op: str | None, descs, waited: float = 0.0,
          via: MPI.Intracomm | None = None, label: str | None = None) -> None:
+    """:func:`_wait`; a rank that died makes it raise :class:`adasum.runtime.faults.WorldChanged`."""
+    try:
+        _wait(call, req, op, descs, waited, via, label)
+    except MPI.Exception as exc:
+        if is_failure(exc):
+            raise failed(exc, call.what) from exc
+        raise
+
+
+def _wait(call, req: MPI.Request | list, op: str | None, descs, waited: float = 0.0,
+          via: MPI.Intracomm | None = None, label: str | None = None) -> None:
     """Wait for ``req`` (a request or a list of them), a collective of the call ``call`` (:class:`adasum.runtime.context.Call`; ``op`` and ``descs``: what
     this rank passed; ``op`` None: the duplicate of a first call; ``op`` "exchange": one of
     :mod:`adasum.runtime.exchange`'s calls, ``descs`` its bytes and ``label`` what it is for), ``waited`` seconds

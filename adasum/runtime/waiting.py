@@ -25,6 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..kernels.native import compiled, mpi_bound
+from .faults import failed, is_failure
 
 __all__ = ["NAP_FIRST", "NAP_MAX", "SPIN", "policy", "wait_all"]
 
@@ -41,7 +42,17 @@ def policy(waiting: str) -> tuple[float, float, float]:
 def wait_all(reqs: list[MPI.Request], waiting: str, until: float | None = None, native: bool = False) -> bool:
     """Wait until every request of ``reqs`` is complete, as the setting ``waiting`` says; with ``until``
     (a ``time.monotonic()`` deadline), stop there. Returns whether they completed. ``native``: the setting
-    ``native_mpi`` (wait through the compiled rule where it is bound)."""
+    ``native_mpi`` (wait through the compiled rule where it is bound). A rank that died makes it raise
+    :class:`adasum.runtime.faults.WorldChanged`, every communicator of the library revoked."""
+    try:
+        return _wait_all(reqs, waiting, until, native)
+    except MPI.Exception as exc:
+        if is_failure(exc):
+            raise failed(exc, "a collective") from exc
+        raise
+
+
+def _wait_all(reqs: list[MPI.Request], waiting: str, until: float | None, native: bool) -> bool:
     if until is None and waiting == "spin":
         MPI.Request.Waitall(reqs)
         return True
@@ -52,7 +63,7 @@ def wait_all(reqs: list[MPI.Request], waiting: str, until: float | None = None, 
         addresses = np.array([MPI._addressof(r) for r in reqs], dtype=np.int64)
         rc = compiled.wait_requests(addresses, patience, *policy(waiting))
         if rc > 1:
-            raise MPI.Exception(rc)
+            raise MPI.Exception(rc)  # turned into WorldChanged by wait_all where it says a rank died
         return rc == 0
     return _wait_python(reqs, waiting, until)
 

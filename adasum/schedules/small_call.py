@@ -17,6 +17,7 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
+from ..runtime.faults import mpi_error
 from ..rule import tree
 from ..runtime import waiting
 from ..rule.dtypes import itemsize
@@ -75,7 +76,7 @@ def run_small(call, plan, items: list, inplace: bool, extras: dict):
     if rc == -1:
         raise explain(call, "adasum", plan.descs, None, extras["adasum"])
     if rc:
-        raise MPI.Exception(rc)
+        raise mpi_error(rc, call.what)
     if inplace:
         if host is not live:
             g.adapter.wrote_parts(items)

@@ -3,6 +3,7 @@ with micro-batch accumulation), a scheduler that steps once per accumulation win
 root rank, and checkpoints that resume bitwise; ``torch.distributed`` started from MPI (:func:`init_process_group`) and
 DDP communication hooks (:mod:`adasum.torch.ddp`)."""
 
+from . import elastic
 from .distributed import init_process_group
 from .optimizer import DistributedOptimizer
 from .options import Options
@@ -21,4 +22,5 @@ __all__ = [
     "load_checkpoint",
     "read_checkpoint",
     "init_process_group",
+    "elastic",
 ]

@@ -133,6 +133,7 @@ class DistributedOptimizer(_Wrapping):
         comm = check_comm(comm)
         check_launch()  # a job whose processes MPI does not see raises here
         self.optimizer, self.comm, self.grad_scaler = optimizer, comm, grad_scaler
+        self._module = module  # kept for rejoin()
         wire = Wire(opts.compression)
         self.op, self.compression, self.bucket_bytes, self.start_copy = (
             opts.op, wire.name, opts.bucket_bytes, opts.start_copy)
@@ -145,7 +146,26 @@ class DistributedOptimizer(_Wrapping):
         overlap = self._agree(wire, kept, loss)
         self.local_steps, self.outer_lr, self.outer_momentum, self.delay = (
             int(opts.local_steps), float(opts.outer_lr), float(opts.outer_momentum), int(opts.delay))
-        self._parts = self._assemble(module, kept, wire, loss, overlap)
+        self._parts = _assemble(self, module, kept, wire, loss, overlap)
+        self._steps = Steps(self._parts)
+
+    def rejoin(self, comm: MPI.Intracomm | None = None) -> None:
+        """Go on over ``comm`` (default: the current world) after the world shrank
+        (:mod:`adasum.torch.elastic`): the lanes of the old communicator are dropped, never waited for, the
+        settings are checked again across the new ranks (collective over ``comm``) and the window, counters
+        and the Adasum tree start afresh at the new size. The wrapped optimizer and its state are kept; load
+        the committed :meth:`state_dict` afterwards to restore the counters."""
+        self._check_open("rejoin()")
+        parts = self._parts
+        if parts.engine is not None:
+            parts.engine.drop()
+        if parts.local is not None and parts.local.lane is not None:
+            parts.local.lane.drop("the world shrank")
+        self.comm = check_comm(comm)
+        wire, loss = Wire(self.options.compression), LossScale(self.grad_scaler)
+        kept = [] if self.buffers is None else buffers_of(self._module)
+        overlap = self._agree(wire, kept, loss)
+        self._parts = _assemble(self, self._module, kept, wire, loss, overlap)
         self._steps = Steps(self._parts)
 
     def _agree(self, wire: Wire, kept: list[torch.Tensor], loss: LossScale) -> bool:
@@ -160,31 +180,6 @@ class DistributedOptimizer(_Wrapping):
         check_agreement(comm, mine, trained_params(self.optimizer), [(tuple(b.shape), str(b.dtype)) for b in kept],
                         local_problem)
         return overlap
-
-    def _assemble(self, module, kept: list[torch.Tensor], wire: Wire, loss: LossScale, overlap: bool) -> Parts:
-        """Make the parts the settings ask for: the strategy, local steps, the buffers' sync, the overlap
-        engine (dropped, never waited for, once this optimizer is collected) and the boundary."""
-        optimizer, comm, opts = self.optimizer, self.comm, self.options
-        window = AccumulationWindow(opts.accumulation_steps)
-        ledger, layout = Ledger(window), Layout(optimizer)
-        if self.op == "adasum" and comm.Get_size() > 1:
-            strategy = AdasumDeltas(optimizer, StartCopy(self.start_copy), wire, self.hierarchical,
-                                    self.skip_nonfinite)
-        else:  # one rank: exactly the wrapped optimizer (the reduction is the identity)
-            strategy = GradientReduce(optimizer, self.op, wire, self.skip_nonfinite)
-        local = None
-        if uses_local_steps(self.local_steps, self.outer_lr, self.outer_momentum, self.delay):
-            local = ledger.local = LocalSteps(optimizer, comm, self.op, self.local_steps,
-                                              OuterSGD(self.outer_lr, self.outer_momentum), self.start_copy, wire,
-                                              self.hierarchical, self.skip_nonfinite, loss, layout, self.delay)
-        source = module if isinstance(module, torch.nn.Module) else None
-        buffers = None if self.buffers is None else BufferSync(self.buffers, kept, comm, source)
-        engine = None
-        if overlap:
-            engine = OverlapEngine(optimizer, strategy, window, loss, comm, self.bucket_bytes, ledger, layout)
-            weakref.finalize(self, engine.drop)  # never waits for a collective (OverlapEngine.drop)
-        boundary = Boundary(optimizer, comm, strategy, window, loss, engine, layout)
-        return Parts(optimizer, comm, window, ledger, layout, loss, strategy, boundary, local, engine, buffers)
 
     # --- the loop ---------------------------------------------------------------------------------------------
 
@@ -370,3 +365,30 @@ class DistributedOptimizer(_Wrapping):
         return (f"DistributedOptimizer(op={self.op!r}, accumulation_steps={self.accumulation_steps}, "
                 f"overlap={self.overlap}, compression={self.compression!r}, size={self.comm.Get_size()}, "
                 f"optimizer={self.optimizer!r})")
+
+
+def _assemble(opt: DistributedOptimizer, module, kept: list[torch.Tensor], wire: Wire, loss: LossScale,
+              overlap: bool) -> Parts:
+    """The parts ``opt``'s settings ask for: the strategy, local steps, the buffers' sync, the overlap engine
+    (dropped, never waited for, once the optimizer is collected) and the boundary."""
+    optimizer, comm, opts = opt.optimizer, opt.comm, opt.options
+    window = AccumulationWindow(opts.accumulation_steps)
+    ledger, layout = Ledger(window), Layout(optimizer)
+    if opt.op == "adasum" and comm.Get_size() > 1:
+        strategy = AdasumDeltas(optimizer, StartCopy(opt.start_copy), wire, opt.hierarchical,
+                                opt.skip_nonfinite)
+    else:  # one rank: exactly the wrapped optimizer (the reduction is the identity)
+        strategy = GradientReduce(optimizer, opt.op, wire, opt.skip_nonfinite)
+    local = None
+    if uses_local_steps(opt.local_steps, opt.outer_lr, opt.outer_momentum, opt.delay):
+        local = ledger.local = LocalSteps(optimizer, comm, opt.op, opt.local_steps,
+                                          OuterSGD(opt.outer_lr, opt.outer_momentum), opt.start_copy, wire,
+                                          opt.hierarchical, opt.skip_nonfinite, loss, layout, opt.delay)
+    source = module if isinstance(module, torch.nn.Module) else None
+    buffers = None if opt.buffers is None else BufferSync(opt.buffers, kept, comm, source)
+    engine = None
+    if overlap:
+        engine = OverlapEngine(optimizer, strategy, window, loss, comm, opt.bucket_bytes, ledger, layout)
+        weakref.finalize(opt, engine.drop)  # never waits for a collective (OverlapEngine.drop)
+    boundary = Boundary(optimizer, comm, strategy, window, loss, engine, layout)
+    return Parts(optimizer, comm, window, ledger, layout, loss, strategy, boundary, local, engine, buffers)

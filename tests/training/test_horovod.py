@@ -298,8 +298,33 @@ def test_built_and_enabled_checks():
 def test_what_is_not_provided_raises(name):
     with pytest.raises(NotImplementedError, match=f"adasum.horovod.{name} is not provided: "):
         getattr(hvd, name)(torch.ones(2))
-    with pytest.raises(NotImplementedError, match="adasum.horovod.elastic.run is not provided: .*torchrun"):
-        hvd.elastic.run
+
+
+def test_elastic_without_ulfm_says_so_and_lets_errors_through(caplog):
+    """Under an MPI without ULFM (this suite's MPICH) elastic.run warns once, naming what to install, and an
+    error inside the function propagates as it would without it."""
+    from adasum.runtime.elastic import ulfm_problem
+    from adasum.torch import elastic
+
+    if ulfm_problem() is None:
+        pytest.skip("this MPI has ULFM")
+    elastic._told[0] = False
+    calls = []
+
+    @hvd.elastic.run
+    def train(state):
+        calls.append(state.epoch)
+        raise KeyError("not a failure")
+
+    state = hvd.elastic.ObjectState(epoch=3)
+    with caplog.at_level("WARNING", logger="adasum"):
+        with pytest.raises(KeyError):
+            train(state)
+        with pytest.raises(KeyError):
+            train(state)
+    told = [r for r in caplog.records if "ULFM" in r.getMessage()]
+    assert len(told) == 1 and "--with-ft ulfm" in told[0].getMessage()
+    assert calls == [3, 3] and state.resets == 0
 
 
 def test_a_process_set_argument_is_checked():

@@ -82,6 +82,20 @@ def test_example_resumes_bitwise_from_a_mid_window_checkpoint(tmp_path, op):
     assert got["test_accuracy"] == want["test_accuracy"] and got["test_loss"] == want["test_loss"]
 
 
+def test_example_elastic_without_a_failure_is_the_plain_run(tmp_path):
+    """--elastic with no rank dying (and commits inside epochs that close no window early): bitwise the
+    plain run, with its counts of resets and replayed micro-batches at zero. Under an MPI without ULFM
+    (this suite's MPICH) it says so once and trains all the same."""
+    train = _train_module()
+    common = SMALL + ["--epochs", "2", "--accumulation-steps", "2", "--optimizer", "sgd"]
+    plain, elastic = tmp_path / "plain.pt", tmp_path / "elastic.pt"
+    want = train.main(common + ["--checkpoint", str(plain)])
+    got = train.main(common + ["--checkpoint", str(elastic), "--elastic", "--checkpoint-every", "4"])
+    assert _model_bytes(elastic) == _model_bytes(plain)
+    assert got["test_loss"] == want["test_loss"] and got["train_loss"] == want["train_loss"]
+    assert (got["resets"], got["replayed_micro_batches"], got["world_size"]) == (0, 0, 1)
+
+
 @pytest.mark.mpi(min_size=1)
 def test_example_on_every_rank(comm):
     """One epoch on all ranks: every rank ends with the same metrics and rank 0 writes them."""

@@ -10,7 +10,8 @@ changing only its import::
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
 
-The world is ``MPI.COMM_WORLD``. ``init()`` is collective; the synchronous calls work without it, the
+The world is ``MPI.COMM_WORLD`` (the survivors' communicator after an elastic reset). ``init()`` is
+collective; the synchronous calls work without it, the
 asynchronous calls, ``join()`` and process sets raise ``ValueError`` until it was called.
 Where the meaning differs from Horovod's:
 
@@ -40,8 +41,10 @@ Where the meaning differs from Horovod's:
   are reduced as Horovod reduces them, gathered or with ``sparse_as_dense`` (:mod:`.sparse`).
 - ``Compression.fp16`` sends 16-bit values, scaled by a power of two that every rank agrees on, and
   combines them in float32: half the bytes of float32 on the wire.
-- Not provided (``NotImplementedError`` naming what to use): Gloo, elastic training, the timeline and
-  ``SyncBatchNorm``.
+- Elastic training (``hvd.elastic.run``, ``TorchState``, ``ObjectState``; :mod:`.elastic`) needs an MPI
+  with ULFM (Open MPI 5, ``mpiexec --with-ft ulfm``): ranks that die are dropped and the survivors go on from
+  the last commit; the world never grows. The world is then the survivors' communicator.
+- Not provided (``NotImplementedError`` naming what to use): Gloo, the timeline and ``SyncBatchNorm``.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from .handles import (allgather_async, allreduce_async, allreduce_async_, alltoa
                       broadcast_async_, grouped_allgather_async, grouped_allreduce_async, grouped_allreduce_async_,
                       grouped_reducescatter_async, poll, reducescatter_async, sparse_allreduce_async, synchronize)
 from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+from . import elastic
 from .process_sets import (ProcessSet, add_process_set, global_process_set, init, remove_process_set,
                            shutdown)
 
@@ -90,18 +94,3 @@ start_timeline = _not_provided("start_timeline", _TIMELINE)
 stop_timeline = _not_provided("stop_timeline", _TIMELINE)
 SyncBatchNorm = _not_provided("SyncBatchNorm", "use torch.nn.SyncBatchNorm after adasum.torch.init_process_group() "
                                                "(torch.distributed over the same ranks)")
-
-
-class _Elastic:
-    """Horovod's elastic training needs its own driver (``horovodrun --min-np``) to add and remove workers;
-    an MPI world is fixed for the job's life."""
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise NotImplementedError(f"adasum.horovod.elastic.{name} is not provided: an MPI world cannot grow or "
-                                  "shrink; for elastic training use torchrun (torch.distributed.elastic) with "
-                                  "adasum.torch.ddp's Adasum hook")
-
-
-elastic = _Elastic()

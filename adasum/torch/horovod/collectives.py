@@ -189,7 +189,7 @@ def join(device=-1) -> int:
     error = box.get("error")
     waited = time.monotonic() - start
     mine = (served + box.get("served", 0), waited, None if error is None else f"{type(error).__name__}: {error}")
-    everyone = exchange.allgather(MPI.COMM_WORLD, mine, what="join's order")
+    everyone = exchange.allgather(None, mine, what="join's order")
     if error is not None:
         raise error
     failed = [f"rank {r}: {e}" for r, (_, _, e) in enumerate(everyone) if e is not None]

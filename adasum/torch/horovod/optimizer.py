@@ -82,6 +82,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     opt.__dict__["_parameter_names"] = names
     local = uses_local_steps(opt.local_steps, opt.outer_lr, opt.outer_momentum, opt.delay)
     opt.__dict__["_sparse"] = SparseGradients(None if local else ps, comm, opt.op, wire, sparse_as_dense, names)
+    opt.__dict__["_sparse_of"] = lambda new: SparseGradients(None if local else ps, new, opt.op, wire,
+                                                             sparse_as_dense, names)
+    opt.__dict__["_process_set"] = ps
     return opt
 
 
@@ -103,6 +106,16 @@ class _HorovodOptimizer(_DistributedOptimizer):
     Adasum. ``step()`` never reduces the gradients twice; as in Horovod, ``step()`` after ``synchronize()``
     outside ``skip_synchronize()`` warns.
     """
+
+    def rejoin(self, comm=None) -> None:
+        """:meth:`adasum.torch.DistributedOptimizer.rejoin` on the new world (an optimizer of the whole
+        world only: a process set's communicators are gone with the old world)."""
+        ps = self.__dict__.get("_process_set")
+        if ps is not None and ps.process_set_id != 0:
+            raise ValueError(f"rank {world.rank()}: a DistributedOptimizer of the process set {ps.ranks} cannot "
+                             "go on after the world shrank; make a new one on a process set of the new world")
+        super().rejoin(comm)
+        self.__dict__["_sparse"] = self.__dict__["_sparse_of"](self.comm)
 
     def synchronize(self) -> None:
         """Make ``.grad`` what the local step will use: reduced over the ranks for ``op=Sum``/``Average``

@@ -21,11 +21,13 @@ from mpi4py import MPI
 
 from ...runtime import world
 from ...runtime.context import library_comm
+from ...runtime.elastic import when_shrunk
+from ...runtime.elastic import world as world_comm
 from ...runtime.lane import Lane
 from .negotiate import RankCall, execute
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "init", "shutdown",
-           "initialized", "ensure", "on_thread", "thread", "resolve"]
+           "initialized", "ensure", "on_thread", "thread", "resolve", "rejoin"]
 
 
 class _State:
@@ -94,7 +96,7 @@ def init(comm=None, process_sets=None) -> None:
     if _State.stream is None:
         world.local_rank()  # the node layout, found collectively here: local_rank() and the others are local after
         # the handles' lane: its own duplicate of the world and the thread that runs them (its waits nap)
-        _State.thread = Lane(MPI.COMM_WORLD, "adasum-horovod", threaded=True, may_give_up=False)
+        _State.thread = Lane(world_comm(), "adasum-horovod", threaded=True, may_give_up=False)
         stream = _State.stream = _State.thread.comm
         global_process_set._stream = stream
         atexit.register(_finish)
@@ -174,10 +176,10 @@ def add_process_set(process_set) -> ProcessSet:
     ensure()
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     call = RankCall("add_process_set", agree=(("ranks", tuple(ps.ranks)),), error=_problem(ps))
-    execute(MPI.COMM_WORLD, global_process_set.ranks, world.rank(), call, lambda everyone: None)
+    execute(world_comm(), global_process_set.ranks, world.rank(), call, lambda everyone: None)
     me = world.rank()
     color = 0 if me in ps.ranks else MPI.UNDEFINED
-    main = library_comm(MPI.COMM_WORLD).Split(color, me)
+    main = library_comm(world_comm()).Split(color, me)
     stream = on_thread(lambda: _State.stream.Split(color, me))
     ps._main = None if main == MPI.COMM_NULL else main
     ps._stream = None if stream == MPI.COMM_NULL else stream
@@ -195,9 +197,31 @@ def remove_process_set(process_set: ProcessSet) -> bool:
                                "global one cannot be removed)")
     pid = getattr(process_set, "process_set_id", None)
     call = RankCall("remove_process_set", agree=(("process_set_id", pid),), error=problem)
-    execute(MPI.COMM_WORLD, global_process_set.ranks, world.rank(), call, lambda everyone: None)
+    execute(world_comm(), global_process_set.ranks, world.rank(), call, lambda everyone: None)
     _free(_State.sets.pop(pid))
     return True
+
+
+def rejoin() -> None:
+    """After the world shrank (:mod:`adasum.runtime.elastic`): the registered process sets dropped (their
+    communicators were revoked; register them again), the handles' lane dropped, the global set made of the
+    new world, and, where ``init()`` had been called, ``init()`` again (collective over the new world)."""
+    was = _State.stream is not None
+    for ps in _State.sets.values():
+        ps._main = ps._stream = None
+        ps.process_set_id = None
+    _State.sets.clear()
+    if _State.thread is not None:
+        _State.thread.drop("the world shrank")
+    _State.stream = _State.thread = None
+    global_process_set.ranks = list(range(world.size()))
+    global_process_set._main = world_comm()
+    global_process_set._stream = None
+    if was:
+        init()
+
+
+when_shrunk(rejoin)
 
 
 def _free(ps: ProcessSet) -> None:

@@ -1,0 +1,73 @@
+"""Surviving a rank that dies: the survivors' world made and made current.
+
+A wait that meets a dead rank revokes every communicator of the library and raises
+:class:`~adasum.runtime.faults.WorldChanged` on every survivor (:mod:`adasum.runtime.faults`).
+:func:`shrink` then makes the smaller world (``MPI_Comm_shrink`` of the current one) and makes it the
+*current world*: the default communicator of every call that takes ``comm=None`` (:func:`world`). The
+contexts of the old communicators are abandoned, never freed (freeing a revoked communicator may wait for
+dead ranks); their next call raises at once. State of the library that is one per process (the Horovod
+façade's process sets) follows through :func:`when_shrunk`.
+
+Where the MPI has no ULFM, :func:`ulfm_problem` says why and what to do; nothing here changes how a failure
+ends the job there.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import os
+
+from mpi4py import MPI
+
+from .context import live_contexts
+from .faults import (WorldChanged, is_failure, is_revoked, replace_world, revoke_all, ulfm_problem,
+                     world)
+
+__all__ = ["WorldChanged", "world", "replace_world", "ulfm_problem", "is_failure", "is_revoked", "revoke_all",
+           "shrink", "when_shrunk"]
+
+# Seconds MPI_Finalize may take at exit once ranks died before this process ends without it.
+FINALIZE_PATIENCE = 10.0
+_listeners: list = []  # called, in order, after the world shrank (when_shrunk)
+
+
+def when_shrunk(fn) -> None:
+    """Call ``fn()`` after every :func:`shrink`, once the new world is current (collective there): for
+    state of the library that is one per process, such as :mod:`adasum.horovod`'s process sets."""
+    _listeners.append(fn)
+
+
+def _finalize_or_leave() -> None:
+    """At exit, once ranks died: ``MPI_Finalize`` under a watchdog. Open MPI 5's finalize waits in a fence
+    over every process of the job, which after two failures may never end; then this process leaves
+    without it (exit status 1) after ``FINALIZE_PATIENCE`` seconds, rather than hang the job. The watchdog
+    is faulthandler's: a thread of its own that needs no Python to run."""
+    if MPI.Is_finalized():
+        return
+    faulthandler.dump_traceback_later(FINALIZE_PATIENCE, exit=True, file=_quiet())
+    MPI.Finalize()
+    faulthandler.cancel_dump_traceback_later()
+
+
+def _quiet():
+    _quiet.file = getattr(_quiet, "file", None) or open(os.devnull, "w")  # kept open for the watchdog
+    return _quiet.file
+
+
+def shrink() -> MPI.Intracomm:
+    """The survivors' world: the current world revoked (:func:`revoke_all`) and shrunk, every context of
+    the old communicators abandoned, the new one made current. Collective over the survivors."""
+    old = world()
+    revoke_all()
+    new = old.Shrink()
+    for ctx in live_contexts():
+        if is_revoked(ctx.user_comm):
+            ctx.abandon("a rank died and the world shrank; this communicator is revoked")
+    new.Set_name(f"the survivors' world ({new.Get_size()} ranks)")
+    if old == MPI.COMM_WORLD:
+        atexit.register(_finalize_or_leave)
+    replace_world(new)
+    for fn in _listeners:
+        fn()
+    return new
