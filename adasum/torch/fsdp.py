@@ -23,6 +23,7 @@ deltas are combined across the replicas the same way.
 from __future__ import annotations
 
 import weakref
+import zlib
 
 import torch
 from mpi4py import MPI
@@ -49,6 +50,8 @@ class ReplicaHooks:
         self.tree = tree
         self._closed = False
         self._finalizer = weakref.finalize(modules[0], _free, tree.replicate, tree.shard)
+        for m in modules:
+            setattr(m, _INSTALLED, weakref.ref(self))
 
     @property
     def replicate(self) -> MPI.Intracomm:
@@ -65,9 +68,25 @@ class ReplicaHooks:
         self._closed = True
         for ref in self.modules:
             module = ref()
-            if module is not None:
+            if module is not None and installed(module) is self:
                 module.set_all_reduce_hook(None)
+                delattr(module, _INSTALLED)
         self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+# The attribute of an FSDP module that holds (weakly) the ReplicaHooks whose hook it runs.
+_INSTALLED = "_adasum_replica_hooks"
+
+
+def installed(module) -> "ReplicaHooks | None":
+    """The open :class:`ReplicaHooks` whose hook ``module`` runs, or None."""
+    ref = getattr(module, _INSTALLED, None)
+    hooks = ref() if ref is not None else None
+    return hooks if hooks is not None and not hooks.closed else None
 
 
 def _free(*comms) -> None:
@@ -95,8 +114,9 @@ class ReplicaDeltas:
                  local_steps: int = 1):
         if type(local_steps) is not int or local_steps < 1:
             raise ValueError(f"local_steps must be a positive int, got {local_steps!r}")
-        modules, plan, self.tree = _setup(model, mesh, op)
+        modules, plan, self.tree = _setup(model, mesh, op, form="ReplicaDeltas", local_steps=local_steps)
         self.local_steps, self.windows, self._steps, self._start = local_steps, 0, 0, None
+        self._checked = False  # whether the replicas were found to start alike (at the first step)
         self.params = [p for m in modules for _, p in _managed(m)]
         known = {id(p) for p in self.params}
         stray = [i for i, p in enumerate(q for g in optimizer.param_groups for q in g["params"]) if id(p) not in known]
@@ -130,6 +150,8 @@ class ReplicaDeltas:
         if not self._finalizer.alive:
             raise RuntimeError("ReplicaDeltas.step() after close()")
         if self._start is None:
+            if not self._checked:
+                self._check_alike()
             with torch.no_grad():
                 self._start = [p.to_local().clone() for p in self.params]
         loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
@@ -137,6 +159,26 @@ class ReplicaDeltas:
         if self._steps == self.local_steps:
             self._combine()
         return loss
+
+    def _check_alike(self) -> None:
+        """Before the first window: the replicas must hold the same parameters (each window continues from
+        its start plus the combined delta, so replicas that start apart stay apart). One digest per rank's
+        shards, compared over its replicate group; a difference raises on every rank."""
+        digest = 0
+        with torch.no_grad():
+            for p in self.params:
+                local = p.to_local().detach()
+                digest = zlib.crc32(local.cpu().contiguous().view(torch.uint8).numpy().tobytes(), digest)
+        seen = exchange.allgather(self.tree.replicate, digest, "ReplicaDeltas: comparing the replicas")
+        problem = None
+        if len(set(seen)) > 1:
+            apart = [g for g, d in enumerate(seen) if d != seen[0]]
+            problem = (f"rank {MPI.COMM_WORLD.Get_rank()}: ReplicaDeltas: the replicas start from different "
+                       f"parameters (replicas {apart} differ from replica 0 in this rank's shards), and would "
+                       "stay apart: load the same checkpoint on every replica (a checkpoint saved after "
+                       "flush(), or one that keeps one copy of the model, as torch.distributed.checkpoint does)")
+        exchange.raise_everywhere(MPI.COMM_WORLD, problem, ValueError, "ReplicaDeltas: comparing the replicas")
+        self._checked = True
 
     def flush(self) -> None:
         """Combine the open window now, however many steps it holds. Collective even where no window is
@@ -214,31 +256,53 @@ def adasum_replicas(model: torch.nn.Module, mesh, *, op: str | Op = "adasum") ->
             message shows the one-line change), or where the ranks differ in the mesh or in the
             parameters (names, shapes, dtypes, placements), naming the rank and the difference.
     """
-    modules, plan, tree = _setup(model, mesh, op)
+    modules, plan, tree = _setup(model, mesh, op, form="adasum_replicas")
     for module, (name, params) in zip(modules, plan):
         sizes = tuple(p[4] for p in params)
         module.set_all_reduce_hook(_Hook(tree, name, sizes, [p for _, p in _managed(module)]))
     return ReplicaHooks(modules, tree)
 
 
-def _setup(model: torch.nn.Module, mesh, op) -> tuple[list, list, ReplicaTree]:
-    """Check the mesh and the model on every rank, compare the ranks, split the communicators."""
+def _setup(model: torch.nn.Module, mesh, op, form: str, local_steps: int = 1) -> tuple[list, list, ReplicaTree]:
+    """Check the mesh and the model on every rank, compare the ranks, split the communicators. ``form``:
+    ``"adasum_replicas"`` (the hook) or ``"ReplicaDeltas"``."""
     op = Op(op).value
     comm = MPI.COMM_WORLD
     problem, layout, modules, plan = None, None, [], []
     try:
         layout = _check_mesh(mesh)
         modules, plan = _plan(model, mesh["shard"])
+        _check_modules(modules, plan, form)
     except ValueError as exc:
         problem = str(exc)
-    exchange.raise_everywhere(comm, problem, ValueError, "adasum_replicas: checking the model")
-    mine = (layout, [(name, [p[:4] for p in params]) for name, params in plan], op)
-    seen = exchange.allgather(comm, mine, "adasum_replicas: comparing the ranks")
+    exchange.raise_everywhere(comm, problem, ValueError, f"{form}: checking the model")
+    mine = (layout, [(name, [p[:4] for p in params]) for name, params in plan], op, local_steps)
+    seen = exchange.allgather(comm, mine, f"{form}: comparing the ranks")
     exchange.raise_everywhere(comm, _compare(seen, comm.Get_rank()), ValueError,
-                              "adasum_replicas: comparing the ranks")
+                              f"{form}: comparing the ranks")
     rows = layout[1]
     g, i = next((g, row.index(comm.Get_rank())) for g, row in enumerate(rows) if comm.Get_rank() in row)
     return modules, plan, ReplicaTree(*replica_comms(comm, rows, g, i), op)
+
+
+def _check_modules(modules: list, plan: list, form: str) -> None:
+    """What the form cannot take: hooks installed already (a second hook, or deltas on top of the
+    gradients' combine), and for the hook, modules sharded together (``fully_shard([a, b])``: one buffer
+    for both, which the hook of each cannot cut)."""
+    from .internals import fsdp_group
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    for module, (name, _) in zip(modules, plan):
+        if installed(module) is not None:
+            what = ("close() the ReplicaHooks it returned first" if form == "adasum_replicas" else
+                    "the delta form takes a model without them: close() the ReplicaHooks first")
+            raise ValueError(f"rank {rank}: {form}: FSDP module {name or '(root)'} already runs the hook of "
+                             f"adasum_replicas: {what}")
+        if form == "adasum_replicas" and len(fsdp_group(module)) > 1:
+            raise ValueError(f"rank {rank}: adasum_replicas: FSDP module {name or '(root)'} was sharded together "
+                             f"with {len(fsdp_group(module)) - 1} other module(s) (fully_shard([...])), whose "
+                             "gradients FSDP hands the hook in one buffer: shard each module on its own "
+                             "(fully_shard(module, ...)), or use ReplicaDeltas, which takes groups")
 
 
 def replica_comms(comm: MPI.Intracomm, rows: list, g: int, i: int) -> tuple[MPI.Intracomm, MPI.Intracomm]:
@@ -351,9 +415,11 @@ def _shard_elements(p, name: str) -> int:
 def _compare(seen: list, rank: int) -> str | None:
     """This rank's difference from rank 0 in the mesh, the modules, the parameters or the op (None if
     none)."""
-    (layout0, plan0, op0), (layout, plan, op) = seen[0], seen[rank]
+    (layout0, plan0, op0, steps0), (layout, plan, op, steps) = seen[0], seen[rank]
     if op != op0:
         return f"rank {rank}: op {op!r}, rank 0 has {op0!r}"
+    if steps != steps0:
+        return f"rank {rank}: local_steps={steps}, rank 0 has local_steps={steps0}"
     if layout != layout0:
         return f"rank {rank}: mesh {layout[0]} with ranks {layout[1]}, rank 0 has {layout0[0]} with {layout0[1]}"
     if len(plan) != len(plan0):

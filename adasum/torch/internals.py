@@ -12,6 +12,8 @@ on the pinned torch, so that a torch release that changes one fails there, by na
 - What an LR scheduler's ``step`` wrapper reads (``_wrapped_by_lr_sched`` and ``_opt_called``, or before
   torch 2.2 ``_with_counter`` and ``_step_count``): a step adasum takes without calling ``optimizer.step()``
   is recorded as the wrapper would record it.
+- The modules one FSDP2 state covers (``FSDPModule._get_fsdp_state()._modules``): ``fully_shard([a, b])``
+  makes one parameter group, one reduce-scatter buffer and one all-reduce hook for both.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch.optim import optimizer as _torch_optimizer
 
 __all__ = ["foreach_add_", "foreach_sub_", "foreach_copy_", "foreach_mul_", "foreach_mul", "foreach_neg_",
            "foreach_div_", "foreach_norm", "non_finite_check_and_unscale_", "sparse_values", "STEP_HOOK_DICTS",
-           "step_hooks_of", "unhooked_step", "record_scheduled_step"]
+           "step_hooks_of", "unhooked_step", "record_scheduled_step", "fsdp_group"]
 
 foreach_add_ = torch._foreach_add_
 foreach_sub_ = torch._foreach_sub_
@@ -74,3 +76,9 @@ def record_scheduled_step(optimizer) -> None:
         optimizer._opt_called = True
     if getattr(patched, "_with_counter", False):  # torch before 2.2
         optimizer._step_count = getattr(optimizer, "_step_count", 0) + 1
+
+
+def fsdp_group(module) -> tuple:
+    """The modules sharded together with the FSDP2 module ``module`` (itself included): more than one where
+    ``fully_shard`` was given a list."""
+    return tuple(module._get_fsdp_state()._modules)

@@ -261,3 +261,32 @@ def test_unused_parameter_is_a_clear_error(pg, comm):
     with pytest.raises(RuntimeError, match="FSDP module b handed its hook shape .* use every parameter, or freeze"):
         torch.nn.functional.mse_loss(model(x), y).backward()
     hooks.close()
+
+
+def test_a_second_hook_is_refused_until_the_first_is_closed(pg, comm):
+    """Two hooks on one model would leave the first handle's close() removing the second's hook: the second
+    call raises on every rank; after close() the model takes a new one, which trains as the first would."""
+    mesh = make_mesh((2, 2))
+    model = shard(fresh(), mesh["shard"])
+    first = adasum_replicas(model, mesh)
+    with pytest.raises(ValueError, match=r"FSDP module \(root\) already runs the hook of adasum_replicas: close\(\)"):
+        adasum_replicas(model, mesh)
+    first.close()
+    second = adasum_replicas(model, mesh)
+    first.close()  # closed already: leaves the second's hooks in place
+    train(model, torch.optim.SGD(model.parameters(), lr=LR), comm.Get_rank())
+    second.close()
+    assert_close(full(model), reference((2, 2), "adasum"), 1e-5)
+
+
+def test_modules_sharded_together_are_refused(pg, comm):
+    """``fully_shard([a, b])`` hands the hook one buffer for both modules: refused at the call, on every
+    rank, saying what to do instead."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = make_mesh((2, 2))
+    model = fresh()
+    fully_shard([model.a, model.b], mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    with pytest.raises(ValueError, match=r"sharded together with 1 other module\(s\) .* or use ReplicaDeltas"):
+        adasum_replicas(model, mesh)

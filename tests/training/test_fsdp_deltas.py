@@ -135,3 +135,40 @@ def test_deltas_step_counts_that_differ_raise_everywhere(pg, comm):
                                            r"rank 0 has \{'combine': 1, 'local steps': 2\}"):
         opt.flush()
     opt.close()
+
+
+def test_deltas_local_steps_that_differ_are_refused_at_construction(pg, comm):
+    """A rank with another ``local_steps`` would leave the window's combine while its replica partners
+    wait in FSDP's collectives: every rank raises at construction, naming the counts."""
+    mesh = make_mesh((2, 2))
+    model = shard(fresh(), mesh["shard"])
+    steps = 3 if comm.Get_rank() == 1 else 2
+    with pytest.raises(ValueError, match=r"rank 1: local_steps=3, rank 0 has local_steps=2"):
+        ReplicaDeltas(torch.optim.SGD(model.parameters(), lr=LR), model, mesh, local_steps=steps)
+
+
+def test_deltas_replicas_that_start_apart_are_refused(pg, comm):
+    """Replicas that start from different parameters (each rank restored its own mid-window weights) would
+    stay apart window after window: the first step raises on every rank instead, changing nothing."""
+    mesh = make_mesh((2, 2))
+    model = shard(fresh(), mesh["shard"])
+    if comm.Get_rank() >= 2:  # replica 1 holds other weights
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().add_(0.01)
+    opt = ReplicaDeltas(torch.optim.SGD(model.parameters(), lr=LR), model, mesh)
+    before = [p.to_local().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"the replicas start from different parameters \(replicas \[1\]"):
+        opt.step()
+    assert all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before))
+    opt.close()
+
+
+def test_deltas_and_the_hook_are_one_or_the_other(pg, comm):
+    mesh = make_mesh((2, 2))
+    model = shard(fresh(), mesh["shard"])
+    hooks = adasum_replicas(model, mesh)
+    with pytest.raises(ValueError, match="already runs the hook of adasum_replicas: the delta form takes"):
+        ReplicaDeltas(torch.optim.SGD(model.parameters(), lr=LR), model, mesh)
+    hooks.close()
+    ReplicaDeltas(torch.optim.SGD(model.parameters(), lr=LR), model, mesh).close()
