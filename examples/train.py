@@ -270,7 +270,7 @@ def main(argv=None) -> dict | None:
             metrics = dict(measure(epoch, torch.zeros(2, dtype=torch.float64)), train_loss=None)
         log.info("nothing to train: %s holds a run that finished its %d epochs; its metrics: test accuracy "
                  "%.2f%%", args.checkpoint, epoch, 100 * metrics["test_accuracy"])
-    if rank == 0 and args.metrics_json:
+    if adasum.rank() == 0 and args.metrics_json:  # the survivors' rank 0 where rank 0 died
         with open(args.metrics_json, "w") as f:
             json.dump(metrics, f, indent=2)
     return metrics

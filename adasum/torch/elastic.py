@@ -158,10 +158,10 @@ class State:
         to the last commit and run the reset callbacks. Collective over the survivors."""
         before = world().Get_size()
         shrink()
+        self.resets += 1  # counted once the world shrank: a death during the rest is a reset of its own
         self.rejoin()
         self.restore()
         self.on_reset()
-        self.resets += 1
         _log.warning("adasum: rank %d: a rank died; the world shrank from %d to %d ranks and went back to the "
                      "last commit (reset %d, %.2f s)", world().Get_rank(), before, world().Get_size(),
                      self.resets, time.monotonic() - detected)

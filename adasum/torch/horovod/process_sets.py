@@ -35,6 +35,7 @@ class _State:
     thread: Lane | None = None  # the handles' lane
     ids = itertools.count(1)
     sets: dict = {}
+    reinit = False  # a shrink must call init() again (one that did died with a rank)
 
 
 class ProcessSet:
@@ -205,8 +206,10 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 def rejoin() -> None:
     """After the world shrank (:mod:`adasum.runtime.elastic`): the registered process sets dropped (their
     communicators were revoked; register them again), the handles' lane dropped, the global set made of the
-    new world, and, where ``init()`` had been called, ``init()`` again (collective over the new world)."""
-    was = _State.stream is not None
+    new world, and, where ``init()`` had been called, ``init()`` again (collective over the new world). A
+    rank that dies during that ``init()`` leaves the need for it standing: the next shrink calls it again."""
+    was = _State.stream is not None or _State.reinit
+    _State.reinit = was
     for ps in _State.sets.values():
         ps._main = ps._stream = None
         ps.process_set_id = None
@@ -219,6 +222,7 @@ def rejoin() -> None:
     global_process_set._stream = None
     if was:
         init()
+    _State.reinit = False
 
 
 when_shrunk(rejoin)
