@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
+import time
 
 import pytest
 
@@ -24,6 +26,22 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def pytest_runtest_logreport(report):
+    """Under ``--with-mpi``, a failure is written out as it happens, with its rank and time: ranks other than
+    0 write to their own logs (scripts/run_tests.py), and a job that later hangs or is killed never reaches
+    pytest's summary, which is where the reason would otherwise be."""
+    if report.passed or report.skipped or not getattr(report, "longreprtext", ""):
+        return
+    MPI = getattr(sys.modules.get("mpi4py.MPI"), "COMM_WORLD", None) and sys.modules["mpi4py.MPI"]
+    if not MPI or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+        return
+    rank = MPI.COMM_WORLD.Get_rank()
+    stamp = time.strftime("%H:%M:%S")
+    sys.stderr.write(f"\n----- rank {rank}, {stamp}: {report.nodeid} failed in {report.when} -----\n"
+                     f"{report.longreprtext[-6000:]}\n----- end of rank {rank}'s failure -----\n")
+    sys.stderr.flush()
 
 
 @pytest.fixture

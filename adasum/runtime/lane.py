@@ -98,18 +98,18 @@ class _Thread:
             if threading.current_thread() is not self.thread:
                 self.thread.join()
 
-    def drop(self, at_end: Callable[[], None] | None) -> bool:
+    def drop(self, at_end: Callable[[], None] | None) -> tuple[bool, bool]:
         """End without running the jobs not begun, running ``at_end`` last; waits only where no job runs.
-        Returns whether the thread has ended."""
+        Returns whether the thread has ended, and whether a job was running once no job could begin."""
         serving = self.serving
         serving.at_end = at_end
         serving.dropped = True  # before reading running: a job that starts after this is skipped
         running = serving.running
         self.jobs.put(None)
         if running or threading.current_thread() is self.thread:
-            return False
+            return False, running
         self.thread.join()
-        return True
+        return True, False
 
 
 def _serve(jobs: queue.SimpleQueue, serving: _Serving) -> None:
@@ -270,8 +270,8 @@ class Lane:
                 thread.drop(None)
             self._ended()
             return
-        running = thread.serving.running  # read before drop(): a job that begins after it is skipped
-        if not thread.drop(self._ended):
+        ended, running = thread.drop(self._ended)  # running: read once no job can begin any more
+        if not ended:
             if running and self._may_give_up and self._comm is not None:
                 ctx = context_for(self._comm)
                 ctx.broken = ctx.broken or f"{why} while its lane {self.name} waited in a collective"
