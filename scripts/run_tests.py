@@ -197,6 +197,7 @@ def main() -> int:
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONHASHSEED", "0")
+    env.setdefault("ADASUM_TEST_ABORT_ON_FAILURE", "1")  # tests/conftest.py: a failure ends its MPI job
     py = str(VENV_BIN / "python")
     totals = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
     failures = []
@@ -268,7 +269,7 @@ def main() -> int:
         empty = is_pytest and rc == 5 or (is_pytest and not reports)
         ok = rc == 0 or (rc == 5 and selected)
         if empty and not selected:
-            how = "collected no test"
+            how = "collected no test" if rc in (0, 5) else f"exit {rc} before any report was written"
         elif rc == 124:
             how = "timed out"
         else:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -42,6 +43,12 @@ def pytest_runtest_logreport(report):
     sys.stderr.write(f"\n----- rank {rank}, {stamp}: {report.nodeid} failed in {report.when} -----\n"
                      f"{report.longreprtext[-6000:]}\n----- end of rank {rank}'s failure -----\n")
     sys.stderr.flush()
+    if os.environ.get("ADASUM_TEST_ABORT_ON_FAILURE") == "1":
+        # A test that failed on some ranks only left the others inside its collectives: every test after it
+        # would meet the wrong collective and fail for no reason of its own, or hang until the timeout.
+        sys.stderr.write(f"rank {rank}: ending the job (ADASUM_TEST_ABORT_ON_FAILURE=1)\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
 
 
 @pytest.fixture

@@ -63,8 +63,9 @@ def micro(model, g: torch.Generator, **kw) -> None:
     torch.nn.functional.mse_loss(model(x, **kw), y).backward()
 
 
-def overlap_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith(("adasum-overlap", "adasum-local"))]
+def overlap_threads() -> set[threading.Thread]:
+    """The overlap's threads alive now, by identity: a thread of an earlier test may still be leaving."""
+    return {t for t in threading.enumerate() if t.name.startswith(("adasum-overlap", "adasum-local"))}
 
 
 # --- frozen and unfrozen layers -----------------------------------------------------------------------------------
@@ -241,9 +242,10 @@ def test_dropping_an_optimizer_whose_ranks_diverged_returns_at_once(comm, inspec
         out = adasum.adasum_allreduce(t)  # the same vector on every rank: Adasum gives it back
         assert torch.equal(out, t)
         deadline = time.monotonic() + 10
-        while overlap_threads() != before and time.monotonic() < deadline:
+        while overlap_threads() - before and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert overlap_threads() == before
+        left = overlap_threads() - before
+        assert not left, f"rank {rank}: the dropped optimizer's threads are still alive: {sorted(t.name for t in left)}"
     finally:
         adasum.configure(old)
     comm.Barrier()
