@@ -214,6 +214,8 @@ def place(plan: Plan, members: Sequence[list], layouts: Sequence[TensorLayout | 
     halving = plan.schedule is Schedule.HALVING
     direct = plan.schedule in (Schedule.DOUBLING, Schedule.HALVING) and s.gpu_transport != "staged" \
         and (not halving or plan.nbytes >= s.direct_min_bytes)
+    if inplace and plan.schedule is Schedule.NONE:  # one rank, in place: the tensors hold the result already
+        return [(Placement.IN_PARTS, None, None) for _ in plan.groups]
     out = []
     for i, (g, mine) in enumerate(zip(plan.groups, members)):
         where = layouts[i] if inplace else None

@@ -386,3 +386,39 @@ def test_mean_is_the_sum_divided_in_the_dtype_bit_for_bit(comm, kind, dtype, siz
     mean = adasum.adasum_allreduce(wrap(values), op="mean", comm=comm)
     total, mean = np.asarray(total), np.asarray(mean)
     assert np.array_equal(mean, np.divide(total, np.dtype(dtype).type(p))), (p, dtype)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("op", ["adasum", "sum", "mean"])
+def test_one_rank_in_place_copies_nothing_and_keeps_every_bit(kind, op):
+    """On one rank the tensors already hold the result: an in-place call checks them and moves nothing
+    (it used to pack them into a buffer and write them back); out of place it still returns copies."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_SELF
+    rng = np.random.default_rng(5)
+    layers = [rng.standard_normal(n).astype(dt) for n, dt in ((300, np.float32), (7, np.float32), (50, np.float64))]
+    if kind == "torch":
+        layers = [torch.from_numpy(x) for x in layers]
+        layers.append(torch.randn(6, 4, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16))
+
+    def values(x):
+        return x.float().numpy().copy() if kind == "torch" else x.copy()
+
+    before = [values(x) for x in layers]
+    with adasum.count_traffic(comm) as t:
+        out = adasum.adasum_allreduce_inplace(layers, op=op, comm=comm)
+    assert out is layers and t.copied_bytes == 0
+    for b, x in zip(before, layers):
+        np.testing.assert_array_equal(values(x), b)
+    copies = adasum.adasum_allreduce(layers, op=op, comm=comm)
+    for c, x in zip(copies, layers):
+        assert c is not x and c.shape == x.shape
+        if kind == "torch":
+            assert c.data_ptr() != x.data_ptr() and torch.equal(c, x)
+        else:
+            assert not np.shares_memory(c, x) and np.array_equal(c, x)
+    ro = np.ones(4, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only|writ"):
+        adasum.adasum_allreduce_inplace([ro], op=op, comm=comm)
