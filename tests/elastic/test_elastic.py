@@ -95,6 +95,18 @@ def test_a_death_inside_a_commit(tmp_path):
     report("np=4 inside a commit", result, killed)
 
 
+@pytest.mark.parametrize("api", ["native", "hvd"])
+def test_a_death_during_the_recovery(tmp_path, api):
+    """Rank 1 dies between commits; while the survivors recover from it, rank 3 dies inside the reset
+    callbacks: that recovery fails too, and the two that are left recover once more, to the same commit,
+    ending bitwise where the reference run (both leaving at that commit) ends."""
+    result, killed = launch(tmp_path, 4, "--api", api, "--kill", "1@1.2", "--kill", "3@1.2:reset")
+    check_survived(result, 4, 2)
+    assert sorted(result["survivors"]) == [0, 2]
+    assert result["sizes_at_reset"][-1] == 2
+    report(f"np=4 {api} death during the recovery", result, killed)
+
+
 def test_a_wait_on_several_requests_sees_the_death(tmp_path):
     """A dead rank met by ``Testall`` over several requests is ``MPI_ERR_IN_STATUS``, not
     ``ERR_PROC_FAILED``: it counts as a failure too (tests/elastic/in_status.py)."""

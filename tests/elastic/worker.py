@@ -4,8 +4,10 @@
 
 ``--kill R@E.B[:where]`` (repeatable): the rank of ``MPI.COMM_WORLD`` ``R`` SIGKILLs itself at epoch ``E``,
 batch ``B``, ``where`` being ``before`` (between two steps, the default), ``step`` (after its backward,
-while the others are already inside ``optimizer.step()``'s combine) or ``commit`` (a few milliseconds
-after it entered the commit that follows that batch, inside the optimizer's ``flush()``). ``--api hvd``
+while the others are already inside ``optimizer.step()``'s combine), ``commit`` (a few milliseconds
+after it entered the commit that follows that batch, inside the optimizer's ``flush()``) or ``reset``
+(inside the reset callbacks of the first recovery, a failure during the recovery itself; ``E.B`` then
+names the batch of the death that recovery is from, so that the reference run drops both at one commit). ``--api hvd``
 trains through ``adasum.horovod``; ``--local-steps 4`` with ``DistributedOptimizer(local_steps=4)`` (and ``--delay 1``),
 ``--overlap`` with ``overlap=True``; ``--plain`` also trains the same model without elastic first and
 records whether both end bitwise alike.
@@ -129,7 +131,14 @@ def train_elastic(args, model, opt, losses: list) -> elastic.State:
     make_state = hvd.elastic.TorchState if args.api == "hvd" else elastic.State
     state = make_state(model, opt, epoch=0, batch=0)
     sizes = []
-    state.register_reset_callbacks([lambda: sizes.append(hvd.size() if args.api == "hvd" else adasum.size())])
+
+    def die_in_recovery() -> None:  # "reset": this rank dies inside the first recovery's callbacks
+        if "reset" in die_at.values():
+            time.sleep(0.2)  # the other survivors are in the callbacks too, or past them
+            die()
+
+    state.register_reset_callbacks([die_in_recovery,
+                                    lambda: sizes.append(hvd.size() if args.api == "hvd" else adasum.size())])
     runner = hvd.elastic.run if args.api == "hvd" else elastic.run
 
     @runner
