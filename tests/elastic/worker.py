@@ -131,14 +131,9 @@ def train_elastic(args, model, opt, losses: list) -> elastic.State:
     make_state = hvd.elastic.TorchState if args.api == "hvd" else elastic.State
     state = make_state(model, opt, epoch=0, batch=0)
     sizes = []
-
-    def die_in_recovery() -> None:  # "reset": this rank dies inside the first recovery's callbacks
-        if "reset" in die_at.values():
-            time.sleep(0.2)  # the other survivors are in the callbacks too, or past them
-            die()
-
-    state.register_reset_callbacks([die_in_recovery,
-                                    lambda: sizes.append(hvd.size() if args.api == "hvd" else adasum.size())])
+    state.register_reset_callbacks([lambda: sizes.append(hvd.size() if args.api == "hvd" else adasum.size())])
+    if "reset" in die_at.values():  # this rank dies inside the first recovery's callbacks
+        state.register_reset_callbacks([lambda: (time.sleep(0.2), die())])
     runner = hvd.elastic.run if args.api == "hvd" else elastic.run
 
     @runner
