@@ -20,7 +20,13 @@ For each kind (numpy arrays, torch CPU tensors), size and op, on the ten uneven 
 
 Counts are rank 0's; times the slowest rank's. ``--plain-direct-bytes 2MiB`` sets the threshold from which
 a ``sum``/``mean`` tensor goes to MPI where it lies (one collective each) instead of being packed, to
-compare the two at a size.
+compare the two at a size. ``--layout views`` reduces views of one buffer instead of separate tensors (the
+form of a fused gradient or delta buffer).
+
+``--steps`` adds, for ``adasum`` calls that take the halving schedule (from ``small_message_bytes`` on),
+where one call's time goes, as milliseconds per call (medians over the repeats, rank 0's): the
+reduce-scatter's exchanges, the partial dot products, the exchange of their sums, the combine, the
+allgather, and the rest of the call (agreement, planning, waiting for the slowest rank) beside its total.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import numpy as np
 from mpi4py import MPI
@@ -55,11 +62,61 @@ def python_calls(fn) -> tuple[int, int]:
     return counts["call"], counts["c_call"]
 
 
-def measure(comm, kinds, nbytes: int, ops, repeats: int, warmup: int) -> dict:
+STEPS = ("reduce exchanges", "dot products", "scalar sums", "combine", "allgather", "rest", "total")
+
+
+def step_times(comm, work, refill, repeats: int) -> dict:
+    """Milliseconds per call of each of :data:`STEPS` for in-place Adasum of ``work`` (medians over
+    ``repeats`` calls, each after ``refill()`` and a barrier): the halving schedule's functions timed
+    where the call enters them, and put back as they were afterwards."""
+    from adasum.runtime.collectives import Collectives
+    from adasum.runtime.transport import Transport
+    from adasum.schedules import halving
+
+    spent: dict = {}
+
+    def timed(name, fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        return run
+
+    patches = [(halving, "_layer_partials", "dot products"), (halving, "_combine", "combine"),
+               (halving, "_allgather", "allgather"), (Transport, "exchange", "exchanges"),
+               (Collectives, "swap_scalars", "scalar sums")]
+    saved = [(owner, attr, owner.__dict__[attr]) for owner, attr, _ in patches]
+    rows = []
+    try:
+        for owner, attr, name in patches:
+            setattr(owner, attr, timed(name, getattr(owner, attr)))
+        for _ in range(repeats):
+            refill()
+            comm.Barrier()
+            spent.clear()
+            t0 = time.perf_counter()
+            adasum.adasum_allreduce_inplace(work, comm=comm)
+            total = time.perf_counter() - t0
+            if "exchanges" not in spent:
+                return {}  # not the halving schedule (a small call, or one rank)
+            row = {"reduce exchanges": spent["exchanges"] - spent.get("allgather", 0.0),
+                   "dot products": spent.get("dot products", 0.0), "scalar sums": spent.get("scalar sums", 0.0),
+                   "combine": spent.get("combine", 0.0), "allgather": spent.get("allgather", 0.0), "total": total}
+            row["rest"] = total - sum(v for k, v in row.items() if k != "total")
+            rows.append(row)
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+    return {k: float(np.median([r[k] for r in rows])) * 1e3 for k in STEPS}
+
+
+def measure(comm, kinds, nbytes: int, ops, repeats: int, warmup: int, layout: str = "separate") -> dict:
     """Per (kind, op), the row of :data:`COLUMNS` for ``nbytes``: every kind and op timed in the same
     rounds, so that ``x numpy`` (a kind's time over numpy's for the same op, per repeat) compares like
     with like."""
-    models = {k: model(comm.Get_rank(), nbytes, "separate", kind=k) for k in kinds}
+    models = {k: model(comm.Get_rank(), nbytes, layout, kind=k) for k in kinds}
     flat = models[kinds[0]][1]
     names = ["raw"] + [f"{op}:{k}" for k in kinds for op in ops]
 
@@ -121,6 +178,10 @@ def main(argv=None) -> list:
     ap.add_argument("--kinds", default="numpy,torch")
     ap.add_argument("--repeats", type=int, default=0, help="repeats per size (default: by size)")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--layout", choices=("separate", "views"), default="separate",
+                    help="separate tensors (default) or views of one buffer")
+    ap.add_argument("--steps", action="store_true",
+                    help="also time the halving schedule's steps of one adasum call (see above)")
     ap.add_argument("--plain-direct-bytes", default=None,
                     help="the setting plain_direct_bytes for sum and mean (default: the library's): tensors of at "
                          "least this size go to MPI where they lie, one collective each; the others are packed")
@@ -137,11 +198,19 @@ def main(argv=None) -> list:
         for text in args.sizes.split(","):
             nbytes = parse_size(text)
             repeats = args.repeats or int(np.clip(4e8 / max(nbytes, 1), 15, 301))
-            rows = measure(comm, kinds, nbytes, ops, repeats, args.warmup)
+            rows = measure(comm, kinds, nbytes, ops, repeats, args.warmup, args.layout)
             for (kind, op), row in rows.items():
                 out.append({"kind": kind, "bytes": nbytes, "op": op, **row})
                 if comm.Get_rank() == 0:
                     print(format_row(comm.Get_size(), kind, nbytes, op, row), flush=True)
+            if args.steps and "adasum" in ops:
+                for kind in kinds:
+                    _, _, work, refill = model(comm.Get_rank(), nbytes, args.layout, kind=kind)
+                    steps = step_times(comm, work, refill, min(repeats, 51))
+                    out.append({"kind": kind, "bytes": nbytes, "op": "adasum", "steps_ms": steps})
+                    if comm.Get_rank() == 0:
+                        text = ", ".join(f"{k} {v:.3f}" for k, v in steps.items()) or "not the halving schedule"
+                        print(f"    steps of one adasum call ({kind}, {_human(nbytes)}), ms: {text}", flush=True)
     finally:
         if old is not None:
             adasum.configure(old)

@@ -54,3 +54,31 @@ def test_the_direct_threshold_can_be_set(comm):
                        "--plain-direct-bytes", "2MiB"])
     assert adasum.current_settings().plain_direct_bytes == before
     assert rows[0]["coll"] == 2 and rows[0]["copied"] == pytest.approx(2.0)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout", ["separate", "views"])
+def test_steps_of_a_halving_call_add_up_and_leave_the_schedule_as_it_was(comm, layout):
+    """--steps: the halving schedule's steps of one Adasum call, each positive, summing to its total (the
+    rest included); below the halving threshold it says the call took another schedule; the functions it
+    timed are the module's own again afterwards."""
+    from adasum.runtime.transport import Transport
+    from adasum.schedules import halving
+
+    before = (halving._combine, halving._layer_partials, halving._allgather, Transport.exchange)
+    old = adasum.configure(small_message_bytes=64 << 10)
+    try:
+        rows = bench.main(["--sizes", "16KiB,1MiB", "--repeats", "3", "--warmup", "1", "--kinds", "numpy,torch",
+                           "--ops", "adasum", "--steps", "--layout", layout])
+    finally:
+        adasum.configure(old)
+    assert (halving._combine, halving._layer_partials, halving._allgather, Transport.exchange) == before
+    steps = {(r["kind"], r["bytes"]): r["steps_ms"] for r in rows if "steps_ms" in r}
+    assert set(steps) == {(k, n) for k in ("numpy", "torch") for n in (16 << 10, 1 << 20)}
+    for kind in ("numpy", "torch"):
+        assert steps[(kind, 16 << 10)] == {}  # the doubling schedule of a small call
+        big = steps[(kind, 1 << 20)]
+        assert set(big) == set(bench.STEPS)
+        assert all(big[k] > 0 for k in ("reduce exchanges", "dot products", "combine", "allgather", "total"))
+        parts = sum(v for k, v in big.items() if k != "total")
+        assert 0.5 * big["total"] <= parts <= 2 * big["total"]  # each call's add up; their medians need not
