@@ -24,7 +24,7 @@ compare the two at a size. ``--layout views`` reduces views of one buffer instea
 form of a fused gradient or delta buffer).
 
 ``--steps`` adds, for ``adasum`` calls that take the halving schedule (from ``small_message_bytes`` on),
-where one call's time goes, as milliseconds per call (medians over the repeats, rank 0's): the
+where one call's time goes, in milliseconds (the call of the median total over the repeats, rank 0's): the
 reduce-scatter's exchanges, the partial dot products, the exchange of their sums, the combine, the
 allgather, and the rest of the call (agreement, planning, waiting for the slowest rank) beside its total.
 """
@@ -66,9 +66,9 @@ STEPS = ("reduce exchanges", "dot products", "scalar sums", "combine", "allgathe
 
 
 def step_times(comm, work, refill, repeats: int) -> dict:
-    """Milliseconds per call of each of :data:`STEPS` for in-place Adasum of ``work`` (medians over
-    ``repeats`` calls, each after ``refill()`` and a barrier): the halving schedule's functions timed
-    where the call enters them, and put back as they were afterwards."""
+    """Milliseconds of each of :data:`STEPS` in one in-place Adasum call of ``work``: of ``repeats`` calls,
+    each after ``refill()`` and a barrier, the one whose total is the median. The halving schedule's
+    functions are timed where the call enters them, and put back as they were afterwards."""
     from adasum.runtime.collectives import Collectives
     from adasum.runtime.transport import Transport
     from adasum.schedules import halving
@@ -109,7 +109,8 @@ def step_times(comm, work, refill, repeats: int) -> dict:
     finally:
         for owner, attr, fn in saved:
             setattr(owner, attr, fn)
-    return {k: float(np.median([r[k] for r in rows])) * 1e3 for k in STEPS}
+    typical = sorted(rows, key=lambda r: r["total"])[len(rows) // 2]  # the call of the median total
+    return {k: typical[k] * 1e3 for k in STEPS}
 
 
 def measure(comm, kinds, nbytes: int, ops, repeats: int, warmup: int, layout: str = "separate") -> dict:

@@ -57,10 +57,11 @@ def test_the_direct_threshold_can_be_set(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.world_size(2, 3)  # a power of two and one that folds a pair out first
 @pytest.mark.parametrize("layout", ["separate", "views"])
 def test_steps_of_a_halving_call_add_up_and_leave_the_schedule_as_it_was(comm, layout):
-    """--steps: the halving schedule's steps of one Adasum call, each positive, summing to its total (the
-    rest included); below the halving threshold it says the call took another schedule; the functions it
+    """--steps: the halving schedule's steps of one Adasum call, each positive on rank 0, together no
+    longer than the call (the rest is what they leave); below the halving threshold it says the call took another schedule; the functions it
     timed are the module's own again afterwards."""
     from adasum.runtime.transport import Transport
     from adasum.schedules import halving
@@ -79,6 +80,8 @@ def test_steps_of_a_halving_call_add_up_and_leave_the_schedule_as_it_was(comm, l
         assert steps[(kind, 16 << 10)] == {}  # the doubling schedule of a small call
         big = steps[(kind, 1 << 20)]
         assert set(big) == set(bench.STEPS)
-        assert all(big[k] > 0 for k in ("reduce exchanges", "dot products", "combine", "allgather", "total"))
-        parts = sum(v for k, v in big.items() if k != "total")
-        assert 0.5 * big["total"] <= parts <= 2 * big["total"]  # each call's add up; their medians need not
+        assert big["total"] > 0
+        if comm.Get_rank() == 0:  # what the benchmark prints; a rank folded out of the tree does none of them
+            assert all(big[k] > 0 for k in ("reduce exchanges", "dot products", "combine", "allgather"))
+        assert big["rest"] >= -1e-6  # the timed steps do not overlap: together no longer than the call
+        assert sum(v for k, v in big.items() if k != "total") == pytest.approx(big["total"])
