@@ -6,6 +6,7 @@ import numpy as np
 
 from ..adapters import Adapters
 from ..adapters.base import host_numpy
+from .hugepages import HUGE_PAGE, advise
 
 __all__ = ["Buffers"]
 
@@ -37,6 +38,10 @@ class Buffers:
             entry[1] = None
             entry[0] = None  # the old buffer goes before the new one is made
             entry[0] = self._adapters.of(kind).empty(max(n, 1), dtype, device)
+            if device == "cpu":  # MPI moves large messages out of huge pages faster (adasum.runtime.hugepages)
+                view = host_numpy(entry[0])
+                if view.nbytes >= HUGE_PAGE:
+                    advise(view.ctypes.data, view.nbytes)
         buf = entry[0]
         return buf if len(buf) == n else buf[:n]
 
