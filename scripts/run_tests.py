@@ -154,8 +154,9 @@ def _holds(tests: list[dict], name: str, cmd: list[str], extra: list[str]) -> bo
     files = [a for a in cmd if a.startswith("tests/") and a.endswith(".py") and a not in extra]
     if files:  # the numpy-kernel and emulated-node runs: their files only
         return any(at(t, n) and t["id"].split("::")[0] in files for t in mpi)
-    frameworks = ", frameworks" in name
-    return any(at(t, n) and ("frameworks" in t["marks"]) == frameworks for t in mpi)
+    frameworks, fsdp = ", frameworks" in name, ", FSDP2" in name
+    return any(at(t, n) and ("frameworks" in t["marks"]) == frameworks and ("fsdp" in t["marks"]) == fsdp
+               for t in mpi)
 
 
 def _touched(runs: list, extra: list[str], env: dict, py: str) -> list:
@@ -207,8 +208,11 @@ def main() -> int:
     if not args.no_serial:
         runs.append(("serial", ["pytest", "-q", "-m", "not mpi", *extra], {}))
     for n in [int(s) for s in args.sizes.split(",") if s]:
-        runs.append((f"np={n}", _mpiexec(n, ["pytest", "-q", "--with-mpi", "-m", "mpi and not frameworks", *extra]),
-                     {}))
+        runs.append((f"np={n}", _mpiexec(n, ["pytest", "-q", "--with-mpi", "-m", "mpi and not frameworks and not fsdp",
+                                             *extra]), {}))
+        if n == 4:  # the FSDP2 tests (4 ranks only) in a job of their own: they make many communicators
+            runs.append(("np=4, FSDP2", _mpiexec(4, ["pytest", "-q", "--with-mpi", "-m", "mpi and fsdp", *extra]),
+                         {}))
     for n in [int(s) for s in args.frameworks_sizes.split(",") if s]:
         runs.append((f"np={n}, frameworks",
                      _mpiexec(n, ["pytest", "-q", "--with-mpi", "-m", "mpi and frameworks", *extra]), {}))
