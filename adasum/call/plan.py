@@ -211,11 +211,11 @@ def place(plan: Plan, members: Sequence[list], layouts: Sequence[TensorLayout | 
     (in-place calls only). Flat Adasum may use the caller's tensors directly: an in-place call on tensors
     that lie apart is combined in them, so that nothing is written back at the end (doubling at any size,
     halving from ``direct_min_bytes``, where it also reads them without packing them first)."""
+    if inplace and plan.schedule is Schedule.NONE:  # one rank, in place: the tensors hold the result already
+        return [(Placement.IN_PARTS, None, None) for _ in plan.groups]
     halving = plan.schedule is Schedule.HALVING
     direct = plan.schedule in (Schedule.DOUBLING, Schedule.HALVING) and s.gpu_transport != "staged" \
         and (not halving or plan.nbytes >= s.direct_min_bytes)
-    if inplace and plan.schedule is Schedule.NONE:  # one rank, in place: the tensors hold the result already
-        return [(Placement.IN_PARTS, None, None) for _ in plan.groups]
     out = []
     for i, (g, mine) in enumerate(zip(plan.groups, members)):
         where = layouts[i] if inplace else None
