@@ -122,12 +122,13 @@ def model(rank: int, nbytes: int, layout: str, pages: str = "default", kind: str
     the values, ``flat`` is the raw allreduce's buffer, ``work`` the tensors Adasum reduces (separate
     arrays or views of one buffer), and ``refill()`` restores both before a timed call, so that values
     stay in range whatever the ops did to them. ``kind="torch"``: ``work`` and ``flat`` are CPU tensors
-    in torch's own memory (``flat`` is handed to MPI as a numpy view of it; ``pages`` does not apply).
+    in torch's own memory (``flat`` is handed to MPI as a numpy view of it), or with ``pages`` other than
+    ``default``, tensors over memory of those pages.
     ``equal``: that many layers of one size."""
     rng = np.random.default_rng(rank)
     sizes = layer_sizes(nbytes, equal=equal)
     layers = [rng.standard_normal(n).astype(np.float32) for n in sizes]
-    if kind == "torch":
+    if kind == "torch" and pages == "default":
         import torch
 
         flat_t = torch.from_numpy(np.concatenate(layers)).clone()
@@ -137,6 +138,15 @@ def model(rank: int, nbytes: int, layout: str, pages: str = "default", kind: str
         else:
             work = [torch.from_numpy(x).clone() for x in layers]
         values = [w.numpy() for w in work]  # the same memory, for refill
+    elif kind == "torch":  # tensors over memory of the pages asked for
+        import torch
+
+        flat = _array(np.concatenate(layers), pages)
+        if layout == "views":
+            values = np.split(_array(flat, pages), np.cumsum(sizes)[:-1])
+        else:
+            values = [_array(x, pages) for x in layers]
+        work = [torch.from_numpy(v) for v in values]
     else:
         flat = _array(np.concatenate(layers), pages)
         if layout == "views":

@@ -10,6 +10,8 @@ For each kind (numpy arrays, torch CPU tensors), size and op, on the ten uneven 
 - ``x raw``: the median per-repeat ratio of the call's time to ``comm.Allreduce(IN_PLACE, SUM)`` of one
   buffer of the same bytes, timed in the same rounds (interleaved, rotating order, slowest rank), and
   ``x numpy``: to the same op on numpy arrays of the same bytes, in the same rounds;
+- ``x each``: to MPI's own allreduce of the same tensors where they lie (``Iallreduce`` of each, posted
+  together, timed in the same rounds): what no call that leaves the tensors where they are can go below;
 - ``us over``: the median per-repeat difference to ``raw``, the time the call spends beyond the bytes;
 - ``coll``: collectives the call starts (the agreement included; MPI's own allreduce is one), and
   ``msgs``: point-to-point messages (Adasum's exchanges);
@@ -21,7 +23,11 @@ For each kind (numpy arrays, torch CPU tensors), size and op, on the ten uneven 
 Counts are rank 0's; times the slowest rank's. ``--plain-direct-bytes 2MiB`` sets the threshold from which
 a ``sum``/``mean`` tensor goes to MPI where it lies (one collective each) instead of being packed, to
 compare the two at a size. ``--layout views`` reduces views of one buffer instead of separate tensors (the
-form of a fused gradient or delta buffer).
+form of a fused gradient or delta buffer). ``--pages huge`` puts every tensor and the raw buffer in
+memory on 2 MiB pages (``small``: 4 KiB pages only; ``default``: where numpy or torch allocate it). MPI
+moves large messages between ranks of one host far faster from huge pages, and numpy gives them only to
+arrays of 4 MiB and more, torch to none unless ``THP_MEM_ALLOC_ENABLE=1``: the ratios at ``default`` mix
+the call's cost with the pages' (docs/launching.md).
 
 ``--steps`` adds, for ``adasum`` calls that take the halving schedule (from ``small_message_bytes`` on),
 where one call's time goes, in milliseconds (the call of the median total over the repeats, rank 0's): the
@@ -41,9 +47,9 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import adasum  # noqa: E402
-from allreduce import layer_sizes, model, parse_size, time_rounds  # noqa: E402,F401
+from allreduce import PAGES, layer_sizes, model, parse_size, time_rounds  # noqa: E402,F401
 
-COLUMNS = ("x raw", "x numpy", "us over", "coll", "msgs", "copied", "py calls", "c calls")
+COLUMNS = ("x raw", "x each", "x numpy", "us over", "coll", "msgs", "copied", "py calls", "c calls")
 
 
 def python_calls(fn) -> tuple[int, int]:
@@ -116,28 +122,32 @@ def step_times(comm, work, refill, repeats: int) -> dict:
     return {k: typical[k] * 1e3 for k in STEPS}
 
 
-def measure(comm, kinds, nbytes: int, ops, repeats: int, warmup: int, layout: str = "separate") -> dict:
+def measure(comm, kinds, nbytes: int, ops, repeats: int, warmup: int, layout: str = "separate",
+            pages: str = "default") -> dict:
     """Per (kind, op), the row of :data:`COLUMNS` for ``nbytes``: every kind and op timed in the same
     rounds, so that ``x numpy`` (a kind's time over numpy's for the same op, per repeat) compares like
     with like."""
-    models = {k: model(comm.Get_rank(), nbytes, layout, kind=k) for k in kinds}
+    models = {k: model(comm.Get_rank(), nbytes, layout, pages, kind=k) for k in kinds}
     flat = models[kinds[0]][1]
-    names = ["raw"] + [f"{op}:{k}" for k in kinds for op in ops]
+    each = [np.asarray(t) for t in models[kinds[0]][2]]  # numpy views of the first kind's tensors
+    names = ["raw", "each"] + [f"{op}:{k}" for k in kinds for op in ops]
 
     def call(name):
         if name == "raw":
             comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+        elif name == "each":
+            MPI.Request.Waitall([comm.Iallreduce(MPI.IN_PLACE, t, op=MPI.SUM) for t in each])
         else:
             op, kind = name.split(":")
             adasum.adasum_allreduce_inplace(models[kind][2], op=op, comm=comm)
 
     def refill(name):
-        models[kinds[0] if name == "raw" else name.split(":")[1]][3]()
+        models[kinds[0] if name in ("raw", "each") else name.split(":")[1]][3]()
 
     times = {k: np.array(v) for k, v in time_rounds(comm, names, call, refill, repeats, warmup).items()}
     raw = times["raw"]
     rows = {}
-    for name in names[1:]:
+    for name in names[2:]:
         refill(name)
         comm.Barrier()
         with adasum.count_traffic(comm) as t:
@@ -148,6 +158,7 @@ def measure(comm, kinds, nbytes: int, ops, repeats: int, warmup: int, layout: st
         op, kind = name.split(":")
         base = times[f"{op}:numpy"] if f"{op}:numpy" in times else times[name]
         rows[(kind, op)] = {"x raw": float(np.median(times[name] / raw)),
+                            "x each": float(np.median(times[name] / times["each"])),
                             "us over": float(np.median(times[name] - raw)) * 1e6,
                             # counters an older checkout lacks (see benchmarks/versus.py) show as -1
                             "coll": getattr(t, "collectives", -1), "msgs": t.messages,
@@ -158,14 +169,15 @@ def measure(comm, kinds, nbytes: int, ops, repeats: int, warmup: int, layout: st
 
 
 def format_row(size: int, kind: str, nbytes: int, op: str, row: dict) -> str:
-    return (f"{size:>3} {kind:>6} {_human(nbytes):>7} {op:>7} {row['x raw']:>7.2f} {row['x numpy']:>7.2f} "
+    return (f"{size:>3} {kind:>6} {_human(nbytes):>7} {op:>7} {row['x raw']:>7.2f} {row['x each']:>7.2f} "
+            f"{row['x numpy']:>7.2f} "
             f"{row['us over']:>9.1f} "
             f"{row['coll']:>5d} {row['msgs']:>5d} {row['copied']:>7.2f} {row['py calls']:>9d} {row['c calls']:>8d}")
 
 
 def header() -> str:
     return f"{'P':>3} {'kind':>6} {'bytes':>7} {'op':>7} " + " ".join(
-        f"{c:>{w}}" for c, w in zip(COLUMNS, (7, 7, 9, 5, 5, 7, 9, 8)))
+        f"{c:>{w}}" for c, w in zip(COLUMNS, (7, 7, 7, 9, 5, 5, 7, 9, 8)))
 
 
 def _human(n: int) -> str:
@@ -184,6 +196,8 @@ def main(argv=None) -> list:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--layout", choices=("separate", "views"), default="separate",
                     help="separate tensors (default) or views of one buffer")
+    ap.add_argument("--pages", choices=PAGES, default="default",
+                    help="the memory of the tensors and the raw buffer (see above)")
     ap.add_argument("--steps", action="store_true",
                     help="also time the halving schedule's steps of one adasum call (see above)")
     ap.add_argument("--plain-direct-bytes", default=None,
@@ -202,14 +216,14 @@ def main(argv=None) -> list:
         for text in args.sizes.split(","):
             nbytes = parse_size(text)
             repeats = args.repeats or int(np.clip(4e8 / max(nbytes, 1), 15, 301))
-            rows = measure(comm, kinds, nbytes, ops, repeats, args.warmup, args.layout)
+            rows = measure(comm, kinds, nbytes, ops, repeats, args.warmup, args.layout, args.pages)
             for (kind, op), row in rows.items():
                 out.append({"kind": kind, "bytes": nbytes, "op": op, **row})
                 if comm.Get_rank() == 0:
                     print(format_row(comm.Get_size(), kind, nbytes, op, row), flush=True)
             if args.steps and "adasum" in ops:
                 for kind in kinds:
-                    _, _, work, refill = model(comm.Get_rank(), nbytes, args.layout, kind=kind)
+                    _, _, work, refill = model(comm.Get_rank(), nbytes, args.layout, args.pages, kind=kind)
                     steps = step_times(comm, work, refill, min(repeats, 51))
                     out.append({"kind": kind, "bytes": nbytes, "op": "adasum", "steps_ms": steps})
                     if comm.Get_rank() == 0:

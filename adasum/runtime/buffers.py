@@ -6,7 +6,7 @@ import numpy as np
 
 from ..adapters import Adapters
 from ..adapters.base import host_numpy
-from .hugepages import HUGE_PAGE, advise
+from .hugepages import empty_on_huge_pages
 
 __all__ = ["Buffers"]
 
@@ -37,11 +37,13 @@ class Buffers:
             self.generation += 1
             entry[1] = None
             entry[0] = None  # the old buffer goes before the new one is made
-            entry[0] = self._adapters.of(kind).empty(max(n, 1), dtype, device)
+            adapter = self._adapters.of(kind)
             if device == "cpu":  # MPI moves large messages out of huge pages faster (adasum.runtime.hugepages)
-                view = host_numpy(entry[0])
-                if view.nbytes >= HUGE_PAGE:
-                    advise(view.ctypes.data, view.nbytes)
+                itemsize = host_numpy(adapter.empty(1, dtype, device)).itemsize
+                entry[0] = empty_on_huge_pages(lambda count: adapter.empty(count, dtype, device), max(n, 1),
+                                               itemsize, host_numpy)
+            else:
+                entry[0] = adapter.empty(max(n, 1), dtype, device)
         buf = entry[0]
         return buf if len(buf) == n else buf[:n]
 
