@@ -401,7 +401,8 @@ def tables(merged: dict) -> str:
                 model_bytes = next((r["model_bytes"] for r in res["runs"] if "model_bytes" in r), None)
                 target = _quality(res, res["target"])
                 lines += [f"\n{task}, {n} hosts at {rate}: target {target}, {res['settings']['epochs']} epochs, "
-                          f"{res['seeds']} seed(s), local step {1e3 * local:.1f} ms, model "
+                          f"{res['seeds']} seed(s), local step "
+                          f"{'not timed' if local is None else f'{1e3 * local:.1f} ms'}, model "
                           f"{model_bytes / 1e3:.0f} kB, load average {res['loadavg_start'][0]:.1f} → "
                           f"{res['loadavg_end'][0]:.1f}\n",
                           "| contender | time to target s | / DDP | reached | final | step ms | step / local | "

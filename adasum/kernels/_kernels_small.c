@@ -15,6 +15,73 @@
 enum { P_COMM, P_BYTE, P_INT64, P_MAX, P_TAG, P_NBYTES, P_OUT, P_FOLD, P_FOLD_SELF, P_FOLD_OTHER, P_LEVELS,
        P_FIELDS };
 
+/* How the parts of `op` lie, as layout() tells it: 2 back to back in order, 1 apart, 0 overlapping. */
+typedef struct {
+    uintptr_t start, end;
+} part_extent;
+
+static int
+by_part_start(const void *x, const void *y)
+{
+    uintptr_t a = ((const part_extent *)x)->start, b = ((const part_extent *)y)->start;
+    return (a > b) - (a < b);
+}
+
+static int
+parts_layout(const operand *op)
+{
+    Py_ssize_t n = op->n, live = 0;
+    const char *next = NULL;
+    int adjacent = 1;
+    for (Py_ssize_t i = 0; i < n && adjacent; i++) {
+        const Py_buffer *v = &op->parts[i];
+        if (v->len == 0)
+            continue;
+        if (next && (const char *)v->buf != next)
+            adjacent = 0;
+        next = (const char *)v->buf + v->len;
+    }
+    if (adjacent)
+        return 2;
+    if (n <= 32) { /* a few tensors: compare every pair rather than sort */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uintptr_t s = (uintptr_t)op->parts[i].buf, e = s + (uintptr_t)op->parts[i].len;
+            for (Py_ssize_t j = i + 1; j < n; j++) {
+                uintptr_t s2 = (uintptr_t)op->parts[j].buf, e2 = s2 + (uintptr_t)op->parts[j].len;
+                if (s < e && s2 < e2 && s < e2 && s2 < e)
+                    return 0;
+            }
+        }
+        return 1;
+    }
+    part_extent *ext = malloc((size_t)n * sizeof(part_extent));
+    if (!ext) { /* no memory for the sort: the pairs, as above */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uintptr_t s = (uintptr_t)op->parts[i].buf, e = s + (uintptr_t)op->parts[i].len;
+            for (Py_ssize_t j = i + 1; j < n; j++) {
+                uintptr_t s2 = (uintptr_t)op->parts[j].buf, e2 = s2 + (uintptr_t)op->parts[j].len;
+                if (s < e && s2 < e2 && s < e2 && s2 < e)
+                    return 0;
+            }
+        }
+        return 1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (op->parts[i].len > 0) {
+            ext[live].start = (uintptr_t)op->parts[i].buf;
+            ext[live].end = ext[live].start + (uintptr_t)op->parts[i].len;
+            live++;
+        }
+    }
+    qsort(ext, (size_t)live, sizeof(part_extent), by_part_start);
+    int result = 1;
+    for (Py_ssize_t i = 1; i < live && result; i++)
+        if (ext[i].start < ext[i - 1].end)
+            result = 0;
+    free(ext);
+    return result;
+}
+
 /* The steps of small_doubling() (its docstring), on operands already acquired, without the GIL. */
 static int
 run_small(const int64_t *prog, long long digest, int64_t *scratch, double patience, const double *wait,
@@ -73,10 +140,12 @@ run_small(const int64_t *prog, long long digest, int64_t *scratch, double patien
  * Adasum call, whole, by recursive doubling, as adasum.schedules.small_call.SmallCall makes it (the same collective, messages
  * and kernel calls as the general schedule, so ranks may mix the two), with no Python in between: the
  * agreement allreduce of [digest, -digest, 0, 0] (agree_spin(), in scratch), packing src into buf, the
- * fold, one exchange and pair() per level, the result into dst. Returns 0, -1 if the ranks disagree
- * (nothing was sent; the caller explains), -2 if the agreement is still waiting after `patience` seconds
- * (its request in scratch[8]: the caller waits on, then calls again with a negative patience to skip the
- * agreement), or MPI's error code.
+ * fold, one exchange and pair() per level, the result into dst. `src` and `dst` (the tensors, one part per
+ * span: numpy arrays or the addresses of contiguous torch tensors, see get_tensor_parts()) may be one object:
+ * in place; overlapping tensors are then not taken (-4, nothing sent: the Python path writes each result
+ * back in turn). Returns 0, -1 if the ranks disagree (nothing was sent; the caller explains), -2 if the
+ * agreement is still waiting after `patience` seconds (its request in scratch[8]: the caller waits on,
+ * then calls again with a negative patience to skip the agreement), -4 as above, or MPI's error code.
  */
 PyObject *
 k_small_doubling(PyObject *self, PyObject *args)
@@ -112,7 +181,13 @@ k_small_doubling(PyObject *self, PyObject *args)
     /* scr and dst (written), src (read) complete the operands */
     int ok = 1;
     for (int k = 1; ok && k < 4; k++) {
-        ok = get_operand(objs[k], &c.ops[k], k < 3, names[k], c.sp, c.n);
+        if (k >= 2 && PyTuple_Check(objs[k]) && PyTuple_GET_SIZE(objs[k]) > 0 &&
+            PyLong_Check(PyTuple_GET_ITEM(objs[k], 0))) { /* addresses of tensors of buf's element type */
+            element el = {c.ops[0].type, c.ops[0].type == T_F64 ? 'd' : 'f', c.ops[0].itemsize};
+            ok = get_tensor_parts(objs[k], &c.ops[k], k < 3, &el, c.sp, c.n, names[k]);
+        } else {
+            ok = get_operand(objs[k], &c.ops[k], k < 3, names[k], c.sp, c.n);
+        }
         if (ok)
             c.count = k + 1;
     }
@@ -125,7 +200,9 @@ k_small_doubling(PyObject *self, PyObject *args)
             ok = 0;
         }
     }
-    if (ok) {
+    if (ok && objs[2] == objs[3] && c.ops[3].parts && parts_layout(&c.ops[3]) == 0) {
+        rc = -4; /* in place on overlapping tensors */
+    } else if (ok) {
         Py_BEGIN_ALLOW_THREADS
         rc = run_small(p, digest, (int64_t *)scratch.buf, patience, wait, &c.ops[0], &c.ops[1], &c.ops[3],
                        &c.ops[2], c.sp, c.n);
@@ -227,35 +304,6 @@ run_plain(const int64_t *prog, long long digest, long long vote, int64_t *scratc
     if (buf && write_back)
         copy_spans(tensors, buf, sp, n);
     return 0;
-}
-
-/* How the parts of `op` lie, as layout() tells it: 2 back to back in order, 1 apart, 0 overlapping. */
-static int
-parts_layout(const operand *op)
-{
-    Py_ssize_t n = op->n;
-    const char *next = NULL;
-    int adjacent = 1;
-    for (Py_ssize_t i = 0; i < n && adjacent; i++) {
-        const Py_buffer *v = &op->parts[i];
-        if (v->len == 0)
-            continue;
-        if (next && (const char *)v->buf != next)
-            adjacent = 0;
-        next = (const char *)v->buf + v->len;
-    }
-    if (adjacent)
-        return 2;
-    /* n is small (a small call's tensors): compare every pair rather than sort */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uintptr_t s = (uintptr_t)op->parts[i].buf, e = s + (uintptr_t)op->parts[i].len;
-        for (Py_ssize_t j = i + 1; j < n; j++) {
-            uintptr_t s2 = (uintptr_t)op->parts[j].buf, e2 = s2 + (uintptr_t)op->parts[j].len;
-            if (s < e && s2 < e2 && s < e2 && s2 < e)
-                return 0;
-        }
-    }
-    return 1;
 }
 
 /*

@@ -63,16 +63,27 @@ def run_small(call, plan, items: list, inplace: bool, extras: dict):
     small = plan.small
     live = small.live(items)
     g = small.group
-    host = live if g.adapter.kind == "numpy" else g.adapter.host_views(live)  # torch: the same memory
-    try:
-        where = _kernels.layout(host, inplace)  # contiguous (and writable, in place), or it raises
-    except (BufferError, ValueError):
-        return None
-    if where == TensorLayout.OVERLAPPING:
-        return None  # the general path writes each result back in turn
+    if g.adapter.kind == "torch":  # the tensors' addresses: a fraction of what numpy views of them cost
+        tensor = g.adapter.torch.Tensor
+        try:
+            if not all(map(tensor.is_contiguous, live)):
+                return None
+            host = tuple(map(tensor.data_ptr, live))  # torch's memory is always writable
+        except RuntimeError:  # a tensor without memory of its own (sparse): the general path says so
+            return None
+    else:
+        host = live
+        try:
+            where = _kernels.layout(host, inplace)  # contiguous (and writable, in place), or it raises
+        except (BufferError, ValueError):
+            return None
+        if where == TensorLayout.OVERLAPPING:
+            return None  # the general path writes each result back in turn
     out = None if inplace else g.adapter.empty(g.size, g.dtype, g.device)
     dst = host if inplace else host_numpy(out)
     rc = small(call, host, dst, plan.signature, plan.descs, extras["patience"])
+    if rc == -4:
+        return None  # in place on overlapping torch tensors (found in the compiled call, before any message)
     if rc == -1:
         raise explain(call, "adasum", plan.descs, None, extras["adasum"])
     if rc:
@@ -127,20 +138,23 @@ class SmallCall:
 
     def __call__(self, call, live: list, dst, digest: int, descs, patience: float) -> int:
         """The whole call, agreement on ``digest`` included, in one ``_kernels.small_doubling``: 0, -1 if
-        the ranks disagree (nothing was sent; every rank must then explain), or MPI's error code. An
+        the ranks disagree (nothing was sent; every rank must then explain), -4 where ``live`` is ``dst``
+        and its tensors overlap (nothing was sent, nothing counted), or MPI's error code. An
         agreement still waiting after ``patience`` seconds (the stall inspector's) goes on in
         :func:`adasum.runtime.agreement.resume`, as the general path's does (``descs`` describe the call there), and
         the call then resumes where it stopped. Counted in ``compiled_calls`` however it ends."""
         ctx = self.ctx
         buf, scr = self._buffers()
         scratch = ctx.agree_scratch
+        wait = waiting.policy(call.waiting)
+        rc = _kernels.small_doubling(buf, scr, live, dst, self.span_array, self.program, digest, scratch, patience,
+                                     *wait)
+        if rc == -4:
+            return rc
         if ctx.counters:
             ctx.record("compiled_calls", 1)
             ctx.record("scalar_bytes", AGREE_BYTES)
             ctx.record("collectives", 1)  # the agreement, made inside the compiled call
-        wait = waiting.policy(call.waiting)
-        rc = _kernels.small_doubling(buf, scr, live, dst, self.span_array, self.program, digest, scratch, patience,
-                                     *wait)
         if rc == -2:
             resume(call, "adasum", descs, patience)
             rc = _kernels.small_doubling(buf, scr, live, dst, self.span_array, self.program, digest, scratch, -1.0,

@@ -340,6 +340,32 @@ def test_in_place_on_overlapping_tensors_writes_each_result(comm, algorithm):
     np.testing.assert_array_equal(x[1000:], want[1])
 
 
+@pytest.mark.parametrize("many", [False, True], ids=["two", "forty"])
+def test_in_place_on_overlapping_torch_tensors_writes_each_result(comm, algorithm, many):
+    """Torch tensors reach the compiled small call as addresses; overlapping ones in place are found there
+    before anything is sent (a few tensors pair by pair, many sorted) and take the path that writes each
+    result back in order: the bits of the same call out of place, written back in order. Apart, the same
+    tensors take the compiled call."""
+    rng = np.random.default_rng([23, comm.Get_rank()])
+    x = torch.from_numpy(rng.standard_normal(1300))  # small calls: 12.5 KiB at most
+    parts = [x[i * 30:i * 30 + 40] for i in range(40)] if many else [x[:600], x[200:600]]
+    want = adasum.adasum_allreduce(parts)
+    expect = x.clone()
+    for part, w in zip(parts, want):  # written back one by one, in order
+        expect[part.storage_offset():part.storage_offset() + part.numel()] = w
+    with adasum.count_traffic() as t:
+        adasum.adasum_allreduce_inplace(parts)
+    assert t.compiled_calls == 0 or comm.Get_size() == 1
+    assert x.numpy().tobytes() == expect.numpy().tobytes()
+    apart = [p.clone() for p in want]
+    with adasum.count_traffic() as t:
+        adasum.adasum_allreduce_inplace(apart)
+    if algorithm == "doubling" and comm.Get_size() > 1 and platform.system() == "Linux" \
+            and platform.machine() in ("x86_64", "aarch64") and adasum.kernels_backend() == "c":
+        # where small host calls run as one compiled call
+        assert t.compiled_calls == 1
+
+
 def test_torch_cpu_tensors_apart_are_combined_where_they_lie(comm, algorithm, chunk_bytes):
     """In place on separate CPU tensors (2-D ones too): the bits of the packed path, and autograd sees the
     tensors as modified in place."""
@@ -437,7 +463,8 @@ def test_compiled_small_call_gives_the_bits_of_the_python_one(comm, algorithm, d
 
 
 def test_small_calls_on_torch_tensors_follow_their_memory(comm, algorithm):
-    """The small call keeps numpy views of torch tensors between calls. The same tensor objects with new
+    """Small calls keep numpy views of torch tensors between calls (the compiled one reads their addresses
+    at every call). The same tensor objects with new
     memory (``.data`` replaced, ``set_``), transposed in place (same shape, not contiguous), or other
     tensors at the same addresses must each give the result of fresh tensors, in their current memory."""
     rank = comm.Get_rank()
@@ -487,7 +514,8 @@ def test_small_calls_on_torch_tensors_follow_their_memory(comm, algorithm):
         assert [t.numpy().tobytes() for t in tensors] == expected
     # freed tensors leave nothing behind: no kept view holds their memory
     torch_adapter = context_for(comm).adapters.of("torch")
-    assert torch_adapter.kept_view_lists(), "the views of the live tensors are kept"
+    if algorithm == "halving":  # the compiled small call (doubling) takes their addresses and keeps no views
+        assert torch_adapter.kept_view_lists(), "the views of the live tensors are kept"
     del tensors, old
     gc.collect()
     assert not torch_adapter.kept_view_lists(), f"rank {rank}: views of freed tensors are still kept"
