@@ -71,7 +71,19 @@ class TorchAdapter(Adapter):
     def empty(self, n, dtype, device):
         return self.torch.empty(n, dtype=self._dtype(dtype), device=device)
 
+    def _host_pair(self, tensors, buf, spans):
+        """numpy views of CPU tensors and of a CPU buffer for the numpy adapter's compiled copies (a view or
+        a copy per tensor in torch costs microseconds each), else None."""
+        if spans is None or buf.device.type != "cpu":
+            return None
+        views = self._host_views(tensors)
+        return None if views is None else (views, _host(buf))
+
     def pack(self, tensors, buf, bounds, spans=None):
+        pair = self._host_pair(tensors, buf, spans)
+        if pair is not None:
+            self._numpy.pack(pair[0], pair[1], bounds, spans)
+            return
         with self.torch.no_grad():
             for t, s, e in zip(tensors, bounds[:-1], bounds[1:]):
                 buf[s:e].view(t.shape).copy_(t)
@@ -80,6 +92,11 @@ class TorchAdapter(Adapter):
         return [buf[s:e].view(shape) for s, e, shape in zip(bounds[:-1], bounds[1:], shapes)]
 
     def write_back(self, tensors, buf, bounds, spans=None):
+        pair = self._host_pair(tensors, buf, spans)
+        if pair is not None:
+            self._numpy.write_back(pair[0], pair[1], bounds, spans)
+            self.wrote_parts(tensors)  # as torch's copy_ would: autograd sees them modified in place
+            return
         with self.torch.no_grad():
             for t, s, e in zip(tensors, bounds[:-1], bounds[1:]):
                 t.copy_(buf[s:e].view(t.shape))
