@@ -8,6 +8,7 @@
  *                                  wait (_kernels_mpi.c)
  *   small_doubling, small_plain    a whole small Adasum call, or a whole small sum or mean, in one call
  *                                  (_kernels_small.c)
+ *   sum_rows16                     the rounded float32 sum of 16-bit rows, for 16-bit sums (_kernels_loops.c)
  *   layout, address, key, use_isa  small helpers of the Python side (here)
  *
  * Any operand may be one buffer that the spans index or a list of buffers, one per span: the caller's own
@@ -187,6 +188,10 @@ static PyMethodDef methods[] = {
      "seconds), -3 (still waiting for the allreduce; both with the request in scratch[8]), -4 (in place on "
      "overlapping tensors: not taken, nothing sent) or an MPI error code (see the source for the program's "
      "fields and the stages)."},
+    {"sum_rows16", k_sum_rows16, METH_VARARGS,
+     "sum_rows16(rows, out, type, divisor) -> whether a NaN came out: the sum of the rows of a 2-D uint16 "
+     "array of float16 (type 0) or bfloat16 (type 1) bits, in float32 in row order, divided by divisor, "
+     "rounded once into out (the rule of adasum/rule/sum16.py, bit for bit on every value but NaN)."},
     {"copy", k_copy, METH_VARARGS,
      "copy(dst, src, spans): dst[s:e] = src[s:e] for each span; operands as for dots."},
     {"address", k_address, METH_O, "address(obj): the address of the first element of obj's buffer."},

@@ -48,6 +48,7 @@ extern INTERNAL scaled_add_fn scaled_add_of[T_COUNT];
 extern INTERNAL const char *isa;
 
 INTERNAL void select_isa(const char *cap);
+INTERNAL PyObject *k_sum_rows16(PyObject *self, PyObject *args);
 
 /* --- _kernels_operands.c ------------------------------------------------------------------------------ */
 

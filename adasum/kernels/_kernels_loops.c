@@ -511,3 +511,154 @@ select_isa(const char *cap)
     }
 #endif
 }
+
+/*
+ * sum_rows16(rows, out, type, divisor) -> whether a NaN came out: the sum of the rows of `rows` (a
+ * C-contiguous 2-D uint16 array: one row per rank, in rank order, each the bits of float16 or bfloat16
+ * values; `type` 0 float16, 1 bfloat16) added in float32 in row order, divided by `divisor` (1: not),
+ * rounded once to the 16-bit type (to nearest, ties to even) into `out` (n uint16). The arithmetic of
+ * adasum/rule/sum16.py, bit for bit on every value but NaN, in one pass over blocks that stay in cache;
+ * where a NaN comes out the caller computes the whole there (its NaN bits are the rule's).
+ */
+#define ROWS16_BLOCK 2048
+
+static inline float
+bf16_bits_to_f32(uint16_t h)
+{
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* bfloat16: branch-free loops over a block, which compilers vectorise (twice: portable and AVX2). */
+#define DEFINE_SUM_ROWS_BF16(NAME, ATTR)                                                                    \
+    static int ATTR NAME(const uint16_t *rows, Py_ssize_t size, Py_ssize_t n, uint16_t *out, float divisor) \
+    {                                                                                                       \
+        float acc[ROWS16_BLOCK];                                                                            \
+        uint32_t bad = 0;                                                                                   \
+        for (Py_ssize_t lo = 0; lo < n; lo += ROWS16_BLOCK) {                                               \
+            Py_ssize_t m = n - lo < ROWS16_BLOCK ? n - lo : ROWS16_BLOCK;                                   \
+            for (Py_ssize_t i = 0; i < m; i++)                                                              \
+                acc[i] = bf16_bits_to_f32(rows[lo + i]);                                                    \
+            for (Py_ssize_t j = 1; j < size; j++) {                                                         \
+                const uint16_t *r = rows + j * n + lo;                                                      \
+                for (Py_ssize_t i = 0; i < m; i++)                                                          \
+                    acc[i] += bf16_bits_to_f32(r[i]);                                                       \
+            }                                                                                               \
+            if (divisor != 1.0f)                                                                            \
+                for (Py_ssize_t i = 0; i < m; i++)                                                          \
+                    acc[i] /= divisor;                                                                      \
+            for (Py_ssize_t i = 0; i < m; i++) {                                                            \
+                uint32_t u;                                                                                 \
+                memcpy(&u, &acc[i], 4);                                                                     \
+                bad |= (u & 0x7fffffffu) > 0x7f800000u; /* a NaN */                                         \
+                out[lo + i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);                           \
+            }                                                                                               \
+        }                                                                                                   \
+        return bad != 0;                                                                                    \
+    }
+
+DEFINE_SUM_ROWS_BF16(sum_rows_bf16_portable, )
+
+/* float16, one value at a time (the F16C path below is the fast one). */
+static int
+sum_rows_f16_portable(const uint16_t *rows, Py_ssize_t size, Py_ssize_t n, uint16_t *out, float divisor)
+{
+    int nan = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float a = (float)f16_to_f64(rows[i]); /* exact */
+        for (Py_ssize_t j = 1; j < size; j++)
+            a += (float)f16_to_f64(rows[j * n + i]);
+        if (divisor != 1.0f)
+            a /= divisor;
+        uint32_t u;
+        memcpy(&u, &a, 4);
+        nan |= a != a;
+        out[i] = f32_to_f16(u);
+    }
+    return nan;
+}
+
+#ifdef HAVE_AVX2_PATH
+DEFINE_SUM_ROWS_BF16(sum_rows_bf16_avx2, AVX2)
+
+/* float16 through F16C's exact widening and its narrowing to nearest, ties to even (f32_to_f16's rule). */
+static int AVX2_F16C
+sum_rows16_f16c(const uint16_t *rows, Py_ssize_t size, Py_ssize_t n, uint16_t *out, float divisor)
+{
+    int nan = 0;
+    __m256 d = _mm256_set1_ps(divisor);
+    for (Py_ssize_t lo = 0; lo < n; lo += ROWS16_BLOCK) {
+        Py_ssize_t m = n - lo < ROWS16_BLOCK ? n - lo : ROWS16_BLOCK, v8 = m & ~(Py_ssize_t)7;
+        for (Py_ssize_t i = 0; i < v8; i += 8) {
+            __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rows + lo + i)));
+            for (Py_ssize_t j = 1; j < size; j++)
+                a = _mm256_add_ps(a, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rows + j * n + lo + i))));
+            if (divisor != 1.0f)
+                a = _mm256_div_ps(a, d);
+            nan |= _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0;
+            _mm_storeu_si128((__m128i *)(out + lo + i), _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
+        }
+        for (Py_ssize_t i = v8; i < m; i++) {
+            float a = (float)f16_to_f64(rows[lo + i]);
+            for (Py_ssize_t j = 1; j < size; j++)
+                a += (float)f16_to_f64(rows[j * n + lo + i]);
+            if (divisor != 1.0f)
+                a /= divisor;
+            uint32_t u;
+            memcpy(&u, &a, 4);
+            nan |= a != a;
+            out[lo + i] = f32_to_f16(u);
+        }
+    }
+    return nan;
+}
+#endif
+
+PyObject *
+k_sum_rows16(PyObject *self, PyObject *args)
+{
+    PyObject *orows, *oout;
+    int type;
+    long long divisor;
+    if (!PyArg_ParseTuple(args, "OOiL:sum_rows16", &orows, &oout, &type, &divisor))
+        return NULL;
+    if ((type != 0 && type != 1) || divisor < 1) {
+        PyErr_SetString(PyExc_ValueError, "sum_rows16: type must be 0 (float16) or 1 (bfloat16), divisor >= 1");
+        return NULL;
+    }
+    Py_buffer rows, out;
+    if (PyObject_GetBuffer(orows, &rows, PyBUF_C_CONTIGUOUS | PyBUF_ND) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(oout, &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&rows);
+        return NULL;
+    }
+    int ok = rows.ndim == 2 && rows.itemsize == 2 && rows.shape[0] >= 1 && out.len == rows.shape[1] * 2;
+    int nan = 0;
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "sum_rows16: rows must be 2-D uint16 and out its row's length");
+    } else {
+        Py_ssize_t size = rows.shape[0], n = rows.shape[1];
+        float d = (float)divisor;
+        const uint16_t *r = (const uint16_t *)rows.buf;
+        uint16_t *o = (uint16_t *)out.buf;
+        Py_BEGIN_ALLOW_THREADS
+#ifdef HAVE_AVX2_PATH
+        int avx2 = strcmp(isa, "portable") != 0 && __builtin_cpu_supports("avx2"); /* use_isa() caps it */
+        if (type == 0 && avx2 && __builtin_cpu_supports("f16c"))
+            nan = sum_rows16_f16c(r, size, n, o, d);
+        else if (type == 1 && avx2)
+            nan = sum_rows_bf16_avx2(r, size, n, o, d);
+        else
+#endif
+            nan = type == 1 ? sum_rows_bf16_portable(r, size, n, o, d) : sum_rows_f16_portable(r, size, n, o, d);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&out);
+    if (!ok)
+        return NULL;
+    return PyBool_FromLong(nan);
+}

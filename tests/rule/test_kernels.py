@@ -422,3 +422,28 @@ def test_sixteen_numpy_fallback_is_bitwise_the_compiled(dtype, counts):
     for s, e in spans:  # and the rule is the reference's, rounded once
         want = narrow(combine(widen(left[s:e]), widen(right[s:e]), *counts), dtype)
         assert np.frombuffer(results["c"][0], left.dtype)[s:e].tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sixteen_row_sums_are_the_rule_bit_for_bit(dtype):
+    """The compiled sum of 16-bit rows (what 16-bit sums and means add) is adasum.rule.sum16's float32 sum
+    in row order, divided, rounded once, bit for bit on every instruction set: subnormal and overflowing
+    results, every block boundary; a NaN result is reported, for the rule to give its bits."""
+    from adasum.rule.sum16 import narrow_16bit, sum_rows_16bit
+
+    rng = np.random.default_rng(31)
+    code = int(dtype == "bfloat16")
+    for isa in _every_isa():
+        for size in (1, 2, 3, 5):
+            for n in (0, 1, 7, 8, 9, 2047, 2048, 2049, 5000):
+                x = (rng.standard_normal((size, n)) * 2.0 ** rng.integers(-30, 16, (size, n))).astype(np.float32)
+                rows = narrow_16bit(x.reshape(-1), dtype).reshape(size, n)
+                rows[rows & 0x7C00 == 0x7C00] = 0  # float16 infinities can meet as inf - inf: NaN
+                for divisor in sorted({1, size, 3}):
+                    out = np.empty(n, np.uint16)
+                    assert not K.sum_rows16(rows, out, code, divisor), (isa, size, n, divisor)
+                    want = sum_rows_16bit(rows, dtype, divisor)
+                    assert out.tobytes() == want.tobytes(), (isa, dtype, size, n, divisor)
+        nan_bits = 0x7E00 if dtype == "float16" else 0x7FC0
+        rows = np.array([[nan_bits, 0, 1], [0, 0, 1]], np.uint16)
+        assert K.sum_rows16(rows, np.empty(3, np.uint16), code, 1)
