@@ -71,7 +71,12 @@ class Buffers:
         if entry[0] is None or entry[0].nbytes < nbytes:
             self.generation += 1
             entry[0] = None
-            entry[0] = self._adapters.of(kind).host_bytes_empty(max(nbytes, 1 << 16), device)
+            adapter = self._adapters.of(kind)
+            if device == "cpu":  # nothing to lock: on huge pages, as the other kept host buffers
+                entry[0] = empty_on_huge_pages(lambda count: adapter.host_bytes_empty(count, device),
+                                               max(nbytes, 1 << 16), 1, lambda x: x)
+            else:
+                entry[0] = adapter.host_bytes_empty(max(nbytes, 1 << 16), device)
         return entry[0][:nbytes]
 
     def clear(self) -> None:
