@@ -147,6 +147,8 @@ class TorchAdapter(Adapter):
         if not tensors or tensors[0].device.type != "cpu" or tensors[0].dtype not in (
                 torch.float32, torch.float64, torch.float16, torch.bfloat16):
             return None
+        if any(map(torch.Tensor.is_neg, tensors)):  # a negated view (x.conj().imag): its memory holds -x,
+            return None  # so it goes through torch's own copies, which read and write it as -x
         return self.host_views(tensors)
 
     def host_views(self, tensors) -> list:

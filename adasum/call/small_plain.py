@@ -99,8 +99,8 @@ class SmallPlain:
         if torch is not None:  # the tensors' addresses: a fraction of what numpy views of them cost
             tensor = self.tensor
             try:
-                if not all(map(tensor.is_contiguous, live)):
-                    return None
+                if not all(map(tensor.is_contiguous, live)) or any(map(tensor.is_neg, live)):
+                    return None  # a negated view's memory holds -x: the general path reads it through torch
                 parts = tuple(map(tensor.data_ptr, live))
             except RuntimeError:  # a tensor without memory of its own (sparse): the general path says so
                 return None

@@ -20,12 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The bytes [start, end) of one buffer, for layout(); ordered by start. */
-typedef struct {
-    uintptr_t start, end;
-} extent;
-
-static int
+int
 by_start(const void *x, const void *y)
 {
     uintptr_t a = ((const extent *)x)->start, b = ((const extent *)y)->start;

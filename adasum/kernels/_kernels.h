@@ -48,6 +48,13 @@ extern INTERNAL scaled_add_fn scaled_add_of[T_COUNT];
 extern INTERNAL const char *isa;
 
 INTERNAL void select_isa(const char *cap);
+
+/* The bytes [start, end) of one buffer, for layout() and the small calls' check; by_start orders them
+ * (qsort) by start (_kernels.c). */
+typedef struct {
+    uintptr_t start, end;
+} extent;
+INTERNAL int by_start(const void *x, const void *y);
 INTERNAL PyObject *k_sum_rows16(PyObject *self, PyObject *args);
 
 /* --- _kernels_operands.c ------------------------------------------------------------------------------ */

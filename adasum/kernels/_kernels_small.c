@@ -15,18 +15,22 @@
 enum { P_COMM, P_BYTE, P_INT64, P_MAX, P_TAG, P_NBYTES, P_OUT, P_FOLD, P_FOLD_SELF, P_FOLD_OTHER, P_LEVELS,
        P_FIELDS };
 
-/* How the parts of `op` lie, as layout() tells it: 2 back to back in order, 1 apart, 0 overlapping. */
-typedef struct {
-    uintptr_t start, end;
-} part_extent;
-
+/* Whether two non-empty parts of `op` overlap, pair by pair (for a few parts). */
 static int
-by_part_start(const void *x, const void *y)
+parts_overlap_pairwise(const operand *op)
 {
-    uintptr_t a = ((const part_extent *)x)->start, b = ((const part_extent *)y)->start;
-    return (a > b) - (a < b);
+    for (Py_ssize_t i = 0; i < op->n; i++) {
+        uintptr_t s = (uintptr_t)op->parts[i].buf, e = s + (uintptr_t)op->parts[i].len;
+        for (Py_ssize_t j = i + 1; j < op->n; j++) {
+            uintptr_t s2 = (uintptr_t)op->parts[j].buf, e2 = s2 + (uintptr_t)op->parts[j].len;
+            if (s < e && s2 < e2 && s < e2 && s2 < e)
+                return 1;
+        }
+    }
+    return 0;
 }
 
+/* How the parts of `op` lie, as layout() tells it: 2 back to back in order, 1 apart, 0 overlapping. */
 static int
 parts_layout(const operand *op)
 {
@@ -43,29 +47,9 @@ parts_layout(const operand *op)
     }
     if (adjacent)
         return 2;
-    if (n <= 32) { /* a few tensors: compare every pair rather than sort */
-        for (Py_ssize_t i = 0; i < n; i++) {
-            uintptr_t s = (uintptr_t)op->parts[i].buf, e = s + (uintptr_t)op->parts[i].len;
-            for (Py_ssize_t j = i + 1; j < n; j++) {
-                uintptr_t s2 = (uintptr_t)op->parts[j].buf, e2 = s2 + (uintptr_t)op->parts[j].len;
-                if (s < e && s2 < e2 && s < e2 && s2 < e)
-                    return 0;
-            }
-        }
-        return 1;
-    }
-    part_extent *ext = malloc((size_t)n * sizeof(part_extent));
-    if (!ext) { /* no memory for the sort: the pairs, as above */
-        for (Py_ssize_t i = 0; i < n; i++) {
-            uintptr_t s = (uintptr_t)op->parts[i].buf, e = s + (uintptr_t)op->parts[i].len;
-            for (Py_ssize_t j = i + 1; j < n; j++) {
-                uintptr_t s2 = (uintptr_t)op->parts[j].buf, e2 = s2 + (uintptr_t)op->parts[j].len;
-                if (s < e && s2 < e2 && s < e2 && s2 < e)
-                    return 0;
-            }
-        }
-        return 1;
-    }
+    extent *ext = n > 32 ? malloc((size_t)n * sizeof(extent)) : NULL;
+    if (!ext) /* a few tensors (or no memory for the sort): every pair */
+        return parts_overlap_pairwise(op) ? 0 : 1;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (op->parts[i].len > 0) {
             ext[live].start = (uintptr_t)op->parts[i].buf;
@@ -73,7 +57,7 @@ parts_layout(const operand *op)
             live++;
         }
     }
-    qsort(ext, (size_t)live, sizeof(part_extent), by_part_start);
+    qsort(ext, (size_t)live, sizeof(extent), by_start);
     int result = 1;
     for (Py_ssize_t i = 1; i < live && result; i++)
         if (ext[i].start < ext[i - 1].end)

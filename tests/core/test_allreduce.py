@@ -366,6 +366,28 @@ def test_in_place_on_overlapping_torch_tensors_writes_each_result(comm, algorith
         assert t.compiled_calls == 1
 
 
+@pytest.mark.parametrize("op", ["adasum", "sum", "mean"])
+@pytest.mark.parametrize("n", [1, 64, 40_000])
+def test_negated_torch_views_are_read_and_written_as_their_values(comm, algorithm, op, n):
+    """``z.conj().imag`` is a float tensor whose memory holds the negated values (torch's negative bit):
+    every path reads it as its values, not its memory (the small calls take tensors' addresses), and in
+    place writes the result as torch would; the bits of the same call on resolved copies."""
+    rng = np.random.default_rng([29, comm.Get_rank(), n])
+    z = torch.complex(torch.from_numpy(rng.standard_normal(n).astype(np.float32)),
+                      torch.from_numpy(rng.standard_normal(n).astype(np.float32)))
+    u = torch.from_numpy(rng.standard_normal(n + 3).astype(np.float32))
+    neg = z.conj().imag
+    assert neg.is_neg()
+    want = adasum.adasum_allreduce([neg.resolve_neg().clone(), u.clone()], op=op)
+    got = adasum.adasum_allreduce([neg, u.clone()], op=op)
+    assert got[0].resolve_neg().numpy().tobytes() == want[0].numpy().tobytes()
+    assert got[1].numpy().tobytes() == want[1].numpy().tobytes()
+    mine = [z.clone().conj().imag, u.clone()]
+    adasum.adasum_allreduce_inplace(mine, op=op)
+    assert mine[0].resolve_neg().numpy().tobytes() == want[0].numpy().tobytes()
+    assert mine[1].numpy().tobytes() == want[1].numpy().tobytes()
+
+
 def test_torch_cpu_tensors_apart_are_combined_where_they_lie(comm, algorithm, chunk_bytes):
     """In place on separate CPU tensors (2-D ones too): the bits of the packed path, and autograd sees the
     tensors as modified in place."""
