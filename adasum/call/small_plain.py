@@ -75,7 +75,6 @@ class SmallPlain:
         self.torch = None
         if group.adapter.kind == "torch":
             torch = self.torch = group.adapter.torch
-            self.tensor = torch.Tensor
             self.torch_dtype = getattr(torch, group.dtype)
             # each output as a strided view of the call's one output tensor: (shape, strides, offset)
             self.strided = [(shape, _strides(shape), int(start)) for shape, start in zip(group.shapes, group.bounds)]
@@ -97,12 +96,8 @@ class SmallPlain:
         live = items if self.all_live else [items[i] for i in self.layers]
         torch, out = self.torch, None
         if torch is not None:  # the tensors' addresses: a fraction of what numpy views of them cost
-            tensor = self.tensor
-            try:
-                if not all(map(tensor.is_contiguous, live)) or any(map(tensor.is_neg, live)):
-                    return None  # a negated view's memory holds -x: the general path reads it through torch
-                parts = tuple(map(tensor.data_ptr, live))
-            except RuntimeError:  # a tensor without memory of its own (sparse): the general path says so
+            parts = self.group.adapter.addresses(live)
+            if parts is None:
                 return None
             if not inplace:
                 out = torch.empty(self.n, dtype=self.torch_dtype)

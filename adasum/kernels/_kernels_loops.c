@@ -561,12 +561,13 @@ bf16_bits_to_f32(uint16_t h)
 
 DEFINE_SUM_ROWS_BF16(sum_rows_bf16_portable, )
 
-/* float16, one value at a time (the F16C path below is the fast one). */
+/* float16, one value at a time, elements [lo, hi) (the F16C path below is the fast one). */
 static int
-sum_rows_f16_portable(const uint16_t *rows, Py_ssize_t size, Py_ssize_t n, uint16_t *out, float divisor)
+sum_rows_f16_portable(const uint16_t *rows, Py_ssize_t size, Py_ssize_t n, uint16_t *out, float divisor,
+                      Py_ssize_t lo, Py_ssize_t hi)
 {
     int nan = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = lo; i < hi; i++) {
         float a = (float)f16_to_f64(rows[i]); /* exact */
         for (Py_ssize_t j = 1; j < size; j++)
             a += (float)f16_to_f64(rows[j * n + i]);
@@ -600,17 +601,7 @@ sum_rows16_f16c(const uint16_t *rows, Py_ssize_t size, Py_ssize_t n, uint16_t *o
             nan |= _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0;
             _mm_storeu_si128((__m128i *)(out + lo + i), _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
         }
-        for (Py_ssize_t i = v8; i < m; i++) {
-            float a = (float)f16_to_f64(rows[lo + i]);
-            for (Py_ssize_t j = 1; j < size; j++)
-                a += (float)f16_to_f64(rows[j * n + lo + i]);
-            if (divisor != 1.0f)
-                a /= divisor;
-            uint32_t u;
-            memcpy(&u, &a, 4);
-            nan |= a != a;
-            out[lo + i] = f32_to_f16(u);
-        }
+        nan |= sum_rows_f16_portable(rows, size, n, out, divisor, lo + v8, lo + m);
     }
     return nan;
 }
@@ -653,7 +644,7 @@ k_sum_rows16(PyObject *self, PyObject *args)
             nan = sum_rows_bf16_avx2(r, size, n, o, d);
         else
 #endif
-            nan = type == 1 ? sum_rows_bf16_portable(r, size, n, o, d) : sum_rows_f16_portable(r, size, n, o, d);
+            nan = type == 1 ? sum_rows_bf16_portable(r, size, n, o, d) : sum_rows_f16_portable(r, size, n, o, d, 0, n);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&rows);

@@ -6,6 +6,7 @@ import numpy as np
 
 from ..adapters import Adapters
 from ..adapters.base import host_numpy
+from ..rule.dtypes import itemsize
 from .hugepages import empty_on_huge_pages
 
 __all__ = ["Buffers"]
@@ -39,9 +40,8 @@ class Buffers:
             entry[0] = None  # the old buffer goes before the new one is made
             adapter = self._adapters.of(kind)
             if device == "cpu":  # MPI moves large messages out of huge pages faster (adasum.runtime.hugepages)
-                itemsize = host_numpy(adapter.empty(1, dtype, device)).itemsize
                 entry[0] = empty_on_huge_pages(lambda count: adapter.empty(count, dtype, device), max(n, 1),
-                                               itemsize, host_numpy)
+                                               itemsize(dtype), host_numpy)
             else:
                 entry[0] = adapter.empty(max(n, 1), dtype, device)
         buf = entry[0]

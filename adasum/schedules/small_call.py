@@ -63,13 +63,9 @@ def run_small(call, plan, items: list, inplace: bool, extras: dict):
     small = plan.small
     live = small.live(items)
     g = small.group
-    if g.adapter.kind == "torch":  # the tensors' addresses: a fraction of what numpy views of them cost
-        tensor = g.adapter.torch.Tensor
-        try:
-            if not all(map(tensor.is_contiguous, live)) or any(map(tensor.is_neg, live)):
-                return None  # a negated view's memory holds -x: the general path reads it through torch
-            host = tuple(map(tensor.data_ptr, live))  # torch's memory is always writable
-        except RuntimeError:  # a tensor without memory of its own (sparse): the general path says so
+    if g.adapter.kind == "torch":
+        host = g.adapter.addresses(live)
+        if host is None:
             return None
     else:
         host = live
