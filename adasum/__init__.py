@@ -43,4 +43,4 @@ __all__ = [
     "local_size",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
