@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from mpi4py import MPI
@@ -143,6 +144,7 @@ class AdasumStrategy(ParallelStrategy):
         self.model_to_device()
         super().setup(trainer)
         broadcast_parameters(self.lightning_module, root=0, comm=self.comm)
+        self._install_combine(trainer)
         if trainer.state.fn == "fit":
             scaler = self._scaler()
             # the first optimizer keeps the module's buffers alike (one sum per window, not one per optimizer)
@@ -155,14 +157,34 @@ class AdasumStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        """Lightning's closure (forward and backward), then the optimizer's ``finalize_gradients()`` (for
+        ``op="sum"``/``"mean"`` the gradients are reduced over the ranks here, ahead of ``step()``), then
+        Lightning's ``on_before_optimizer_step`` hooks and gradient clipping, then the step. Clipping thus
+        acts on the reduced gradient, the same on every rank, as under DDP; with ``op="adasum"`` (nothing is
+        reduced before the step) and with local steps it acts on each rank's own gradient."""
         model = model or self.lightning_module
+        if isinstance(optimizer, DistributedOptimizer) and self._finalizes(optimizer, model.trainer):
+            closure = _Finalizing(closure, optimizer)
         if self._scaler() is None:
             return self.precision_plugin.optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        # 16-mixed: the optimizer unscales and keeps the scale alike on every rank (not scaler.step)
+        # 16-mixed: the optimizer unscales (in finalize_gradients, or at the boundary) and keeps the scale alike
+        # on every rank, so MixedPrecision's own step (scaler.unscale_, scaler.step, scaler.update) is left
+        # out: the base class's step runs the closure, the hooks and the clipping, then optimizer.step().
+        # Lightning's clipping would refuse this optimizer (it unscales in step()), hence the error here.
         if model.trainer.gradient_clip_val:
             raise ValueError("AdasumStrategy with precision='16-mixed' does not clip gradients through the "
                              "Trainer; call optimizer.clip_grad_norm_ in on_before_optimizer_step instead")
-        return optimizer.step(lambda: self.precision_plugin._wrap_closure(model, optimizer, closure))
+        return Precision.optimizer_step(self.precision_plugin, optimizer, model=model, closure=closure, **kwargs)
+
+    @staticmethod
+    def _finalizes(optimizer: DistributedOptimizer, trainer) -> bool:
+        """Whether the gradients are finalized before Lightning's hooks and clipping see them: always, except
+        with ``op="adasum"`` and overlap where the Trainer does not clip. There finalizing would turn the
+        overlap off for good (the local steps need every gradient first), and a rank's gradient is its own
+        already (one micro-batch per window: Lightning accumulates under ``no_sync()``). Where it clips, the
+        gradients must not change under the overlap's thread: finalized from the first step on, the
+        optimizer never overlaps (DistributedOptimizer.finalize_gradients)."""
+        return not (optimizer.op == "adasum" and optimizer.overlap and not trainer.gradient_clip_val)
 
     @contextlib.contextmanager
     def block_backward_sync(self):
@@ -217,24 +239,67 @@ class AdasumStrategy(ParallelStrategy):
             if isinstance(opt, DistributedOptimizer) and not opt.closed:
                 opt.flush()
 
-    def on_validation_start(self) -> None:
-        self._combine_open()  # validation during fit sees the ranks' common model
-        super().on_validation_start()
+    def _install_combine(self, trainer) -> None:
+        """Put a :class:`_CombineFirst` at the head of ``trainer.callbacks`` (once; Lightning may have
+        reordered the list since an earlier fit)."""
+        self._drop_combine()
+        trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, _CombineFirst)]
+        trainer.callbacks.insert(0, _CombineFirst(self))
+        self._combine_in = trainer.callbacks
+
+    def _drop_combine(self) -> None:
+        callbacks, self._combine_in = getattr(self, "_combine_in", None), None
+        if callbacks is not None:
+            callbacks[:] = [c for c in callbacks if not (isinstance(c, _CombineFirst) and c.strategy is self)]
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._combine_open()  # a checkpoint holds the common model (dumped on every rank)
         return super().lightning_module_state_dict()
-
-    def on_train_end(self) -> None:
-        self._combine_open()  # fit() ends with every rank's model combined
-        super().on_train_end()
 
     def teardown(self) -> None:
         # After on_train_end (or after an error, where no collective may be started): the lanes end.
         for opt in self.optimizers:
             if isinstance(opt, DistributedOptimizer):
                 opt.close(combine=False)
+        self._drop_combine()
         super().teardown()
+
+
+class _Finalizing:
+    """Lightning's closure, then the optimizer's ``finalize_gradients()``: the gradients that the hooks and
+    the clipping after the closure see are those of the step (reduced, for sum/mean)."""
+
+    def __init__(self, closure, optimizer: DistributedOptimizer):
+        self.closure, self.optimizer = closure, optimizer
+
+    def __call__(self, *args, **kwargs):
+        result = self.closure(*args, **kwargs)
+        self.optimizer.finalize_gradients()  # collective where the step closes a window (sum/mean)
+        return result
+
+
+class _CombineFirst(Callback):
+    """With local steps (or ``delay=1``), combine the open window where ``fit()`` shows the model: at
+    ``on_validation_start`` and ``on_train_end``.
+
+    Lightning calls these hooks on the callbacks first (in list order), then on the LightningModule, and on
+    the strategy last, so a strategy hook would combine only after every user callback and module hook had
+    seen each rank's own model. Neither the evaluation loop nor the fit loop calls a strategy hook before
+    them, so :class:`AdasumStrategy` puts this callback at the head of ``trainer.callbacks`` in ``setup()``
+    (after Lightning ordered the list) and removes it in ``teardown()``: every callback and module hook then
+    sees the combined model. It holds no state (nothing of it goes into checkpoints).
+    """
+
+    def __init__(self, strategy: AdasumStrategy):
+        self.strategy = strategy
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if trainer.strategy is self.strategy:
+            self.strategy._combine_open()  # validation during fit sees the ranks' common model
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.strategy is self.strategy:
+            self.strategy._combine_open()  # fit() ends with every rank's model combined
 
 
 all_ = all

@@ -3,6 +3,7 @@ DistributedOptimizer, shards, accumulation, mixed precision, metrics, checkpoint
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -232,3 +233,192 @@ def test_fit_with_local_steps_ends_and_validates_on_the_common_model(comm, optio
     assert comm.allgather(module.validated) == [module.validated] * comm.Get_size()
     opt = trainer.strategy.optimizers[0]
     assert opt.closed and opt.boundaries >= 2
+
+
+# --- gradient clipping: the reduced gradient for sum/mean (as DDP), each rank's own for adasum -------------
+
+
+def clip_(params, clip: float, algorithm: str) -> None:
+    if algorithm == "norm":
+        torch.nn.utils.clip_grad_norm_(params, clip)
+    else:
+        torch.nn.utils.clip_grad_value_(params, clip)
+
+
+def fit_clipped(comm, *, clip, algorithm, accumulate=1, epochs=2, **strategy):
+    module = Module()
+    trainer = L.Trainer(strategy=AdasumStrategy(**strategy), accelerator="cpu", max_epochs=epochs,
+                        accumulate_grad_batches=accumulate, gradient_clip_val=clip,
+                        gradient_clip_algorithm=algorithm, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, DataLoader(dataset(), batch_size=4, shuffle=False))
+    return module, trainer
+
+
+def clipped_serially(size, *, clip, algorithm, op, accumulate=1, epochs=2, per_rank=False):
+    """The data-parallel training of ``fit_clipped`` on one process: every rank's gradient of its shard's
+    window, their mean (or sum), clipped (or each rank's own clipped first: ``per_rank``), one SGD step."""
+    net = model_init()
+    params = list(net.parameters())
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    samplers = [DistributedSampler(dataset(), size, r, shuffle=True, seed=0) for r in range(size)]
+    for epoch in range(epochs):
+        shards = []
+        for s in samplers:
+            s.set_epoch(epoch)
+            shards.append(list(DataLoader(dataset(), batch_size=4, sampler=s)))
+        for w in range(len(shards[0]) // accumulate):
+            grads = []
+            for shard in shards:
+                net.zero_grad()
+                for _, x, y in shard[w * accumulate:(w + 1) * accumulate]:
+                    (torch.nn.functional.mse_loss(net(x), y) / accumulate).backward()
+                if per_rank:
+                    clip_(params, clip, algorithm)
+                grads.append([p.grad.clone() for p in params])
+            for p, gs in zip(params, zip(*grads)):
+                p.grad = torch.stack(gs).sum(0) / (size if op == "mean" else 1)
+            if not per_rank:
+                clip_(params, clip, algorithm)
+            opt.step()
+    return net
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op, algorithm, accumulate, overlap",
+                         [("mean", "norm", 1, False), ("mean", "value", 2, False), ("sum", "norm", 2, False),
+                          ("mean", "norm", 1, True)])
+def test_gradient_clipping_clips_the_reduced_gradient(comm, op, algorithm, accumulate, overlap):
+    """Trainer(gradient_clip_val=...) with op='mean'/'sum' clips the reduced gradient, as DDPStrategy does:
+    the training equals the serial one that clips the ranks' mean (sum) gradient, and differs from clipping
+    each rank's own gradient before the reduction."""
+    clip = 0.02 if algorithm == "norm" else 0.002  # small enough to clip at every step
+    module, trainer = fit_clipped(comm, clip=clip, algorithm=algorithm, accumulate=accumulate, op=op,
+                                  overlap=overlap)
+    assert_identical_across_ranks(comm, list(module.net.parameters()))
+    size = comm.Get_size()
+    steps = 2 * N // (4 * size * accumulate)
+    assert trainer.strategy.optimizers[0].boundaries == steps
+    reduced = clipped_serially(size, clip=clip, algorithm=algorithm, op=op, accumulate=accumulate)
+    own = clipped_serially(size, clip=clip, algorithm=algorithm, op=op, accumulate=accumulate, per_rank=True)
+    for a, b in zip(module.net.parameters(), reduced.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    apart = max(float((a - b).abs().max()) for a, b in zip(reduced.parameters(), own.parameters()))
+    assert apart > 1e-4, f"the test cannot tell the two clippings apart ({apart})"
+    unclipped = clipped_serially(size, clip=1e9, algorithm="norm", op=op, accumulate=accumulate)
+    apart = max(float((a - b).abs().max()) for a, b in zip(reduced.parameters(), unclipped.parameters()))
+    assert apart > 1e-4, f"the clipping changed nothing ({apart})"
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gradient_clipping_with_adasum_clips_each_ranks_own_gradient(comm, overlap):
+    """op='adasum': each rank's own gradient is clipped before its local step, as
+    DistributedOptimizer.clip_grad_norm_ does in a hand-written loop; with overlap the Trainer's clipping
+    keeps the boundaries in step() (the overlap is turned off, and nothing raises)."""
+    module, trainer = fit_clipped(comm, clip=0.02, algorithm="norm", overlap=overlap)
+    assert_identical_across_ranks(comm, list(module.net.parameters()))
+    assert trainer.strategy.optimizers[0].overlapped_boundaries == 0
+    net = model_init()
+    opt = at.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
+    sampler = DistributedSampler(dataset(), comm.Get_size(), comm.Get_rank(), shuffle=True, seed=0)
+    loader = DataLoader(dataset(), batch_size=4, sampler=sampler)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for _, x, y in loader:
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            opt.clip_grad_norm_(0.02)
+            opt.step()
+            opt.zero_grad()
+    for a, b in zip(module.net.parameters(), net.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gradient_clipping_with_16_mixed_and_a_scaler_is_refused(comm):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    trainer = L.Trainer(strategy=AdasumStrategy(op="mean"), accelerator="cpu", max_epochs=1, plugins=[plugin],
+                        gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings(), pytest.raises(ValueError, match="does not clip gradients through the Trainer"):
+        warnings.simplefilter("ignore")
+        trainer.fit(Module(), DataLoader(dataset(), batch_size=4, shuffle=False))
+
+
+# --- with local steps, callbacks and module hooks see the combined model ------------------------------------
+
+
+def digest(module: torch.nn.Module) -> str:
+    import hashlib
+
+    tensors = [*module.parameters(), *module.buffers()]
+    return hashlib.sha256(b"".join(raw_bytes(t) for t in tensors)).hexdigest()[:16]
+
+
+class Recorder(L.Callback):
+    """Records a digest of the module at on_validation_start and on_train_end."""
+
+    def __init__(self):
+        self.seen: list[tuple[str, str]] = []
+
+    def on_validation_start(self, trainer, pl_module):
+        self.seen.append(("validation", digest(pl_module)))
+
+    def on_train_end(self, trainer, pl_module):
+        self.seen.append(("end", digest(pl_module)))
+
+
+class HookedBN(BNModule):
+    """Records the same digests in its own hooks, and one in its first validation step."""
+
+    def __init__(self):
+        super().__init__()
+        self.hooked: list[tuple[str, str]] = []
+        self.validated: list[str] = []
+
+    def on_validation_start(self):
+        self.hooked.append(("validation", digest(self)))
+
+    def on_train_end(self):
+        self.hooked.append(("end", digest(self)))
+
+    def validation_step(self, batch, batch_idx):
+        if batch_idx == 0:
+            self.validated.append(digest(self))
+        _, x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_callbacks_and_hooks_see_the_combined_model_with_local_steps(comm):
+    """local_steps=3 and epochs of 5 (2 ranks) or 4 (3 ranks) steps, validation every second epoch: a window
+    is open at the validation and at the end of fit(). A user callback and the module's own hooks at
+    on_validation_start and on_train_end see the combined model, the same on every rank: the one validated,
+    and at the end the one fit() leaves."""
+    size = comm.Get_size()
+    recorder, module = Recorder(), HookedBN()
+    trainer = L.Trainer(strategy=AdasumStrategy(local_steps=3), accelerator="cpu", max_epochs=3,
+                        check_val_every_n_epoch=2, callbacks=[recorder], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    per_epoch = math.ceil(N / size / 5)  # steps
+    assert (2 * per_epoch) % 3 and per_epoch % 3  # open windows at the validation and at the end
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, DataLoader(dataset(), batch_size=5, shuffle=False),
+                    DataLoader(dataset(), batch_size=8, shuffle=False))
+    assert not any(type(c).__name__ == "_CombineFirst" for c in trainer.callbacks)
+    final = digest(module)
+    assert_identical_across_ranks(comm, list(module.net.parameters()) + list(module.net.buffers()))
+    # the sanity check, the validation after epoch 2, the end of fit()
+    assert [k for k, _ in recorder.seen] == ["validation", "validation", "end"]
+    assert module.hooked == recorder.seen
+    assert comm.allgather(recorder.seen) == [recorder.seen] * size
+    assert [d for k, d in recorder.seen if k == "validation"] == module.validated
+    assert recorder.seen[-1] == ("end", final)
+    assert len({d for _, d in recorder.seen}) == 3  # the model moved between the points
+    opt = trainer.strategy.optimizers[0]
+    assert opt.closed and opt.boundaries == 2 * per_epoch // 3 + 1 + per_epoch // 3 + 1
