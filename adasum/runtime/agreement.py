@@ -261,6 +261,13 @@ def _call_text(report) -> str:
     return f" (op '{op}', {len(descs)} tensor{'s' * (len(descs) != 1)}: {shown})"
 
 
+def _failure_text(r: int, err: tuple) -> str:
+    """What rank ``r`` failed with, as "rank r: Kind: text"."""
+    kind, msg = err
+    msg = msg[len(f"rank {r}: "):] if msg.startswith(f"rank {r}: ") else msg
+    return f"rank {r}: {kind.__name__}: {msg}"
+
+
 def _explain(everyone, rank: int) -> Exception:
     kind0, op0, extra0, descs0, _ = everyone[0]
     here = f"(raised on rank {rank}) "
@@ -269,7 +276,8 @@ def _explain(everyone, rank: int) -> Exception:
         odd = [r for r, k in kinds.items() if k != kind0]
         return AdasumMismatchError(here + "the ranks are in different calls: " + ", ".join(
             f"rank {r} is in {kinds[r]}{_call_text(everyone[r])}" for r in odd)
-            + f", rank 0 is in {kind0}{_call_text(everyone[0])}" + _hint(set(kinds.values())))
+            + f", rank 0 is in {kind0}{_call_text(everyone[0])}" + _hint(set(kinds.values()))
+            + "".join(f"; {_failure_text(r, e[4])}" for r, e in enumerate(everyone) if e[4] is not None))
     for r, (_, _, _, _, err) in enumerate(everyone):
         if err is not None:
             kind, msg = err

@@ -30,9 +30,11 @@ from mpi4py import MPI
 
 from ..call.allreduce import Op
 from ..runtime import exchange
+from ..runtime.agreement import agree_exchange
 from .fsdp_layout import _INSTALLED, _free, _managed, installed, replica_comms, setup
 from .replicas import ReplicaTree
-from .window.agreement import Layout, agree
+from .window.agreement import Layout, agree, log_skip
+from .window.tensors import all_finite
 
 __all__ = ["ReplicaDeltas", "ReplicaHooks", "adasum_replicas", "replica_comms"]
 
@@ -48,7 +50,7 @@ class ReplicaHooks:
         self._closed = False
         self._finalizer = weakref.finalize(modules[0], _free, tree.replicate, tree.shard)
         for m in modules:
-            setattr(m, _INSTALLED, weakref.ref(self))
+            setattr(m, _INSTALLED, self)
 
     @property
     def replicate(self) -> MPI.Intracomm:
@@ -84,10 +86,20 @@ class ReplicaDeltas:
     Optimizer state (momentum, Adam's moments) stays with each replica, as with
     :class:`~adasum.torch.DistributedOptimizer`. ``op="mean"`` averages the deltas (model averaging).
     ``local_steps=H``: H optimizer steps between combines, the deltas taken since the window's start (local
-    SGD); :meth:`flush` combines a window left open. At each combine the ranks agree on the window's number
-    and its steps; a rank that took another number of steps makes every rank raise, naming the counts.
+    SGD); :meth:`flush` combines a window left open.
 
-    Collective over MPI's world (the constructor and every :meth:`step`), after
+    The rules of :class:`~adasum.torch.DistributedOptimizer` hold here too:
+
+    - a delta that is not finite on any rank (a NaN or Inf loss on one replica) skips that combine on every
+      rank: every parameter goes back to the window's start, ``step_was_skipped`` is True and
+      ``skipped_updates`` counts it;
+    - a local step that raises on one rank, at a step that combines, raises on every rank, the parameters
+      back at the window's start;
+    - at each combine the ranks agree on the window's number and its steps, and the model's forward checks
+      the steps taken so far before FSDP gathers any parameter: a rank that skipped or added a ``step()``
+      makes every rank raise, naming the counts, instead of leaving the others waiting in a collective.
+
+    Collective over MPI's world (the constructor, every :meth:`step` and every forward of ``model``), after
     ``adasum.torch.init_process_group()``; the model sharded with ``fully_shard(..., mesh=mesh["shard"])``
     and no :func:`adasum_replicas` hook (it would combine the gradients first)."""
 
@@ -97,6 +109,7 @@ class ReplicaDeltas:
             raise ValueError(f"local_steps must be a positive int, got {local_steps!r}")
         modules, plan, self.tree = setup(model, mesh, op, form="ReplicaDeltas", local_steps=local_steps)
         self.local_steps, self.windows, self._steps, self._start = local_steps, 0, 0, None
+        self.step_was_skipped, self.skipped_updates, self._nonfinite = False, 0, False
         self._checked = False  # whether the replicas were found to start alike (at the first step)
         self.params = [p for m in modules for _, p in _managed(m)]
         known = {id(p) for p in self.params}
@@ -106,7 +119,9 @@ class ReplicaDeltas:
         exchange.raise_everywhere(MPI.COMM_WORLD, problem, ValueError, "ReplicaDeltas: checking the optimizer")
         self.optimizer = optimizer
         self._layout = Layout(optimizer)  # how the ranks compare the parameters of their windows
-        self._finalizer = weakref.finalize(self, _free, self.tree.replicate, self.tree.shard)
+        # Before FSDP's own pre-forward hook (which gathers the parameters): the steps taken so far.
+        check = model.register_forward_pre_hook(_ForwardCheck(weakref.ref(self)), prepend=True)
+        self._finalizer = weakref.finalize(self, _close_deltas, check, self.tree.replicate, self.tree.shard)
 
     @property
     def param_groups(self) -> list:
@@ -135,9 +150,28 @@ class ReplicaDeltas:
                 self._check_alike()
             with torch.no_grad():
                 self._start = [p.to_local().clone() for p in self.params]
-        loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self.step_was_skipped = False
+        combines = self._steps + 1 == self.local_steps
+        try:
+            loss = None
+            if closure is not None:  # before the check: the closure makes the gradients
+                with torch.enable_grad():
+                    loss = closure()
+            # A rank whose gradients are not finite skips its own step, so its optimizer state stays finite;
+            # the window's combine is then skipped on every rank.
+            if _grads_finite(self.params):
+                self.optimizer.step()
+            else:
+                self._nonfinite = True
+        except BaseException as e:
+            if not combines:
+                raise  # the next forward's check (or flush) finds this rank one step behind
+            self._steps += 1
+            self._combine(error=f"rank {MPI.COMM_WORLD.Get_rank()}: the wrapped optimizer's step raised "
+                                f"{type(e).__name__}: {e}")
+            raise  # not reached: the combine raises on every rank
         self._steps += 1
-        if self._steps == self.local_steps:
+        if combines:
             self._combine()
         return loss
 
@@ -168,33 +202,90 @@ class ReplicaDeltas:
             raise RuntimeError("ReplicaDeltas.flush() after close()")
         self._combine()
 
-    def _combine(self) -> None:
-        """The window's agreement (:func:`adasum.torch.window.agreement.agree`: the combine's number, the
-        steps it holds, the parameters), then the combine of the deltas across the replicas."""
-        comm = MPI.COMM_WORLD
-        ledger = {"combine": self.windows + 1, "local steps": self._steps}
-        decision = agree(comm, ledger, self._layout, self.params, None)
+    def _ledger(self) -> dict[str, int]:
+        return {"combine": self.windows + 1, "local steps": self._steps}
+
+    def _check_forward(self) -> None:
+        """Collective, at every forward of the model: the ranks' step counts, before FSDP's collectives."""
+        decision = agree(MPI.COMM_WORLD, {**self._ledger(), "forward": 1}, self._layout, self.params, None)
         if decision.failed:
+            raise RuntimeError(f"(raised on rank {MPI.COMM_WORLD.Get_rank()}) ReplicaDeltas: the ranks' windows "
+                               f"differ at the model's forward: {decision.failed}")
+
+    def _combine(self, error: str | None = None) -> None:
+        """The window's agreement (:func:`adasum.torch.window.agreement.agree`: the combine's number, the
+        steps it holds, the parameters, a failed local step, a delta that is not finite), then the combine
+        of the deltas across the replicas and a vote on whether every combined delta is finite."""
+        comm = MPI.COMM_WORLD
+        deltas = None
+        if self._start is not None and error is None:
             with torch.no_grad():
-                for p, s in zip(self.params, self._start or []):
-                    p.to_local().copy_(s)
-            self._steps, self._start = 0, None
-            raise RuntimeError(f"(raised on rank {comm.Get_rank()}) ReplicaDeltas: the ranks' windows differ; the "
+                shards = [p.to_local() for p in self.params]
+                deltas = torch.cat([(t - s).reshape(-1) for t, s in zip(shards, self._start)])
+        finite = not self._nonfinite and (deltas is None or bool(torch.isfinite(deltas).all()))
+        decision = agree(comm, self._ledger(), self._layout, self.params, error,
+                         overflowed=not finite)
+        if decision.failed:
+            self._restart()
+            raise RuntimeError(f"(raised on rank {comm.Get_rank()}) ReplicaDeltas: the combine failed; the "
                                f"parameters are back at the window's start: {decision.failed}")
         if self._start is None:
             return
+        ok = not decision.overflowed
+        if ok:
+            sizes = tuple(s.numel() for s in self._start)
+            with torch.no_grad():
+                self.tree.reduce_(deltas, sizes, "weight deltas")
+            # The replicas hold different shards: whether every combined delta is finite is voted on.
+            ok = not exchange.any_true(comm, not bool(torch.isfinite(deltas).all()),
+                                       "ReplicaDeltas: non-finite combined deltas")
+        if ok:
+            with torch.no_grad():
+                for p, s, d in zip(self.params, self._start, deltas.split(sizes)):
+                    p.to_local().copy_(s + d.view_as(s))
+        else:
+            self._restart()
+            self.step_was_skipped, self.skipped_updates = True, self.skipped_updates + 1
+            log_skip(comm, "adasum: ReplicaDeltas: combine %d skipped on every rank: a weight delta holds a NaN "
+                     "or Inf; parameters left at the window's start (%d skipped so far)", self.windows + 1,
+                     self.skipped_updates)
+        self.windows, self._steps, self._start, self._nonfinite = self.windows + 1, 0, None, False
+
+    def _restart(self) -> None:
+        """Every parameter back at the window's start; a new window begins."""
         with torch.no_grad():
-            shards = [p.to_local() for p in self.params]
-            sizes = tuple(t.numel() for t in shards)
-            flat = torch.cat([(t - s).reshape(-1) for t, s in zip(shards, self._start)])
-            self.tree.reduce_(flat, sizes, "weight deltas")
-            for t, s, d in zip(shards, self._start, flat.split(sizes)):
-                t.copy_(s + d.view_as(s))
-        self.windows, self._steps, self._start = self.windows + 1, 0, None
+            for p, s in zip(self.params, self._start or []):
+                p.to_local().copy_(s)
+        self._steps, self._start, self._nonfinite = 0, None, False
 
     def close(self) -> None:
-        """Free the communicators; any later :meth:`step` raises."""
+        """Remove the forward check and free the communicators; any later :meth:`step` raises."""
         self._finalizer()
+
+
+class _ForwardCheck:
+    """The forward pre-hook of a model under :class:`ReplicaDeltas` (held weakly: the hook ends with it)."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: weakref.ref):
+        self.owner = owner
+
+    def __call__(self, module, args) -> None:
+        owner = self.owner()
+        if owner is not None and owner._finalizer.alive:
+            owner._check_forward()
+
+
+def _grads_finite(params: list) -> bool:
+    """Whether this rank's shards of the gradients are all finite."""
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in (p.grad for p in params) if g is not None]
+    return all_finite(grads)
+
+
+def _close_deltas(check, *comms) -> None:
+    check.remove()
+    _free(*comms)
 
 
 class _Hook:
@@ -212,11 +303,17 @@ class _Hook:
         if output.numel() != sum(sizes):
             sizes = tuple(n for n, p in zip(self.sizes, self.params) if p.requires_grad)
         if output.numel() != sum(sizes) or output.dim() != 1:
-            raise RuntimeError(
-                f"rank {MPI.COMM_WORLD.Get_rank()}: adasum_replicas: FSDP module {self.name or '(root)'} "
-                f"handed its hook shape {tuple(output.shape)}; its parameters' shards make {sum(self.sizes)} "
-                f"elements, those that require gradients {sum(sizes)}. A parameter that forward did not use "
-                "has no gradient and leaves the layers unknown: use every parameter, or freeze it")
+            problem = (f"rank {MPI.COMM_WORLD.Get_rank()}: adasum_replicas: FSDP module {self.name or '(root)'} "
+                       f"handed its hook shape {tuple(output.shape)}; its parameters' shards make "
+                       f"{sum(self.sizes)} elements, those that require gradients {sum(sizes)}. A parameter that "
+                       "forward did not use has no gradient and leaves the layers unknown: use every parameter, "
+                       "or freeze it")
+            # The replica partners wait in this module's reduction: its agreement carries the error to them,
+            # and every rank raises it.
+            what = f"adasum_replicas ({self.name or 'root'})"
+            with exchange.call_on(self.tree.replicate, what) as call:
+                agree_exchange(call, what, RuntimeError(problem))
+            raise RuntimeError(problem)  # a replicate group of one
         self.tree.reduce_(output, sizes, self.name or "root")
 
 

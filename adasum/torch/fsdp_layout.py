@@ -19,14 +19,14 @@ _NATIVE = ('the model is sharded on the 2-D mesh (native HSDP), whose own all-re
            'mesh=mesh["shard"]) for every module you shard, then adasum_replicas(model, mesh)')
 
 
-# The attribute of an FSDP module that holds (weakly) the ReplicaHooks whose hook it runs.
+# The attribute of an FSDP module that holds the ReplicaHooks whose hook it runs. The module keeps them alive:
+# the hook runs whether or not the caller kept the handle, so the one-hook rule must hold either way.
 _INSTALLED = "_adasum_replica_hooks"
 
 
 def installed(module):
     """The open :class:`adasum.torch.fsdp.ReplicaHooks` whose hook ``module`` runs, or None."""
-    ref = getattr(module, _INSTALLED, None)
-    hooks = ref() if ref is not None else None
+    hooks = getattr(module, _INSTALLED, None)
     return hooks if hooks is not None and not hooks.closed else None
 
 

@@ -1,0 +1,161 @@
+"""The window's rules on the FSDP2 paths, at 4 ranks (a 2×2 mesh: two replicas of two shards): a NaN on one
+replica skips the combine on every rank; a rank that skips or adds a ``step()`` or whose local step raises
+makes every rank raise instead of leaving the others in a collective; a parameter one replica does not use
+raises on both replicas; the one-hook rule holds whether or not the caller keeps the handle."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.mpi, pytest.mark.world_size(4), pytest.mark.fsdp]
+
+pytest.importorskip("torch.distributed.fsdp")
+
+from adasum.torch.fsdp import ReplicaDeltas, adasum_replicas  # noqa: E402
+
+from helpers import assert_identical_across_ranks  # noqa: E402
+from fsdp_helpers import LR, batch, fresh, full, make_mesh, shard  # noqa: E402
+
+
+def one_step(model, opt, step: int, rank: int, poison: bool = False) -> None:
+    x, y = batch(step, rank)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    if poison:
+        loss = loss * float("nan")
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def local_shards(model) -> list[torch.Tensor]:
+    return [p.to_local().detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("op", ["adasum", "mean"])
+@pytest.mark.parametrize("local_steps", [1, 2])
+def test_deltas_nan_on_one_replica_is_skipped_everywhere(pg, comm, op, local_steps):
+    """Rank 3's loss is NaN in the second window: every rank skips that combine (parameters back at the
+    window's start, counted), and training goes on from there alike on every rank."""
+    mesh = make_mesh((2, 2))
+    model = shard(fresh(), mesh["shard"])
+    opt = ReplicaDeltas(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), model, mesh, op=op,
+                        local_steps=local_steps)
+    rank = comm.Get_rank()
+    step = 0
+    for _ in range(local_steps):
+        one_step(model, opt, step, rank)
+        step += 1
+    assert not opt.step_was_skipped
+    before = local_shards(model)
+    for i in range(local_steps):
+        one_step(model, opt, step, rank, poison=(rank == 3 and i == local_steps - 1))
+        step += 1
+    assert opt.step_was_skipped and opt.skipped_updates == 1 and opt.windows == 2
+    assert all(torch.equal(p, b) for p, b in zip(local_shards(model), before))
+    for _ in range(local_steps):
+        one_step(model, opt, step, rank)
+        step += 1
+    assert not opt.step_was_skipped and opt.skipped_updates == 1
+    got = full(model)
+    opt.close()
+    assert all(np.isfinite(g).all() for g in got)
+    assert not all(np.array_equal(g, b.to(torch.float64).numpy()) for g, b in zip(got, before))
+    assert_identical_across_ranks(comm, got)
+
+
+@pytest.mark.parametrize("local_steps", [1, 3])
+def test_deltas_skipped_step_raises_everywhere(pg, comm, local_steps):
+    """Rank 1 catches its own error and skips one ``step()``: the others' next combine or forward meets its
+    forward's check, and every rank raises naming the counts (nobody waits in FSDP's all-gather)."""
+    mesh = make_mesh((2, 2))
+    model = shard(fresh(), mesh["shard"])
+    opt = ReplicaDeltas(torch.optim.SGD(model.parameters(), lr=LR), model, mesh, local_steps=local_steps)
+    rank = comm.Get_rank()
+    one_step(model, opt, 0, rank)
+    with pytest.raises(RuntimeError, match=r"the ranks' windows differ .*'local steps'"):
+        for step in range(1, 4 * local_steps):
+            x, y = batch(step, rank)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if not (rank == 1 and step == 1):
+                opt.step()
+            opt.zero_grad()
+    opt.close()
+
+
+def test_deltas_failed_local_step_raises_everywhere(pg, comm):
+    """The wrapped optimizer raises on rank 2 at a step that combines: every rank raises, naming it, with
+    the parameters back at the window's start."""
+
+    class Flaky(torch.optim.SGD):
+        fail = False
+
+        def step(self, closure=None):
+            if self.fail:
+                raise FloatingPointError("bad step")
+            return super().step(closure)
+
+    mesh = make_mesh((2, 2))
+    model = shard(fresh(), mesh["shard"])
+    inner = Flaky(model.parameters(), lr=LR)
+    opt = ReplicaDeltas(inner, model, mesh)
+    rank = comm.Get_rank()
+    one_step(model, opt, 0, rank)
+    before = local_shards(model)
+    inner.fail = rank == 2
+    with pytest.raises(RuntimeError, match=r"rank 2: the wrapped optimizer's step raised FloatingPointError: bad step"):
+        one_step(model, opt, 1, rank)
+    assert all(torch.equal(p, b) for p, b in zip(local_shards(model), before))
+    inner.fail = False
+    one_step(model, opt, 2, rank)  # the job goes on from the window's start, alike everywhere
+    assert_identical_across_ranks(comm, full(model))
+    opt.close()
+
+
+class SometimesSpare(torch.nn.Module):
+    """A linear layer with a second one that forward uses on some ranks only."""
+
+    def __init__(self, use_spare: bool):
+        super().__init__()
+        self.lin = torch.nn.Linear(5, 3)
+        self.spare = torch.nn.Linear(3, 3)
+        self.use_spare = use_spare
+
+    def forward(self, x):
+        out = self.lin(x)
+        return out + 0.0 * self.spare(out) if self.use_spare else out
+
+
+@pytest.mark.parametrize("op", ["adasum", "mean"])
+def test_parameter_unused_by_one_replica_raises_on_both(pg, comm, op):
+    """Replica 0 does not use a parameter, replica 1 does: replica 0's hook cannot cut its buffer, and
+    replica 1's ranks, waiting for it in the reduction, raise too."""
+    mesh = make_mesh((2, 2))
+    model = fresh()
+    model.b = SometimesSpare(use_spare=comm.Get_rank() >= 2)
+    shard(model, mesh["shard"])
+    hooks = adasum_replicas(model, mesh, op=op)
+    x, y = batch(0, comm.Get_rank())
+    with pytest.raises(Exception, match=r"rank [01]: (RuntimeError: )?adasum_replicas: FSDP module b handed its hook shape"):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    hooks.close()
+
+
+def test_one_hook_rule_holds_without_the_handle(pg, comm):
+    """``adasum_replicas(model, mesh)`` with its handle dropped (as most scripts write it): the hooks stay,
+    a second call and the delta form are refused, and training combines across the replicas."""
+    mesh = make_mesh((2, 2))
+    model = shard(fresh(), mesh["shard"])
+    adasum_replicas(model, mesh)
+    gc.collect()
+    with pytest.raises(ValueError, match=r"already runs the hook of adasum_replicas"):
+        adasum_replicas(model, mesh)
+    with pytest.raises(ValueError, match=r"already runs the hook of adasum_replicas: the delta form"):
+        ReplicaDeltas(torch.optim.SGD(model.parameters(), lr=LR), model, mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(3):
+        one_step(model, opt, step, comm.Get_rank())
+    assert_identical_across_ranks(comm, full(model))  # without the hook the replicas would drift apart
