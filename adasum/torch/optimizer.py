@@ -294,6 +294,14 @@ class DistributedOptimizer(_Wrapping):
     took_local_step = property(lambda self: self._steps.took_local_step)
     step_was_skipped = property(lambda self: self._steps.step_was_skipped)
     skipped_updates = property(lambda self: self._steps.skipped_updates)
+    @property
+    def holds_own_parameters(self) -> bool:
+        """Whether this rank's parameters are its own, not yet combined with the other ranks': a window of
+        local steps is open, or (``delay=1``) a combine is on its way. :meth:`flush` combines them; a
+        checkpoint saved meanwhile holds the root rank's own model (:func:`adasum.torch.save_checkpoint`)."""
+        local = self._parts.local
+        return local is not None and (local.taken > 0 or local.pending)
+
     boundaries = property(lambda self: self._parts.ledger.combines,
                           doc="Windows closed with a combine so far (with ``local_steps``: combines).")
 

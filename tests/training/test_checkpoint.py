@@ -198,3 +198,37 @@ def test_the_header_holds_the_payloads_size_and_sha256_and_old_files_still_load(
     assert snapshot(model, opt) == snapshot(*saved)
     if rank == 0:
         assert any("has no checksum" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.world_size(2, 3)
+def test_a_model_saved_inside_a_window_of_local_steps_does_not_load_alone(comm, shared_dir):
+    """Inside a window of local steps each rank holds its own parameters: the file says its model is the
+    root's own, its model alone is refused on every rank (changing nothing), and after ``flush()`` a file
+    holds the combined model, which loads alone."""
+    rank = comm.Get_rank()
+    model = model_of(0)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), local_steps=3)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        x, y = torch.randn(6, 5, generator=g), torch.randn(6, 3, generator=g)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.holds_own_parameters
+    path = os.path.join(shared_dir, "mid-window.ckpt")
+    save_checkpoint(path, model=model, optimizer=opt)
+    assert read_checkpoint(path)["combined"] is False
+    other = model_of(1)
+    before = snapshot(other, None)
+    with pytest.raises(ValueError, match=r"saved inside a window of local steps, so its model is rank 0's own"):
+        load_checkpoint(path, model=other)
+    assert snapshot(other, None) == before
+    opt.flush()
+    assert not opt.holds_own_parameters
+    save_checkpoint(path, model=model, optimizer=opt)
+    assert read_checkpoint(path)["combined"] is True
+    load_checkpoint(path, model=other)
+    for a, b in zip(other.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    opt.close()

@@ -49,18 +49,27 @@ def save_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimize
                     root: int = 0) -> None:
     """Write ``path`` from the root rank; collective.
 
-    The file holds the root's ``model.state_dict()`` (parameters are identical on every rank), every rank's
-    ``optimizer.state_dict()`` in rank order, the world size, and ``extra``: plain data only (numbers,
+    The file holds the root's ``model.state_dict()``, every rank's ``optimizer.state_dict()`` in rank
+    order, the world size, whether the model is combined, and ``extra``: plain data only (numbers,
     strings, lists, dicts, tensors: what ``torch.load(weights_only=True)`` reads), for example the epoch,
     the position in the data and the scheduler's and GradScaler's state dicts. The root holds all ranks'
     optimizer states in host memory while it writes. An error writing the file is raised on every rank.
+
+    After a combine the parameters are identical on every rank and the model is the common one. Inside a
+    window of local steps (or with ``delay=1`` before :meth:`~adasum.torch.DistributedOptimizer.flush`) each
+    rank holds its own parameters: the model saved is then the root's own, and each rank's own values travel
+    in its optimizer state. Such a file resumes exactly at the world size it was saved at (model and
+    optimizer); :func:`load_checkpoint` refuses to load its model alone. Call ``flush()`` before saving for a
+    checkpoint whose model is the combined one.
     """
     comm, rank, size = _setup(comm, root)
     local = to_cpu(optimizer.state_dict()) if optimizer is not None else None
+    combined = not getattr(optimizer, "holds_own_parameters", False)
     states = exchange.gather(comm, local, root=root, what="save_checkpoint's optimizer states")
     problem = None
     if rank == root:
         payload = {"format": _FORMAT, "world_size": size, "model": to_cpu(model.state_dict()),
+                   "combined": combined,
                    "optimizer": states if optimizer is not None else None, "extra": extra}
         try:
             _atomic_save(payload, os.fspath(path))
@@ -77,7 +86,9 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
     The root checks the file's header, size and SHA-256 checksum, reads it with
     ``torch.load(weights_only=True)`` and sends each rank its part. Each rank gets the optimizer state of
     the rank it was when saved, so the world size must be the one saved; to move to another world size,
-    load the model alone (``optimizer=None``).
+    load the model alone (``optimizer=None``). A file saved inside a window of local steps holds the root's
+    own, uncombined model: its model alone is refused (resume at the size it was saved at, ``flush()``,
+    and save again).
 
     Raises ValueError on every rank, naming the file and what is wrong, if the file is missing, empty,
     truncated, longer than its header says, fails its checksum, or does not fit ``model`` (a missing or
@@ -92,6 +103,10 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
             payload = _read(os.fspath(path))
             if optimizer is not None and payload["optimizer"] is None:
                 raise ValueError("it holds no optimizer state")
+            if optimizer is None and model is not None and not payload.get("combined", True):
+                raise ValueError(f"it was saved inside a window of local steps, so its model is rank {root}'s own "
+                                 "and not the combined one; load it with the optimizer on "
+                                 f"{payload['world_size']} ranks, call flush(), and save again")
             if optimizer is not None and payload["world_size"] != size:
                 raise ValueError(f"it was written by {payload['world_size']} ranks and this job has {size}; "
                                  "resume with as many ranks, or load the model alone (optimizer=None)")
@@ -131,8 +146,9 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """The contents of a checkpoint file, read and verified by this process alone (no MPI call): a dict
-    with ``"world_size"``, ``"model"`` (the state dict), ``"optimizer"`` (a list of every rank's optimizer
-    state dict, or None) and ``"extra"``. For inspecting a checkpoint, or taking the model out of it for
+    with ``"world_size"``, ``"model"`` (the state dict), ``"combined"`` (False where the model is the root's
+    own, saved inside a window of local steps), ``"optimizer"`` (a list of every rank's optimizer state
+    dict, or None) and ``"extra"``. For inspecting a checkpoint, or taking the model out of it for
     inference; the file is not a bare ``torch.save`` file, so ``torch.load`` does not read it.
 
     Raises ValueError naming the file and what is wrong, as :func:`load_checkpoint` does.
@@ -141,7 +157,8 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         payload = _read(os.fspath(path))
     except Exception as exc:
         raise ValueError(f"cannot read checkpoint {os.fspath(path)!r}: {exc}") from None
-    return {k: payload[k] for k in ("world_size", "model", "optimizer", "extra")}
+    out = {k: payload[k] for k in ("world_size", "model", "optimizer", "extra")}
+    return {**out, "combined": payload.get("combined", True)}
 
 
 def _model_misfit(model: torch.nn.Module, saved: dict[str, Any], rank: int, path: str) -> str | None:
