@@ -23,6 +23,12 @@ optimizer's windows: the micro-batches before the last of a window run inside th
 ``sync_dist=True`` are reduced over MPI, and rank 0 writes the checkpoints (its optimizer state: with
 Adasum each rank's differs, as docs/frameworks.md explains).
 
+The Trainer's ``gradient_clip_val`` clips what the optimizer's ``clip_grad_norm_`` would: for
+``op="sum"``/``"mean"`` the reduced gradient (as DDP), for ``op="adasum"`` and with local steps each rank's
+own gradient before its local step (:meth:`AdasumStrategy.optimizer_step`). With local steps what a window
+holds open is combined before validation, checkpoints and the end of ``fit()``, ahead of every callback and
+module hook (:class:`_CombineFirst`).
+
 Every MPI call waits through the stall inspector, so a rank that does not arrive is named, and the
 settings check of each optimizer raises on every rank where the ranks disagree.
 """

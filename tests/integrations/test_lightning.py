@@ -245,6 +245,11 @@ def clip_(params, clip: float, algorithm: str) -> None:
         torch.nn.utils.clip_grad_value_(params, clip)
 
 
+def farthest(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    """The largest difference between the two models' parameters."""
+    return max(float((x - y).detach().abs().max()) for x, y in zip(a.parameters(), b.parameters()))
+
+
 def fit_clipped(comm, *, clip, algorithm, accumulate=1, epochs=2, **strategy):
     module = Module()
     trainer = L.Trainer(strategy=AdasumStrategy(**strategy), accelerator="cpu", max_epochs=epochs,
@@ -305,10 +310,10 @@ def test_gradient_clipping_clips_the_reduced_gradient(comm, op, algorithm, accum
     own = clipped_serially(size, clip=clip, algorithm=algorithm, op=op, accumulate=accumulate, per_rank=True)
     for a, b in zip(module.net.parameters(), reduced.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    apart = max(float((a - b).abs().max()) for a, b in zip(reduced.parameters(), own.parameters()))
+    apart = farthest(reduced, own)
     assert apart > 1e-4, f"the test cannot tell the two clippings apart ({apart})"
     unclipped = clipped_serially(size, clip=1e9, algorithm="norm", op=op, accumulate=accumulate)
-    apart = max(float((a - b).abs().max()) for a, b in zip(reduced.parameters(), unclipped.parameters()))
+    apart = farthest(reduced, unclipped)
     assert apart > 1e-4, f"the clipping changed nothing ({apart})"
 
 
@@ -422,3 +427,38 @@ def test_callbacks_and_hooks_see_the_combined_model_with_local_steps(comm):
     assert len({d for _, d in recorder.seen}) == 3  # the model moved between the points
     opt = trainer.strategy.optimizers[0]
     assert opt.closed and opt.boundaries == 2 * per_epoch // 3 + 1 + per_epoch // 3 + 1
+
+
+class ClipsInHook(Module):
+    """16-mixed with a scaler: clips in on_before_optimizer_step, as the refusal above advises."""
+
+    def __init__(self):
+        super().__init__()
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, optimizer):
+        norm = optimizer.clip_grad_norm_(0.02)
+        self.norms.append(float(norm))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_clipping_in_the_hook_with_16_mixed_and_a_scaler(comm):
+    """The gradients the hook clips are unscaled and reduced (op='mean'): the same norm on every rank."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    module = ClipsInHook()
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    trainer = L.Trainer(strategy=AdasumStrategy(op="mean"), accelerator="cpu", max_epochs=1, plugins=[plugin],
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, DataLoader(dataset(), batch_size=4, shuffle=False))
+    assert len(module.norms) == N // (4 * comm.Get_size())
+    norms = [repr(n) for n in module.norms]  # the first steps overflow at the scaler's first scales (skipped)
+    assert comm.allgather(norms) == [norms] * comm.Get_size()
+    # unscaled: of the order of the fp32 gradients' norms, not 2**16 times that
+    finite = [n for n in module.norms if math.isfinite(n)]
+    assert finite and all(0 < n < 100 for n in finite), module.norms
+    assert_identical_across_ranks(comm, list(module.net.parameters()))
+    assert all(torch.isfinite(p).all() for p in module.net.parameters())
