@@ -43,6 +43,7 @@ from mpi4py import MPI
 from ..call.allreduce import Op
 from ..runtime.context import check_comm
 from ..runtime.lane import Lane
+from .internals import step_hooks_of
 from .options import Options
 from .window.agreement import Layout, agree
 from .window.amp import LossScale
@@ -186,7 +187,7 @@ def adasum_hook(state: AdasumState, bucket) -> torch.futures.Future[torch.Tensor
 
 
 # The settings of :class:`~adasum.torch.options.Options` that the delta hook's state takes.
-_DELTA_SETTINGS = {"compression", "start_copy", "accumulation_steps", "skip_nonfinite", "overlap"}
+_DELTA_SETTINGS = {"compression", "start_copy", "accumulation_steps", "skip_nonfinite", "overlap", "hierarchical"}
 
 
 class DeltaState(_CommState):
@@ -223,12 +224,12 @@ class DeltaState(_CommState):
         opts = Options.of(options or Options(overlap=True), settings, "DeltaState")
         compression, start_copy, accumulation_steps, skip_nonfinite, overlap = (
             opts.compression, opts.start_copy, opts.accumulation_steps, opts.skip_nonfinite, opts.overlap)
-        _claim(optimizer, self)
+        _check_unclaimed(optimizer)
         super().__init__(comm, overlap)
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
         self.loss = LossScale(grad_scaler)
-        self.strategy = AdasumDeltas(optimizer, StartCopy(start_copy), Wire(compression), False,
+        self.strategy = AdasumDeltas(optimizer, StartCopy(start_copy), Wire(compression), opts.hierarchical,
                                      bool(skip_nonfinite))
         self.buckets: list[Bucket] = []
         self.layout = Layout(optimizer)
@@ -237,7 +238,7 @@ class DeltaState(_CommState):
         self.updates = 0
         self._index: dict[int, int] = {}
         self._in_hook = False
-        handle = optimizer.register_step_pre_hook(_refuse_step(weakref.ref(self)))
+        handle = optimizer.register_step_pre_hook(_StepGuard(weakref.ref(self)))
         weakref.finalize(self, handle.remove)  # the optimizer steps freely again once the state is gone
 
     def __getstate__(self):
@@ -306,34 +307,31 @@ def _finish(state: DeltaState) -> None:
     state.strategy.after_step()  # the update's step post-hooks, once the parameters hold its result
 
 
-# id(optimizer) -> the DeltaState that steps it (weakly): one state per optimizer
-_STATES: dict[int, weakref.ref] = {}
+def _check_unclaimed(optimizer) -> None:
+    """Raise if ``optimizer`` already has a live DeltaState (its :class:`_StepGuard` among the optimizer's
+    step pre-hooks): one state per optimizer. The optimizer holds the guard, so nothing outlives it."""
+    for hook in step_hooks_of(optimizer, "pre"):
+        if isinstance(hook, _StepGuard) and hook.owner() is not None:
+            raise ValueError(f"this {type(optimizer).__name__} already has a DeltaState, which steps all its "
+                             "parameters inside backward: one DeltaState per optimizer. Register that state on "
+                             "the model (model.register_comm_hook(state, adasum_delta_hook)), or drop it (del "
+                             "state) before making another")
 
 
-def _claim(optimizer, state: DeltaState) -> None:
-    """Record ``state`` as ``optimizer``'s one DeltaState; raise if the optimizer already has one."""
-    other = _STATES.get(id(optimizer))
-    if other is not None and other() is not None:
-        raise ValueError(f"this {type(optimizer).__name__} already has a DeltaState, which steps all its "
-                         "parameters inside backward: one DeltaState per optimizer. Register that state on the "
-                         "model (model.register_comm_hook(state, adasum_delta_hook)), or drop it (del state) "
-                         "before making another")
-    _STATES[id(optimizer)] = weakref.ref(state, lambda _, key=id(optimizer): _forget(key))
+class _StepGuard:
+    """The step pre-hook a DeltaState puts on its optimizer: ``optimizer.step()`` called by the user raises
+    (the state steps the optimizer inside backward). Holds the state weakly."""
 
+    __slots__ = ("owner",)
 
-def _forget(key: int) -> None:
-    other = _STATES.get(key)
-    if other is not None and other() is None:
-        del _STATES[key]
+    def __init__(self, owner: weakref.ref):
+        self.owner = owner
 
-
-def _refuse_step(owner: weakref.ref):
-    def pre_hook(optimizer, args, kwargs):
-        state = owner()
+    def __call__(self, optimizer, args, kwargs):
+        state = self.owner()
         if state is not None and not state._in_hook:
             raise RuntimeError("this optimizer steps inside backward, in adasum_delta_hook (one step per "
                                "bucket); do not call optimizer.step() yourself")
-    return pre_hook
 
 
 def _future(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:

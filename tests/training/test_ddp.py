@@ -16,6 +16,7 @@ import adasum.torch as at
 from adasum.torch.ddp import AdasumState, DeltaState, adasum_delta_hook, adasum_hook
 
 from helpers import assert_identical_across_ranks, raw_bytes
+from torch_helpers import loss_of
 
 
 class Net(torch.nn.Module):
@@ -46,8 +47,6 @@ def batches(comm, n: int):
             for _ in range(n)]
 
 
-def loss_of(model, x, y):
-    return torch.nn.functional.mse_loss(model(x), y)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -161,6 +160,31 @@ def test_delta_hook_is_bitwise_distributed_optimizer(comm, pg, options, optimize
     assert [raw_bytes(p) for p in model.parameters()] == [raw_bytes(p) for p in plain.parameters()]
     with pytest.raises(RuntimeError, match="do not call optimizer.step"):
         opt.step()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_delta_hook_hierarchical_is_bitwise_distributed_optimizer(comm, pg):
+    """``hierarchical=True`` reaches the delta hook's combine: the same bits as the optimizer's, and not
+    the flat combine's (here one node: the node's mean of the deltas)."""
+    def opt_fn(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    model = net()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = opt_fn(ddp.parameters())
+    ddp.register_comm_hook(DeltaState(opt, hierarchical=True), adasum_delta_hook)
+    for x, y in batches(comm, 3):
+        loss_of(ddp, x, y).backward()
+        opt.zero_grad()
+    plain = net()
+    wrapped = at.DistributedOptimizer(opt_fn(plain.parameters()), hierarchical=True)
+    for x, y in batches(comm, 3):
+        loss_of(plain, x, y).backward()
+        wrapped.step()
+        wrapped.zero_grad()
+    assert [raw_bytes(p) for p in model.parameters()] == [raw_bytes(p) for p in plain.parameters()]
+    flat = run_optimizer(comm, steps=3, opt_fn=opt_fn)
+    assert [raw_bytes(p) for p in flat.parameters()] != [raw_bytes(p) for p in plain.parameters()]
 
 
 @pytest.mark.mpi(min_size=2)
