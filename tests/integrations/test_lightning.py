@@ -400,20 +400,20 @@ class HookedBN(BNModule):
 
 @pytest.mark.mpi(min_size=2)
 def test_callbacks_and_hooks_see_the_combined_model_with_local_steps(comm):
-    """local_steps=3 and epochs of 5 (2 ranks) or 4 (3 ranks) steps, validation every second epoch: a window
+    """local_steps=5 and epochs of 6 (2 ranks) or 4 (3 ranks) steps, validation every second epoch: a window
     is open at the validation and at the end of fit(). A user callback and the module's own hooks at
     on_validation_start and on_train_end see the combined model, the same on every rank: the one validated,
     and at the end the one fit() leaves."""
     size = comm.Get_size()
     recorder, module = Recorder(), HookedBN()
-    trainer = L.Trainer(strategy=AdasumStrategy(local_steps=3), accelerator="cpu", max_epochs=3,
+    trainer = L.Trainer(strategy=AdasumStrategy(local_steps=5), accelerator="cpu", max_epochs=3,
                         check_val_every_n_epoch=2, callbacks=[recorder], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    per_epoch = math.ceil(N / size / 5)  # steps
-    assert (2 * per_epoch) % 3 and per_epoch % 3  # open windows at the validation and at the end
+    per_epoch = math.ceil(N / size / 4)  # steps
+    assert (2 * per_epoch) % 5 and per_epoch % 5  # open windows at the validation and at the end
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(module, DataLoader(dataset(), batch_size=5, shuffle=False),
+        trainer.fit(module, DataLoader(dataset(), batch_size=4, shuffle=False),
                     DataLoader(dataset(), batch_size=8, shuffle=False))
     assert not any(type(c).__name__ == "_CombineFirst" for c in trainer.callbacks)
     final = digest(module)
@@ -426,7 +426,7 @@ def test_callbacks_and_hooks_see_the_combined_model_with_local_steps(comm):
     assert recorder.seen[-1] == ("end", final)
     assert len({d for _, d in recorder.seen}) == 3  # the model moved between the points
     opt = trainer.strategy.optimizers[0]
-    assert opt.closed and opt.boundaries == 2 * per_epoch // 3 + 1 + per_epoch // 3 + 1
+    assert opt.closed and opt.boundaries == 2 * per_epoch // 5 + 1 + per_epoch // 5 + 1
 
 
 class ClipsInHook(Module):
