@@ -48,7 +48,6 @@ from mpi4py import MPI
 
 from ..runtime import exchange, world
 from ..torch.options import Options
-from ..torch.window.local_steps import local_problem
 from ..call.allreduce import adasum_allreduce
 from ..runtime.context import check_comm
 from ..torch import DistributedOptimizer, broadcast_parameters
@@ -113,10 +112,8 @@ class AdasumStrategy(ParallelStrategy):
     def __init__(self, *, comm: MPI.Intracomm | None = None, accelerator=None, checkpoint_io=None,
                  precision_plugin=None, options: Options | None = None, **settings):
         self.options = Options.of(options, settings, "AdasumStrategy")
-        problem = local_problem({**self.options.as_dict(), "overlap_requested": self.options.overlap})
-        if problem is not None:  # refused here, as DistributedOptimizer would refuse it in fit()
-            raise ValueError(f"AdasumStrategy: {problem}")
         env = MPIEnvironment(comm)
+        self.options.raise_problems(env.comm, "AdasumStrategy")  # here, as DistributedOptimizer would in fit()
         super().__init__(accelerator=accelerator, parallel_devices=None, cluster_environment=env,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.comm = env.comm

@@ -4,34 +4,29 @@ the agreement of every rank's settings (a difference raises on every rank, namin
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from mpi4py import MPI
 
 from ..runtime import exchange
 
-__all__ = ["check_agreement", "check_arguments", "check_buffers", "check_accumulated"]
+__all__ = ["check_agreement", "check_arguments", "buffers_problem", "check_accumulated"]
 
 
 def check_agreement(comm: MPI.Intracomm, mine: dict[str, Any], params: list[torch.Tensor],
-                     buffers: list[tuple[tuple[int, ...], str]] = (),
-                     problem: Callable[[dict[str, Any]], str | None] | None = None) -> None:
+                     buffers: list[tuple[tuple[int, ...], str]] = ()) -> None:
     """Every rank must use the same settings, parameter shapes and buffer shapes; raise on every rank if
-    not. ``problem``: what is wrong with one rank's settings (or None), raised on every rank first, naming
-    each rank whose settings it finds wrong. ``overlap_requested`` is checked, not agreed."""
+    not (each rank's settings were checked before: :meth:`~adasum.torch.Options.raise_problems`).
+    ``overlap_requested`` is not agreed."""
     rank = comm.Get_rank()
     if comm.Get_size() == 1:
-        exchange.raise_found(rank, exchange.failures(comm, problem and problem(mine)))
         return
     mine = dict(mine, parameters=len(params))
     shapes = hashlib.blake2b(repr(([(tuple(p.shape), str(p.dtype)) for p in params], list(buffers))).encode(),
                              digest_size=8).hexdigest()
     everyone = exchange.allgather(comm, (mine, shapes), what="DistributedOptimizer's settings")
     first, first_shapes = everyone[0]
-    if problem is not None:
-        found = "; ".join(f"rank {r}: {p}" for r, p in ((r, problem(s)) for r, (s, _) in enumerate(everyone)) if p)
-        exchange.raise_found(rank, found or None)
     for key in first:
         if key == "overlap_requested":
             continue
@@ -52,9 +47,11 @@ def check_arguments(optimizer) -> None:
                         f"{type(optimizer).__name__}")
 
 
-def check_buffers(module, buffers) -> None:
+def buffers_problem(module, buffers) -> str | None:
+    """What is wrong with ``buffers`` for ``module`` (None: nothing)."""
     if module is None and buffers == "broadcast":
-        raise ValueError("buffers='broadcast' needs the model: pass module=model (or an iterable of its buffers)")
+        return "buffers='broadcast' needs the model: pass module=model (or an iterable of its buffers)"
+    return None
 
 
 def check_accumulated(grads, params: list[torch.Tensor]) -> None:

@@ -222,6 +222,7 @@ class DeltaState(_CommState):
             raise TypeError(f"DeltaState takes the settings {', '.join(sorted(_DELTA_SETTINGS))}, not "
                             f"{', '.join(map(repr, unused))} (those belong to DistributedOptimizer)")
         opts = Options.of(options or Options(overlap=True), settings, "DeltaState")
+        opts.raise_problems(check_comm(comm), "DeltaState")
         compression, start_copy, accumulation_steps, skip_nonfinite, overlap = (
             opts.compression, opts.start_copy, opts.accumulation_steps, opts.skip_nonfinite, opts.overlap)
         _check_unclaimed(optimizer)

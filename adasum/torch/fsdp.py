@@ -105,8 +105,6 @@ class ReplicaDeltas:
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, mesh, *, op: str | Op = "adasum",
                  local_steps: int = 1):
-        if type(local_steps) is not int or local_steps < 1:
-            raise ValueError(f"local_steps must be a positive int, got {local_steps!r}")
         modules, plan, self.tree = setup(model, mesh, op, form="ReplicaDeltas", local_steps=local_steps)
         self.local_steps, self.windows, self._steps, self._start = local_steps, 0, 0, None
         self.step_was_skipped, self.skipped_updates, self._nonfinite = False, 0, False

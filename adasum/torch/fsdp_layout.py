@@ -39,10 +39,17 @@ def _free(*comms) -> None:
 def setup(model: torch.nn.Module, mesh, op, form: str, local_steps: int = 1) -> tuple[list, list, ReplicaTree]:
     """Check the mesh and the model on every rank, compare the ranks, split the communicators. ``form``:
     ``"adasum_replicas"`` (the hook) or ``"ReplicaDeltas"``."""
-    op = Op(op).value
     comm = MPI.COMM_WORLD
     problem, layout, modules, plan = None, None, [], []
     try:
+        try:
+            op = Op(op).value
+        except ValueError:
+            raise ValueError(f"rank {comm.Get_rank()}: {form}: op must be one of 'adasum', 'sum', 'mean', "
+                             f"got {op!r}") from None
+        if type(local_steps) is not int or local_steps < 1:
+            raise ValueError(f"rank {comm.Get_rank()}: {form}: local_steps must be a positive int, got "
+                             f"{local_steps!r}")
         layout = _check_mesh(mesh)
         modules, plan = _plan(model, mesh["shard"])
         _check_modules(modules, plan, form)

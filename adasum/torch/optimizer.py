@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 from ..runtime.context import check_comm
 from ..runtime.launch import check_launch
-from .checks import check_agreement, check_arguments, check_buffers
+from .checks import check_agreement, check_arguments, buffers_problem
 from .options import Options
 from .overlap.engine import OverlapEngine
 from .state import optimizer_state as state_dicts
@@ -28,7 +28,7 @@ from .window.agreement import Layout, Ledger
 from .window.amp import LossScale
 from .window.boundary import Boundary
 from .window.compress import Wire
-from .window.local_steps import LocalSteps, OuterSGD, local_problem, uses_local_steps
+from .window.local_steps import LocalSteps, OuterSGD
 from .window.module_buffers import BufferSync, buffers_of
 from .window.reduce import AdasumDeltas, GradientReduce, trained_params
 from .window.steps import Parts, Steps
@@ -129,8 +129,8 @@ class DistributedOptimizer(_Wrapping):
             raise TypeError("optimizer is already a DistributedOptimizer; wrap the torch optimizer only once")
         check_arguments(optimizer)
         opts = self.options = Options.of(options, settings, "DistributedOptimizer")
-        check_buffers(module, opts.buffers)
         comm = check_comm(comm)
+        opts.raise_problems(comm, "DistributedOptimizer", buffers_problem(module, opts.buffers))
         check_launch()  # a job whose processes MPI does not see raises here
         self.optimizer, self.comm, self.grad_scaler = optimizer, comm, grad_scaler
         self._module = module  # kept for rejoin()
@@ -177,8 +177,7 @@ class DistributedOptimizer(_Wrapping):
         mine = dict(opts.as_dict(), skip_nonfinite=self.skip_nonfinite, hierarchical=self.hierarchical,
                     grad_scaler=loss.enabled, overlap=overlap, compression=str(wire.dtype), buffers=self.buffers,
                     buffer_count=len(kept), overlap_requested=self.overlap_requested)
-        check_agreement(comm, mine, trained_params(self.optimizer), [(tuple(b.shape), str(b.dtype)) for b in kept],
-                        local_problem)
+        check_agreement(comm, mine, trained_params(self.optimizer), [(tuple(b.shape), str(b.dtype)) for b in kept])
         return overlap
 
     # --- the loop ---------------------------------------------------------------------------------------------
@@ -388,7 +387,7 @@ def _assemble(opt: DistributedOptimizer, module, kept: list[torch.Tensor], wire:
     else:  # one rank: exactly the wrapped optimizer (the reduction is the identity)
         strategy = GradientReduce(optimizer, opt.op, wire, opt.skip_nonfinite)
     local = None
-    if uses_local_steps(opt.local_steps, opt.outer_lr, opt.outer_momentum, opt.delay):
+    if opts.uses_local_steps:
         local = ledger.local = LocalSteps(optimizer, comm, opt.op, opt.local_steps,
                                           OuterSGD(opt.outer_lr, opt.outer_momentum), opt.start_copy, wire,
                                           opt.hierarchical, opt.skip_nonfinite, loss, layout, opt.delay)

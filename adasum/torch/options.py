@@ -9,8 +9,12 @@ import numbers
 from typing import Any
 
 from ..call.allreduce import Op
+from ..runtime import exchange
 
 __all__ = ["Options"]
+
+# The names ``compression`` takes (adasum.torch.window.compress reads the same names).
+_WIRES = (None, "none", "fp16", "float16", "bf16", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,20 +73,65 @@ class Options:
     delay: int = 0
 
     def __post_init__(self) -> None:
+        # Nothing raises here: a value that is wrong on one rank must raise on every rank, so the entry
+        # points (DistributedOptimizer, DeltaState, the Lightning strategy, Horovod's wrapper) ask
+        # problems() and raise what any rank found, together.
         try:
             object.__setattr__(self, "op", Op(self.op).value)
         except ValueError:
-            raise ValueError(f"op must be one of 'adasum', 'sum', 'mean', got {self.op!r}") from None
+            pass  # problems() names it
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings on this rank (empty where nothing is): the one check of every
+        field, which every entry point runs on every rank before it uses any of them."""
+        found = []
+        if self.op not in ("adasum", "sum", "mean"):
+            found.append(f"op must be one of 'adasum', 'sum', 'mean', got {self.op!r}")
         for name in ("accumulation_steps", "bucket_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                found.append(f"{name} must be a positive integer, got {value!r}")
         if self.start_copy not in ("device", "host"):
-            raise ValueError(f"start_copy must be 'device' or 'host', got {self.start_copy!r}")
+            found.append(f"start_copy must be 'device' or 'host', got {self.start_copy!r}")
         if self.buffers not in (None, "average", "broadcast"):
-            raise ValueError(f"buffers must be 'average', 'broadcast' or None, got {self.buffers!r}")
+            found.append(f"buffers must be 'average', 'broadcast' or None, got {self.buffers!r}")
         if self.hierarchical and self.op != "adasum":
-            raise ValueError(f"hierarchical=True needs op 'adasum', got op '{self.op}'")
+            found.append(f"hierarchical=True needs op 'adasum', got op '{self.op}'")
+        key = self.compression.lower() if isinstance(self.compression, str) else self.compression
+        if key not in _WIRES:
+            found.append(f"compression must be None, 'fp16' or 'bf16', got {self.compression!r}")
+        found += self._local_problems()
+        return found
+
+    def _local_problems(self) -> list[str]:
+        h, lr, mu, delay = self.local_steps, self.outer_lr, self.outer_momentum, self.delay
+        found = []
+        if isinstance(h, bool) or not isinstance(h, numbers.Integral) or h < 1:
+            found.append(f"local_steps must be an integer >= 1, got {h!r}")
+        if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not lr > 0 or lr == float("inf"):
+            found.append(f"outer_lr must be a number > 0, got {lr!r}")
+        if isinstance(mu, bool) or not isinstance(mu, numbers.Real) or not 0 <= mu < 1:
+            found.append(f"outer_momentum must be a number in [0, 1), got {mu!r}")
+        if isinstance(delay, bool) or delay not in (0, 1):
+            found.append(f"delay must be 0 or 1, got {delay!r}")
+        if not found and self.overlap and self.uses_local_steps:
+            found.append("overlap=True overlaps a combine with the backward that closes it; with local_steps > 1 "
+                         "or an outer optimizer the combine follows the H-th local step instead: construct the "
+                         "optimizer with overlap=False")
+        return found
+
+    @property
+    def uses_local_steps(self) -> bool:
+        """Whether these settings take local steps between combines (anything but ``local_steps=1``,
+        ``outer_lr=1``, ``outer_momentum=0``, ``delay=0``)."""
+        return not (self.local_steps == 1 and self.outer_lr == 1.0 and self.outer_momentum == 0.0
+                    and self.delay == 0)
+
+    def raise_problems(self, comm, who: str, more: str | None = None) -> None:
+        """Collective over ``comm``: where any rank's settings have a problem (or ``more``, a problem of
+        this rank's other arguments), raise ValueError on every rank, naming each rank and its problems."""
+        mine = "; ".join(self.problems() + ([more] if more else [])) or None
+        exchange.raise_everywhere(comm, mine, ValueError, f"{who}'s settings")
 
     @classmethod
     def of(cls, options: "Options | None", settings: dict[str, Any], who: str) -> "Options":

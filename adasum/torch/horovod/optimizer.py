@@ -13,7 +13,6 @@ from ...runtime import exchange, world
 from .. import DistributedOptimizer as _DistributedOptimizer
 from .. import broadcast_optimizer_state as _broadcast_optimizer_state
 from .. import broadcast_parameters as _broadcast_parameters
-from ..window.local_steps import uses_local_steps
 from ..window.reduce import trained_params
 from .basics import Average, Compression, wire_of
 from .process_sets import resolve
@@ -80,7 +79,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         kwargs["overlap"] = False
     opt = _HorovodOptimizer(optimizer, op=op, compression=wire, comm=comm, **kwargs)
     opt.__dict__["_parameter_names"] = names
-    local = uses_local_steps(opt.local_steps, opt.outer_lr, opt.outer_momentum, opt.delay)
+    local = opt.options.uses_local_steps
     opt.__dict__["_sparse"] = SparseGradients(None if local else ps, comm, opt.op, wire, sparse_as_dense, names)
     opt.__dict__["_sparse_of"] = lambda new: SparseGradients(None if local else ps, new, opt.op, wire,
                                                              sparse_as_dense, names)

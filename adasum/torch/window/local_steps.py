@@ -33,7 +33,6 @@ A parameter that leaves the windows (frozen) lands on G once its last combine is
 
 from __future__ import annotations
 
-import numbers
 import weakref
 from typing import Any
 
@@ -50,31 +49,7 @@ from .reduce import _describe, all_params, trained_params
 from .tensors import Snapshot, all_finite, average_, grads_of
 from ..internals import foreach_copy_
 
-__all__ = ["LocalSteps", "local_problem", "uses_local_steps"]
-
-
-def uses_local_steps(local_steps: int, outer_lr: float, outer_momentum: float, delay: int) -> bool:
-    """Whether these settings need :class:`LocalSteps` (anything but ``1, 1.0, 0.0, 0``: the boundary)."""
-    return not (local_steps == 1 and outer_lr == 1.0 and outer_momentum == 0.0 and delay == 0)
-
-
-def local_problem(settings: dict[str, Any]) -> str | None:
-    """What is wrong with one rank's ``local_steps``, ``outer_lr``, ``outer_momentum``, ``delay`` and
-    ``overlap`` (as passed), or None."""
-    h, lr, mu, delay = (settings[k] for k in ("local_steps", "outer_lr", "outer_momentum", "delay"))
-    if isinstance(h, bool) or not isinstance(h, numbers.Integral) or h < 1:
-        return f"local_steps must be an integer >= 1, got {h!r}"
-    if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not lr > 0 or lr == float("inf"):
-        return f"outer_lr must be a number > 0, got {lr!r}"
-    if isinstance(mu, bool) or not isinstance(mu, numbers.Real) or not 0 <= mu < 1:
-        return f"outer_momentum must be a number in [0, 1), got {mu!r}"
-    if isinstance(delay, bool) or delay not in (0, 1):
-        return f"delay must be 0 or 1, got {delay!r}"
-    if settings["overlap_requested"] and uses_local_steps(int(h), float(lr), float(mu), int(delay)):
-        return ("overlap=True overlaps a combine with the backward that closes it; with local_steps > 1 or an "
-                "outer optimizer the combine follows the H-th local step instead: construct the optimizer "
-                "with overlap=False")
-    return None
+__all__ = ["LocalSteps"]
 
 
 class LocalSteps:
