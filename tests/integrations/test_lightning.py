@@ -306,6 +306,8 @@ def test_gradient_clipping_clips_the_reduced_gradient(comm, op, algorithm, accum
     size = comm.Get_size()
     steps = 2 * N // (4 * size * accumulate)
     assert trainer.strategy.optimizers[0].boundaries == steps
+    if overlap:  # the reduction ahead of the clipping waits for the buckets reduced during backward
+        assert trainer.strategy.optimizers[0].overlapped_boundaries > 0
     reduced = clipped_serially(size, clip=clip, algorithm=algorithm, op=op, accumulate=accumulate)
     own = clipped_serially(size, clip=clip, algorithm=algorithm, op=op, accumulate=accumulate, per_rank=True)
     for a, b in zip(module.net.parameters(), reduced.parameters()):
