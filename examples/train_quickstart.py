@@ -6,9 +6,9 @@ Every rank takes its own local step on its own shard; at each boundary of an acc
 ranks' weight deltas are combined with Adasum. Every rank prints its final test accuracy (the same on every
 rank). examples/train.py is the full example, with its options.
 
-At 2 ranks it reaches 75.8 % test accuracy in seconds (SGD): like every recipe it trains 4 epochs on
-1600 signals, to show the calls, where examples/train.py trains 20 epochs on 4000 with a cosine
-schedule for its 96-97 %.
+At 2 ranks it reaches 75.8 % test accuracy in seconds (AdamW at lr 1e-2, windows of 2 micro-batches):
+like every recipe it trains 4 epochs on 1600 signals, to show the calls, where examples/train.py trains
+20 epochs on 4000 with a cosine schedule for its 96-97 %.
 """
 
 import os
