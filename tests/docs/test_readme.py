@@ -214,3 +214,92 @@ def test_torch_pin_is_what_the_extra_installs():
         assert req.specifier.contains(version), f"extra {name!r}: {req} excludes the pinned torch {version}"
         assert any(s.operator in ("<", "<=", "==", "~=") for s in req.specifier), f"extra {name!r}: {req} has no upper bound"
     assert version.rsplit(".", 1)[0] in (ROOT / "README.md").read_text(), "README.md does not name the pinned torch"
+
+
+def _version() -> str:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def test_the_version_is_the_same_everywhere():
+    """pyproject's version is the package's, the changelog's top entry, the site's name and what the home
+    page and the README say."""
+    import adasum
+
+    version = _version()
+    assert adasum.__version__ == version
+    entries = re.findall(r"^## \[([^\]]+)\]", (ROOT / "CHANGELOG.md").read_text(), flags=re.M)
+    assert entries and entries[0] == version, f"CHANGELOG.md's top entry is {entries[:1]}, the project {version}"
+    site_name = re.search(r"^site_name: (.*)$", (ROOT / "mkdocs.yml").read_text(), flags=re.M)[1]
+    assert site_name == f"adasum {version}"
+    assert f"adasum {version}" in (ROOT / "docs" / "index.md").read_text()
+    assert f"version {version}" in (ROOT / "README.md").read_text()
+
+
+def test_the_license_is_the_one_pyproject_declares():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+
+
+def test_the_site_works_from_disk():
+    assert re.search(r"^use_directory_urls: false$", (ROOT / "mkdocs.yml").read_text(), flags=re.M)
+
+
+def test_the_environment_report_is_documented():
+    commands = "".join(_blocks((ROOT / "README.md").read_text(), "bash"))
+    for command in ("python -m adasum", "mpiexec -n 2 python -m mpi4py -m adasum"):
+        assert command in commands, f"README.md no longer shows {command!r}"
+    template = (ROOT / ".github" / "ISSUE_TEMPLATE" / "bug_report.md").read_text()
+    assert "python -m adasum" in template
+
+
+def test_no_placeholder_install_url():
+    assert "git+URL" not in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize("name", ["mpich-hosts", "openmpi-hosts"])
+def test_placeholder_hostfiles_say_to_replace_their_names(name):
+    text = (ROOT / "hostfiles" / name).read_text()
+    assert "node0" in text and "Replace the names with your hosts" in text
+    assert f"hostfiles/{name}" in (ROOT / "README.md").read_text()
+    assert "replace the names" in (ROOT / "docs" / "launching.md").read_text()
+
+
+def test_every_option_of_the_example_is_documented():
+    """docs/training.md lists examples/train.py's options: each one the script defines is named there."""
+    defined = re.findall(r'add_argument\("(--[\w-]+)"', (ROOT / "examples" / "train.py").read_text())
+    assert defined
+    training = (ROOT / "docs" / "training.md").read_text()
+    missing = [o for o in defined if f"`{o}" not in training]
+    assert not missing, f"docs/training.md does not mention {missing}"
+
+
+# (document, the sentence's pattern with the figure, the script it runs at 2 ranks)
+_ACCURACIES = [
+    ("README.md", r"examples/train_quickstart\.py` \(with `\.venv` active, as above\) prints ([\d.]+) %",
+     "examples/train_quickstart.py"),
+    ("docs/training.md", r"examples/distributed_optimizer\.py`\. It prints ([\d.]+) % test accuracy",
+     "examples/distributed_optimizer.py"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("doc, pattern, script", _ACCURACIES, ids=[s for _, _, s in _ACCURACIES])
+def test_the_recipes_print_the_accuracy_the_docs_give(doc, pattern, script):
+    said = re.search(pattern, " ".join((ROOT / doc).read_text().split()))
+    assert said, f"{doc} no longer gives the accuracy of {script}"
+    assert f"{said[1]} % test accuracy" in (ROOT / script).read_text(), f"{script}'s docstring gives another figure"
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    env = dict(os.environ, MPIEXEC_TIMEOUT="240", OMP_NUM_THREADS="1")
+    run = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", script], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, f"{run.stdout}\n{run.stderr}"
+    got = [float(a) for a in re.findall(r"final test accuracy ([\d.]+)", run.stdout)]
+    assert len(got) == 2, run.stdout
+    assert all(f"{100 * a:.1f}" == said[1] for a in got), f"{script} printed {got}, {doc} says {said[1]} %"
