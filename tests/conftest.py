@@ -29,6 +29,22 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """pytest-mpi ends every ``--with-mpi`` run with an "MPI Information" section (the rank, the size, MPI's
+    and mpi4py's versions and configuration: MPICH's library version alone is a dozen lines); the runner
+    starts some twenty such runs, so it is left out, unless ``-v`` is given twice."""
+    plugins = [p for p in config.pluginmanager.get_plugins() if type(p).__name__ == "MPIPlugin"]
+    quiet = [p for p in plugins if getattr(p, "_is_testing_mpi", False) and config.get_verbosity() < 2]
+    for plugin in quiet:
+        plugin._is_testing_mpi = False  # read by its summary alone, after the tests
+    try:
+        return (yield)
+    finally:
+        for plugin in quiet:
+            plugin._is_testing_mpi = True
+
+
 def pytest_runtest_logreport(report):
     """Under ``--with-mpi``, a failure is written out as it happens, with its rank and time: ranks other than
     0 write to their own logs (scripts/run_tests.py), and a job that later hangs or is killed never reaches

@@ -1,14 +1,17 @@
-"""Array kinds, dtypes and cross-rank checks shared by the tests."""
+"""Array kinds, dtypes and cross-rank checks shared by the tests. Nothing here imports torch: the core tests
+(tests/core, tests/rule) run without it, their torch cases skipping (tests/conftest.py). What only the
+torch tests use is in tests/torch_helpers.py."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import os
+import sys
 
 import numpy as np
 import pytest
-import torch
 from mpi4py import MPI
 
 import adasum
@@ -17,7 +20,48 @@ from cupy_standin import cupy_or_standin
 
 cupy = cupy_or_standin()
 CUPY_IS_REAL = not getattr(cupy, "__adasum_standin__", False)
-CUDA = torch.cuda.is_available()
+TORCH = importlib.util.find_spec("torch") is not None
+
+
+def _torch_cuda() -> bool:
+    """Whether torch sees a CUDA device; torch is imported to ask only where an NVIDIA driver is present."""
+    if not TORCH or not os.path.exists("/proc/driver/nvidia"):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _torch():
+    """torch where it was imported (no torch tensor exists before), else None."""
+    return sys.modules.get("torch")
+
+
+CUDA = _torch_cuda()
+
+
+class _Torch:
+    """torch, imported at its first use: ``from helpers import torch`` in a core test module, whose numpy
+    tests then run where torch is not installed, while a test that uses torch is skipped there
+    (``pytest.importorskip``)."""
+
+    def __getattr__(self, name):
+        return getattr(pytest.importorskip("torch"), name)
+
+    def __repr__(self):
+        return "<torch, imported at first use>"
+
+
+torch = _Torch()
+
+# The world sizes of the training layer's tests under mpiexec (``world_size`` marks; the core's tests run at
+# every size of scripts/run_tests.py, 1-8). Argument checks, refusals, API errors, lifecycles and
+# checkpoints show nothing more at a second size: one size. A training run that is bitwise the plain or the
+# hand-written one depends on P only through the core's allreduce: a power of two and a size that folds
+# a pair first. Against a serial reference of the tree: one rank too, and the folds over trees of 2 and 4.
+ONE_SIZE = pytest.mark.world_size(2)
+TRAINING_SIZES = pytest.mark.world_size(2, 3)
+REFERENCE_SIZES = pytest.mark.world_size(1, 2, 3, 5)
 
 # Array kinds: numpy, torch on the CPU, cupy (on a GPU, or its numpy-backed stand-in, which runs the device
 # code paths on the CPU), and torch on a GPU where one exists.
@@ -33,6 +77,7 @@ EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23, "flo
 def make(values: np.ndarray, kind: str, dtype: str):
     """``values`` as an array of ``kind`` and ``dtype``."""
     if kind.startswith("torch"):
+        torch = pytest.importorskip("torch")
         t = torch.from_numpy(np.array(values, dtype=np.float64, copy=True)).to(getattr(torch, dtype))
         return t.cuda() if kind == "torch-cuda" else t
     host = np.asarray(values, dtype=np.float64).astype(dtype)
@@ -41,7 +86,8 @@ def make(values: np.ndarray, kind: str, dtype: str):
 
 def as_f64(x) -> np.ndarray:
     """A float64 numpy copy of any array the library returns."""
-    if isinstance(x, torch.Tensor):
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor):
         return x.detach().to(torch.float64).cpu().numpy()
     if isinstance(x, cupy.ndarray):
         return cupy.asnumpy(x).astype(np.float64)
@@ -49,7 +95,8 @@ def as_f64(x) -> np.ndarray:
 
 
 def raw_bytes(x) -> bytes:
-    if isinstance(x, torch.Tensor):
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor):
         x = x.detach().reshape(-1).contiguous().cpu()
         return x.view(torch.uint8).numpy().tobytes() if x.numel() else b""
     if isinstance(x, cupy.ndarray):
@@ -110,16 +157,3 @@ def expected_nodes() -> list[list[int]] | None:
     text = os.environ.get("ADASUM_TEST_NODES", "").strip()
     return [[int(r) for r in node.split(",")] for node in text.split(";")] if text else None
 
-
-class GradBucket:
-    """What the DDP hooks read of DDP's GradBucket: the gradients and their flat buffer."""
-
-    def __init__(self, grads):
-        self._grads = grads
-        self._flat = torch.cat([g.reshape(-1) for g in grads])
-
-    def gradients(self):
-        return self._grads
-
-    def buffer(self):
-        return self._flat

@@ -1,4 +1,6 @@
-"""The library's state per communicator: freed with the communicator, bounded memory, threads."""
+"""The library's state per communicator: freed with the communicator, bounded memory, threads. None of it
+depends on the number of ranks beyond one and more than one, so each test runs at one or two world sizes
+(``world_size``), where the core's other tests run at every size."""
 
 from __future__ import annotations
 
@@ -35,10 +37,11 @@ def _values(rank: int, n: int, seed: int = 0) -> list[np.ndarray]:
     return [rng.standard_normal(n).astype(np.float32), rng.standard_normal(7)]
 
 
+@pytest.mark.world_size(2)
 def test_communicators_can_be_made_and_freed_again_and_again(comm):
     """Each communicator's context (and the library's duplicate of it) goes with the communicator: 5000
-    times at 2 ranks (MPICH runs out of communicators at about 2045 if they are not freed), fewer at other
-    sizes, where it shows nothing more."""
+    times at 2 ranks (MPICH runs out of communicators at about 2045 if they are not freed); other sizes
+    show nothing more (300 times where run at one by hand)."""
     rank = comm.Get_rank()
     x = [np.full(3, rank + 1.0)]
     for i in range(5000 if comm.Get_size() == 2 else 300):
@@ -49,6 +52,7 @@ def test_communicators_can_be_made_and_freed_again_and_again(comm):
             np.testing.assert_allclose(out[0], reference_allreduce([[np.full(3, r + 1.0)] for r in range(comm.Get_size())])[0])
 
 
+@pytest.mark.world_size(2)
 def test_release_buffers_gives_the_memory_back(comm):
     """64 calls of 4 MiB of different shapes (64 kept plans) and release_buffers(): resident memory returns
     to within 16 MiB of what it was before them."""
@@ -72,6 +76,7 @@ def test_release_buffers_gives_the_memory_back(comm):
                                        f"release_buffers() ({grown / 2**20:.1f} MiB before it)")
 
 
+@pytest.mark.world_size(2)
 def test_calls_on_two_communicators_run_in_two_threads(comm):
     rank, size = comm.Get_rank(), comm.Get_size()
     comms = [comm.Dup(), comm.Dup()]
@@ -102,6 +107,7 @@ def test_calls_on_two_communicators_run_in_two_threads(comm):
         c.Free()
 
 
+@pytest.mark.world_size(2)
 def test_a_second_call_on_a_busy_communicator_raises_at_once(comm):
     """Two threads of one rank calling on one communicator would mix their messages: the second call
     raises RuntimeError at once, naming the communicator and the call in flight; the first one completes."""
@@ -134,6 +140,7 @@ def test_a_second_call_on_a_busy_communicator_raises_at_once(comm):
     dup.Free()
 
 
+@pytest.mark.world_size(1, 2)  # nothing is sent at one rank
 def test_traffic_is_counted_per_communicator(comm):
     rank, size = comm.Get_rank(), comm.Get_size()
     dup = comm.Dup()
@@ -145,6 +152,7 @@ def test_traffic_is_counted_per_communicator(comm):
     dup.Free()
 
 
+@pytest.mark.world_size(1)  # no communication
 def test_settings_are_one_validated_value():
     old = adasum.configure(chunk_bytes=1024)
     try:
@@ -159,6 +167,7 @@ def test_settings_are_one_validated_value():
     assert adasum.current_settings() == old
 
 
+@pytest.mark.world_size(2)
 def test_a_call_keeps_the_settings_it_started_with(comm):
     """The snapshot a call takes on entry is what its parts see until it ends, whatever configure() does
     meanwhile (another thread's change must not reach a call after the ranks agreed on its settings)."""

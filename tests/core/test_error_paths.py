@@ -12,15 +12,16 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
-import adasum
-import adasum.horovod as hvd
-from adasum import AdasumMismatchError
-from adasum.rule.reference import tree_combine
-from adasum.torch.ddp import AdasumState, adasum_hook
+torch = pytest.importorskip("torch")  # the DDP hook and the Horovod façade: the module needs torch
 
-from helpers import GradBucket
+import adasum  # noqa: E402
+import adasum.horovod as hvd  # noqa: E402
+from adasum import AdasumMismatchError  # noqa: E402
+from adasum.rule.reference import tree_combine  # noqa: E402
+from adasum.torch.ddp import AdasumState, adasum_hook  # noqa: E402
+
+from torch_helpers import GradBucket  # noqa: E402
 
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(60)]
 

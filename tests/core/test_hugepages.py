@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-import torch
+from helpers import torch  # imported at first use: the numpy tests run without torch
 from mpi4py import MPI
 
 from adasum.adapters.base import host_numpy

@@ -10,7 +10,7 @@ import platform
 
 import numpy as np
 import pytest
-import torch
+from helpers import torch  # imported at first use: the numpy tests run without torch
 
 import adasum
 from adasum.rule.reference import reference_allreduce

@@ -17,7 +17,7 @@ import adasum.torch as at  # noqa: E402
 from adasum.hf import AdasumCallback  # noqa: E402
 from adasum.torch.ddp import AdasumState, adasum_hook  # noqa: E402
 
-from helpers import assert_identical_across_ranks  # noqa: E402
+from helpers import ONE_SIZE, TRAINING_SIZES, assert_identical_across_ranks  # noqa: E402
 
 pytestmark = pytest.mark.frameworks
 
@@ -55,6 +55,8 @@ def reference(comm, steps: int, shuffle: bool):
 
 
 @pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
+@pytest.mark.smoke
 def test_accelerate_recipe(comm, pg):
     from accelerate import Accelerator
 
@@ -87,6 +89,7 @@ def test_accelerate_recipe(comm, pg):
 
 
 @pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
 def test_hf_trainer_recipe(comm, pg, shared_dir):
     from transformers import Trainer, TrainingArguments
 
@@ -128,6 +131,7 @@ def test_hf_trainer_recipe(comm, pg, shared_dir):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine without a GPU")
+@ONE_SIZE
 def test_hf_trainer_without_use_cpu_names_the_cause(comm, pg, shared_dir):
     """torch.distributed runs on every rank, but without use_cpu=True the Trainer on a host without a GPU
     starts no distributed mode: the callback's error on every rank says so, not to start torch.distributed."""

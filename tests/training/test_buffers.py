@@ -8,7 +8,7 @@ import torch
 
 from adasum.torch import DistributedOptimizer
 
-from helpers import assert_identical_across_ranks, raw_bytes
+from helpers import ONE_SIZE, TRAINING_SIZES, assert_identical_across_ranks, raw_bytes
 
 
 class BNNet(torch.nn.Module):
@@ -50,6 +50,7 @@ def train(comm, net, opt, windows: int, accumulate: int, before_boundary=None):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", ["adasum", "mean"])
 @pytest.mark.parametrize("overlap", [False, True])
+@TRAINING_SIZES
 def test_average_keeps_buffers_alike_as_the_mean_of_the_changes(comm, op, overlap):
     net = BNNet()
     table = raw_bytes(net.table)
@@ -83,6 +84,7 @@ def test_average_keeps_buffers_alike_as_the_mean_of_the_changes(comm, op, overla
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_broadcast_takes_rank_0s_buffers_at_each_boundary(comm):
     net = BNNet()
     opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), module=net, buffers="broadcast")
@@ -94,6 +96,7 @@ def test_broadcast_takes_rank_0s_buffers_at_each_boundary(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_buffers_of_an_iterable_and_the_default_without_module(comm):
     net = BNNet()
     opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), module=net.bn.buffers())
@@ -109,6 +112,7 @@ def test_buffers_of_an_iterable_and_the_default_without_module(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_buffers_the_module_replaces_are_followed(comm):
     net = BNNet()
     opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), module=net)
@@ -121,6 +125,7 @@ def test_buffers_the_module_replaces_are_followed(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_ranks_that_disagree_on_buffers_raise_on_every_rank(comm):
     last = comm.Get_size() - 1
     net = BNNet()

@@ -18,7 +18,7 @@ from adasum.rule.reference import reference_allreduce
 from adasum.torch import DistributedOptimizer, load_checkpoint, read_checkpoint, save_checkpoint
 from adasum.torch.state.checkpoint import HEADER_BYTES
 
-from helpers import raw_bytes
+from helpers import ONE_SIZE, raw_bytes
 
 HEX = "[0-9a-f]{64}"
 
@@ -112,6 +112,7 @@ def damage(path: str, how: str) -> str:
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("how", ["flip 64 bytes", "truncated", "truncated in the header", "bytes appended",
                                  "empty", "header damaged", "missing"])
+@ONE_SIZE
 def test_a_damaged_file_raises_on_every_rank_and_changes_nothing(comm, shared_dir, how):
     rank = comm.Get_rank()
     path = os.path.join(shared_dir, "ckpt.pt")
@@ -135,6 +136,7 @@ def test_a_damaged_file_raises_on_every_rank_and_changes_nothing(comm, shared_di
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_a_model_that_does_not_fit_on_one_rank_raises_everywhere_and_changes_nothing(comm, shared_dir):
     rank, last = comm.Get_rank(), comm.Get_size() - 1
     path = os.path.join(shared_dir, "ckpt.pt")
@@ -152,6 +154,7 @@ def test_a_model_that_does_not_fit_on_one_rank_raises_everywhere_and_changes_not
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_an_optimizer_that_does_not_fit_on_one_rank_raises_everywhere_and_changes_nothing(comm, shared_dir):
     rank, last = comm.Get_rank(), comm.Get_size() - 1
     path = os.path.join(shared_dir, "ckpt.pt")
@@ -170,6 +173,7 @@ def test_an_optimizer_that_does_not_fit_on_one_rank_raises_everywhere_and_change
 
 
 @pytest.mark.mpi(min_size=1)
+@ONE_SIZE
 def test_the_header_holds_the_payloads_size_and_sha256_and_old_files_still_load(comm, shared_dir, caplog):
     rank = comm.Get_rank()
     path = os.path.join(shared_dir, "ckpt.pt")

@@ -15,7 +15,7 @@ import adasum
 import adasum.torch as at
 from adasum.torch.ddp import AdasumState, DeltaState, adasum_delta_hook, adasum_hook
 
-from helpers import assert_identical_across_ranks, raw_bytes
+from helpers import ONE_SIZE, TRAINING_SIZES, assert_identical_across_ranks, raw_bytes
 from torch_helpers import loss_of
 
 
@@ -50,6 +50,7 @@ def batches(comm, n: int):
 
 
 @pytest.mark.mpi(min_size=1)
+@ONE_SIZE
 def test_init_process_group_from_mpi(comm, pg):
     assert (dist.get_rank(), dist.get_world_size()) == (comm.Get_rank(), comm.Get_size())
     assert os.environ["RANK"] == str(comm.Get_rank()) and os.environ["WORLD_SIZE"] == str(comm.Get_size())
@@ -115,6 +116,8 @@ DDP_OPTIONS = [
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("options", DDP_OPTIONS, ids=lambda o: ",".join(o) or "default")
+@TRAINING_SIZES
+@pytest.mark.smoke
 def test_gradient_hook_with_sgd_is_distributed_optimizer(comm, pg, options):
     """Adasum(c·a, c·b) = c·Adasum(a, b): with plain SGD, Adasum of the gradients is Adasum of the deltas."""
     hooked = run_ddp(comm, AdasumState(), adasum_hook, **options)
@@ -128,6 +131,7 @@ def test_gradient_hook_with_sgd_is_distributed_optimizer(comm, pg, options):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", ["sum", "mean"])
+@TRAINING_SIZES
 def test_gradient_hook_sum_mean_with_no_sync(comm, pg, op):
     """DDP's no_sync sums a window's gradients, DistributedOptimizer averages them: at twice the rate the
     updates agree."""
@@ -141,6 +145,7 @@ def test_gradient_hook_sum_mean_with_no_sync(comm, pg, op):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("options", DDP_OPTIONS, ids=lambda o: ",".join(o) or "default")
 @pytest.mark.parametrize("optimizer", ["sgd-momentum", "adamw"])
+@TRAINING_SIZES
 def test_delta_hook_is_bitwise_distributed_optimizer(comm, pg, options, optimizer):
     def opt_fn(params):
         if optimizer == "adamw":
@@ -163,6 +168,7 @@ def test_delta_hook_is_bitwise_distributed_optimizer(comm, pg, options, optimize
 
 
 @pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
 def test_delta_hook_hierarchical_is_bitwise_distributed_optimizer(comm, pg):
     """``hierarchical=True`` reaches the delta hook's combine: the same bits as the optimizer's, and not
     the flat combine's (here one node: the node's mean of the deltas)."""
@@ -188,6 +194,7 @@ def test_delta_hook_hierarchical_is_bitwise_distributed_optimizer(comm, pg):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_delta_hook_skips_nonfinite_on_every_rank(comm, pg):
     model = net()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -207,6 +214,7 @@ def test_delta_hook_skips_nonfinite_on_every_rank(comm, pg):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_a_second_delta_state_of_one_optimizer_is_refused(comm, pg):
     model = net()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -229,6 +237,7 @@ def test_a_second_delta_state_of_one_optimizer_is_refused(comm, pg):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_hook_mismatch_raises_on_every_rank(comm, pg):
     """One rank's model has another shape: the collective's agreement raises on every rank, no hang."""
     width = 32 if comm.Get_rank() == 0 else 33

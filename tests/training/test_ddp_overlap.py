@@ -13,7 +13,8 @@ import torch
 
 from adasum.torch.ddp import AdasumState, DeltaState, adasum_delta_hook, adasum_hook
 
-from helpers import GradBucket, assert_identical_across_ranks, raw_bytes
+from helpers import ONE_SIZE, TRAINING_SIZES, assert_identical_across_ranks, raw_bytes
+from torch_helpers import GradBucket
 from test_ddp import batches, ddp_windows, loss_of
 
 SMALL = 0.0005  # bucket_cap_mb: a bucket per parameter or two
@@ -112,6 +113,7 @@ def train(comm, kind: str, options: dict, overlap: bool, steps: int = 4):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("options", list(OPTIONS))
 @pytest.mark.parametrize("kind", list(KINDS))
+@TRAINING_SIZES
 def test_overlapped_hooks_are_bitwise_the_hooks_inside_the_call(comm, pg, kind, options):
     model, _, state = train(comm, kind, OPTIONS[options], overlap=True)
     assert hook_threads() == [f"adasum-ddp-hook-{comm.Get_rank()}"]  # it did run on the thread
@@ -129,6 +131,7 @@ def test_overlapped_hooks_are_bitwise_the_hooks_inside_the_call(comm, pg, kind, 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("what", ["grad", "delta"])
+@ONE_SIZE
 def test_backward_goes_on_while_the_buckets_are_reduced(comm, pg, what):
     """The last rank comes late to backward: on the others every hook returns a future that is not done
     yet, and DDP hands over every bucket before the first one's reduction completes; the results are the
@@ -176,6 +179,7 @@ def test_backward_goes_on_while_the_buckets_are_reduced(comm, pg, what):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("what", ["grad", "delta"])
+@ONE_SIZE
 def test_the_thread_ends_with_the_model_or_close(comm, pg, what):
     def make():
         model = net()
@@ -216,6 +220,7 @@ def test_the_thread_ends_with_the_model_or_close(comm, pg, what):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
+@ONE_SIZE
 def test_a_mismatch_raises_in_backward_on_every_rank(comm, pg):
     """The last rank's state sums where the others' take Adasum: backward raises on every rank, naming
     the ranks and what they passed."""
@@ -233,6 +238,7 @@ def test_a_mismatch_raises_in_backward_on_every_rank(comm, pg):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
+@ONE_SIZE
 def test_a_local_step_failing_on_one_rank_raises_in_backward_on_every_rank(comm, pg):
     """A step pre-hook of the optimizer raises on the last rank, on the second update: backward raises on
     every rank, naming that rank, and the parameters keep their values; the next update trains on."""
@@ -264,6 +270,7 @@ def test_a_local_step_failing_on_one_rank_raises_in_backward_on_every_rank(comm,
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("what", ["grad", "delta"])
+@ONE_SIZE
 def test_a_rank_that_never_arrives_is_named_in_backward(comm, pg, stall_comm, what):
     rank, size = comm.Get_rank(), comm.Get_size()
     model = net()

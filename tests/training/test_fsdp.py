@@ -66,6 +66,13 @@ def test_against_serial_reference(pg, comm, shape, op):
     assert_identical_across_ranks(comm, got)
 
 
+@pytest.mark.world_size(2)
+@pytest.mark.smoke
+def test_two_replicas_of_one_shard_against_serial_reference(pg, comm):
+    """The same on a mesh 2×1 at 2 ranks (each replica one unsharded rank): the smoke test of the hooks."""
+    test_against_serial_reference(pg, comm, (2, 1), "adasum")
+
+
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_adasum_differs_from_mean(pg, comm, shape):
     """A property the reference alone would not show: the replicas' gradients are not collinear, so Adasum

@@ -66,6 +66,13 @@ def test_deltas_against_serial_reference(pg, comm, shape, op):
         opt.step()
 
 
+@pytest.mark.world_size(2)
+@pytest.mark.smoke
+def test_deltas_of_two_replicas_of_one_shard_against_serial_reference(pg, comm):
+    """The same on a mesh 2×1 at 2 ranks (each replica one unsharded rank): the smoke test of ReplicaDeltas."""
+    test_deltas_against_serial_reference(pg, comm, (2, 1), "adasum")
+
+
 def test_deltas_of_plain_sgd_are_the_gradient_hook(pg, comm):
     """Adasum(c·a, c·b) = c·Adasum(a, b): with SGD without momentum the delta form gives the gradient
     form's model."""

@@ -14,7 +14,7 @@ import adasum.horovod as hvd
 import adasum.torch as at
 from adasum.rule.reference import reference_allreduce
 
-from helpers import assert_identical_across_ranks, raw_bytes
+from helpers import ONE_SIZE, TRAINING_SIZES, assert_identical_across_ranks, raw_bytes
 
 
 def horovod_style_training(dist_opt, passes: int = 2, steps: int = 3, seed_rank: bool = True):
@@ -39,6 +39,8 @@ def horovod_style_training(dist_opt, passes: int = 2, steps: int = 3, seed_rank:
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("passes", [1, 2])
 @pytest.mark.parametrize("compression", [hvd.Compression.none, hvd.Compression.fp16])
+@TRAINING_SIZES
+@pytest.mark.smoke
 def test_horovod_script_runs_and_matches_the_library(comm, passes, compression):
     hvd.init()
     assert (hvd.rank(), hvd.size()) == (comm.Get_rank(), comm.Get_size())
@@ -58,6 +60,7 @@ def test_horovod_script_runs_and_matches_the_library(comm, passes, compression):
 
 
 @pytest.mark.mpi(min_size=1)
+@TRAINING_SIZES
 def test_allreduce_ops(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
     per_rank = [torch.arange(6, dtype=torch.float64).reshape(2, 3) * (r + 1) - r for r in range(size)]
@@ -94,6 +97,7 @@ def _per_rank(size, shape=(2, 3), dtype=torch.float64):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.int64])
+@TRAINING_SIZES
 def test_min_max_product(comm, dtype):
     size, rank = comm.Get_size(), comm.Get_rank()
     per_rank = _per_rank(size, dtype=dtype) if dtype.is_floating_point else \
@@ -118,6 +122,7 @@ def test_min_max_product(comm, dtype):
 
 
 @pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
 def test_min_max_of_booleans(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
     per_rank = [torch.tensor([True, r == 0, r % 2 == 1, False]) for r in range(size)]
@@ -128,6 +133,7 @@ def test_min_max_of_booleans(comm):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", [hvd.Sum, hvd.Average])
+@TRAINING_SIZES
 def test_fp16_compression_halves_the_bytes(comm, op):
     size, rank = comm.Get_size(), comm.Get_rank()
     g = torch.Generator().manual_seed(7)
@@ -147,6 +153,7 @@ def test_fp16_compression_halves_the_bytes(comm, op):
 
 
 @pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
 def test_fp16_compression_with_adasum(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
     per_rank = _per_rank(size, dtype=torch.float32)
@@ -158,6 +165,7 @@ def test_fp16_compression_with_adasum(comm):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", [hvd.Sum, hvd.Average])
+@TRAINING_SIZES
 def test_allreduce_backward(comm, op):
     """The gradient of the sum over the ranks of each rank's loss, checked against one computed from every
     rank's weights, and by torch's gradcheck (every rank perturbing in step)."""
@@ -174,6 +182,7 @@ def test_allreduce_backward(comm, op):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", [hvd.Adasum, hvd.Min, hvd.Max, hvd.Product])
+@ONE_SIZE
 def test_allreduce_without_a_gradient_raises_on_every_rank(comm, op):
     x = torch.ones(3, dtype=torch.float64, requires_grad=comm.Get_rank() == 0)
     with pytest.raises(ValueError, match=f"rank 0: allreduce with op='{op}' has no gradient"):
@@ -183,6 +192,7 @@ def test_allreduce_without_a_gradient_raises_on_every_rank(comm, op):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_disagreements_raise_on_every_rank(comm):
     rank, size = comm.Get_rank(), comm.Get_size()
     with pytest.raises(hvd.HorovodInternalError, match=rf"raised on rank {rank}\).*allreduce calls differ.*"
@@ -206,6 +216,7 @@ def test_disagreements_raise_on_every_rank(comm):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32, torch.bool])
+@TRAINING_SIZES
 def test_allgather_of_uneven_rows(comm, dtype):
     size, rank = comm.Get_size(), comm.Get_rank()
     per_rank = [(torch.arange((r + 1) * 3).reshape(r + 1, 3) * (r + 2)).to(dtype) for r in range(size)]
@@ -217,6 +228,7 @@ def test_allgather_of_uneven_rows(comm, dtype):
 
 
 @pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
 def test_allgather_backward(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
     rows = [r + 1 for r in range(size)]
@@ -229,6 +241,7 @@ def test_allgather_backward(comm):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.int16, torch.bool])
+@TRAINING_SIZES
 def test_broadcast(comm, dtype):
     size, rank = comm.Get_size(), comm.Get_rank()
     per_rank = [(torch.arange(6).reshape(2, 3) + 10 * r).to(dtype) for r in range(size)]
@@ -242,6 +255,7 @@ def test_broadcast(comm, dtype):
 
 
 @pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
 def test_broadcast_backward(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
     root = size - 1
@@ -253,6 +267,7 @@ def test_broadcast_backward(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
 def test_objects_barrier_join(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
     mine = {"rank": rank, "items": list(range(rank))}
@@ -278,6 +293,7 @@ def test_objects_barrier_join(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
 def test_cross_rank_and_size(comm):
     nodes = comm.allgather(MPI.Get_processor_name())
     order = list(dict.fromkeys(nodes))
@@ -361,6 +377,7 @@ def _clipping_model(rank: int, op: str, horovod: bool):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", [hvd.Adasum, hvd.Average, hvd.Sum])
+@TRAINING_SIZES
 def test_synchronize_then_clip_then_skip_synchronize(comm, op):
     """Horovod's clipping pattern gives what the library's clip_grad_norm_ gives, bit for bit."""
     rank = comm.Get_rank()
@@ -381,6 +398,7 @@ def test_synchronize_then_clip_then_skip_synchronize(comm, op):
 
 
 @pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
 def test_skip_synchronize_without_synchronize_still_reduces(comm):
     """step() inside skip_synchronize() without synchronize() reduces as usual: the ranks stay identical."""
     rank = comm.Get_rank()
@@ -401,6 +419,7 @@ def test_skip_synchronize_without_synchronize_still_reduces(comm):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@TRAINING_SIZES
 def test_integer_tensors_keep_their_dtype_when_scaled_and_averaged(comm, dtype):
     """As Horovod: integers scaled in float64 and cast back; Average = the sum / size, cast back."""
     size, rank = comm.Get_size(), comm.Get_rank()
@@ -497,6 +516,7 @@ def _exact_steps(op, size: int, steps: int) -> int:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sparse_as_dense", [False, True])
 @pytest.mark.parametrize("op", [hvd.Sum, hvd.Average, hvd.Adasum])
+@TRAINING_SIZES
 def test_sparse_embedding_gradients_train_as_dense_ones(comm, op, sparse_as_dense):
     """nn.Embedding(sparse=True) through DistributedOptimizer gives, bit for bit, what the same model with
     dense embeddings gives: the sparse gradients are gathered and summed (averaged) over the ranks, or reduced
@@ -516,6 +536,7 @@ def test_sparse_embedding_gradients_train_as_dense_ones(comm, op, sparse_as_dens
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("op", [hvd.Sum, hvd.Average])
+@TRAINING_SIZES
 def test_synchronize_reduces_sparse_gradients_once(comm, op):
     """Horovod's synchronize() / skip_synchronize() pattern with sparse gradients: after synchronize() every
     rank holds the reduced gradient (the dense reference's, bit for bit) and step() does not reduce it again."""
@@ -541,6 +562,7 @@ def stall_timeout():
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
+@ONE_SIZE
 def test_sparse_gradient_on_one_rank_and_dense_on_another_raises_everywhere(comm, stall_timeout):
     """Where a parameter's gradient is sparse on one rank and dense on another, every rank raises ValueError
     naming the parameter and the ranks (before anything is reduced), and the optimizer stays usable."""
@@ -563,6 +585,7 @@ def test_sparse_gradient_on_one_rank_and_dense_on_another_raises_everywhere(comm
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sparse_as_dense", [False, True])
+@ONE_SIZE
 def test_nonfinite_sparse_gradient_skips_the_update_everywhere(comm, sparse_as_dense):
     """A NaN in one rank's sparse gradient: the reduced gradient holds it on every rank, so every rank skips
     the update (parameters unchanged, skipped_updates counts it), as for a dense gradient."""

@@ -12,6 +12,9 @@ import adasum
 import adasum.horovod as hvd
 
 
+from helpers import ONE_SIZE, TRAINING_SIZES
+
+
 @pytest.fixture
 def stall_timeout():
     old = adasum.configure(stall_timeout=20.0)
@@ -24,6 +27,7 @@ def _mine(rank: int, shape=(4, 3), dtype=torch.float64) -> torch.Tensor:
 
 
 @pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
 def test_async_calls_give_what_the_synchronous_calls_give(comm):
     hvd.init()
     size, rank = comm.Get_size(), comm.Get_rank()
@@ -58,6 +62,7 @@ def test_async_calls_give_what_the_synchronous_calls_give(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_a_pending_name_cannot_be_reused_until_synchronized(comm):
     """Rank 0 makes its call before a barrier, the others after it: the handles' communicator never meets
     the barrier's. A second pending call with the same name raises ValueError where it is made."""
@@ -78,6 +83,7 @@ def test_a_pending_name_cannot_be_reused_until_synchronized(comm):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
+@ONE_SIZE
 def test_an_async_mismatch_raises_on_every_rank_at_synchronize(comm, stall_timeout):
     hvd.init()
     rank = comm.Get_rank()
@@ -103,6 +109,7 @@ def test_horovod_internal_error_is_what_a_failed_collective_raises():
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("asynchronous", [False, True])
+@TRAINING_SIZES
 def test_join_answers_the_other_ranks_allreduces_with_zeros(comm, stall_timeout, asynchronous):
     """Rank 0 runs out of data after one step, the others make two more; Horovod's answer for rank 0's
     part is zeros, and Average still divides by the whole size."""
@@ -133,6 +140,7 @@ def test_join_answers_the_other_ranks_allreduces_with_zeros(comm, stall_timeout,
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("other", ["allgather", "broadcast", "alltoall", "barrier", "allgather_object",
                                    "allreduce_max"])
+@TRAINING_SIZES
 def test_join_against_another_call_raises_on_the_ranks_that_made_it(comm, stall_timeout, other):
     """Uneven data: rank 0 joined, the others make a call that join() does not answer: they raise
     HorovodInternalError at once, rank 0 goes on waiting until they join too; nothing hangs."""
@@ -159,6 +167,7 @@ def test_join_against_another_call_raises_on_the_ranks_that_made_it(comm, stall_
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
+@ONE_SIZE
 def test_join_against_the_librarys_own_call_raises_on_every_rank(comm, stall_timeout):
     """A joined rank answers only adasum.horovod's calls: against the library's allreduce every rank raises,
     naming both calls."""

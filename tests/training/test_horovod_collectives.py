@@ -12,12 +12,16 @@ import torch
 import adasum.horovod as hvd
 
 
+from helpers import ONE_SIZE, TRAINING_SIZES
+
+
 def _rows_of(rank: int, n: int, cols: int = 3) -> torch.Tensor:
     return torch.arange(n * cols, dtype=torch.float64).reshape(n, cols) + 1000 * rank
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.int32, torch.bool])
+@TRAINING_SIZES
 def test_alltoall_with_and_without_splits(comm, dtype):
     size, rank = comm.Get_size(), comm.Get_rank()
     splits = [[(r + s) % 3 for s in range(size)] for r in range(size)]  # rank r sends splits[r][s] rows to s
@@ -35,6 +39,7 @@ def test_alltoall_with_and_without_splits(comm, dtype):
 
 
 @pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
 def test_alltoall_backward_sends_the_gradient_back(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
     splits = torch.tensor([rank + 1] * size, dtype=torch.int32)
@@ -54,6 +59,7 @@ def test_alltoall_backward_sends_the_gradient_back(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_alltoall_argument_errors_raise_on_every_rank(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
     with pytest.raises(ValueError, match=f"rank {size - 1}: alltoall without splits needs a first dimension "
@@ -70,6 +76,7 @@ def test_alltoall_argument_errors_raise_on_every_rank(comm):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", [hvd.Sum, hvd.Average])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32])
+@TRAINING_SIZES
 def test_reducescatter(comm, op, dtype):
     size, rank = comm.Get_size(), comm.Get_rank()
     rows = 2 * size + 1  # the first rank gets one more row
@@ -88,6 +95,7 @@ def test_reducescatter(comm, op, dtype):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", [hvd.Sum, hvd.Average])
+@TRAINING_SIZES
 def test_reducescatter_backward_is_horovods(comm, op):
     size, rank = comm.Get_size(), comm.Get_rank()
     x = _rows_of(rank, 2 * size).requires_grad_()
@@ -98,6 +106,7 @@ def test_reducescatter_backward_is_horovods(comm, op):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_reducescatter_refuses_adasum_and_scalars_on_every_rank(comm):
     rank = comm.Get_rank()
     with pytest.raises(NotImplementedError, match="rank 0: reducescatter does not take op=Adasum"):
@@ -107,6 +116,7 @@ def test_reducescatter_refuses_adasum_and_scalars_on_every_rank(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
 def test_grouped_calls_and_their_gradients(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
     xs = [_rows_of(rank, 2).requires_grad_(), _rows_of(rank, rank + 1, cols=2).requires_grad_()]
@@ -124,6 +134,7 @@ def test_grouped_calls_and_their_gradients(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
 def test_process_sets_are_sub_communicators(comm):
     hvd.init()
     size, rank = comm.Get_size(), comm.Get_rank()
@@ -150,6 +161,7 @@ def test_process_sets_are_sub_communicators(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
 def test_distributed_optimizer_on_a_process_set(comm):
     """The ranks of the set average their gradients; a rank outside it steps on its own."""
     size, rank = comm.Get_size(), comm.Get_rank()
@@ -180,6 +192,7 @@ def test_named_parameters_are_checked_as_horovod_does():
 
 
 @pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
 def test_broadcast_optimizer_state_fills_zero_gradients(comm):
     frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
     trained = torch.nn.Parameter(torch.ones(3) * comm.Get_rank())
@@ -203,6 +216,7 @@ def test_compression_objects_compress_and_decompress():
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_step_after_synchronize_warns_without_skip_synchronize(comm):
     model = torch.nn.Linear(2, 1)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -15,42 +15,20 @@ import adasum
 from adasum.runtime.context import context_for
 from adasum.torch import BoundaryScheduler, DistributedOptimizer, load_checkpoint, save_checkpoint
 
-from helpers import assert_identical_across_ranks, raw_bytes
+from helpers import ONE_SIZE, TRAINING_SIZES, assert_identical_across_ranks, raw_bytes
+from torch_helpers import batch, inner, loss_of, tiny_model, train
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def tiny_model(seed: int = 0) -> torch.nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)).double()
 
 
-def batch(rank: int, step: int, micro: int, n: int = 6):
-    g = torch.Generator().manual_seed(1000 * rank + 37 * step + micro + 1)
-    return torch.randn(n, 5, generator=g, dtype=torch.float64), torch.randn(n, 3, generator=g, dtype=torch.float64)
 
 
-def loss_of(model, x, y):
-    return torch.nn.functional.mse_loss(model(x), y)
 
 
-def inner(name: str, params):
-    if name == "adam":
-        return torch.optim.Adam(params, lr=0.01)
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def train(model, opt, rank: int, steps: range, k: int) -> list[bool]:
-    """Local steps ``steps`` (windows of ``k`` micro-batches); returns ``is_boundary`` after each."""
-    out = []
-    for s in steps:
-        for j in range(k):
-            loss_of(model, *batch(rank, s, j)).backward()
-            opt.step()
-            opt.zero_grad()
-        out.append(opt.is_boundary)
-    return out
 
 
 def by_hand(comm, name: str, op: str, windows: int, h: int, k: int, outer_lr=1.0, mu=0.0, **reduce):
@@ -90,6 +68,8 @@ def by_hand(comm, name: str, op: str, windows: int, h: int, k: int, outer_lr=1.0
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", ["adasum", "mean"])
 @pytest.mark.parametrize("name", ["sgd", "adam"])
+@TRAINING_SIZES
+@pytest.mark.smoke
 def test_combine_is_start_plus_reduction_of_each_ranks_own_h_step_delta(comm, op, name):
     h, k, windows = 3, 2, 2
     model = tiny_model()
@@ -109,6 +89,7 @@ def test_combine_is_start_plus_reduction_of_each_ranks_own_h_step_delta(comm, op
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", ["adasum", "mean"])
+@TRAINING_SIZES
 def test_outer_nesterov_is_the_formula_over_three_windows(comm, op):
     h, k, windows, lr, mu = 2, 1, 3, 0.7, 0.9
     model = tiny_model()
@@ -123,6 +104,7 @@ def test_outer_nesterov_is_the_formula_over_three_windows(comm, op):
 
 
 @pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
 def test_outer_lr_alone_scales_the_combined_delta(comm):
     model = tiny_model()
     opt = DistributedOptimizer(inner("adam", model.parameters()), local_steps=2, outer_lr=0.5)
@@ -133,6 +115,7 @@ def test_outer_lr_alone_scales_the_combined_delta(comm):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", ["adasum", "mean"])
+@ONE_SIZE
 def test_no_mpi_call_between_combines(comm, op):
     h, k = 4, 2
     model = tiny_model()
@@ -155,6 +138,7 @@ BAD = [("local_steps", 0), ("local_steps", 2.0), ("local_steps", True), ("outer_
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("key,value", BAD, ids=[f"{k}={v!r}" for k, v in BAD])
+@ONE_SIZE
 def test_bad_input_raises_on_every_rank_naming_rank_and_value(comm, key, value):
     bad = comm.Get_size() - 1
     kwargs = {key: value} if comm.Get_rank() == bad else {}
@@ -164,6 +148,7 @@ def test_bad_input_raises_on_every_rank_naming_rank_and_value(comm, key, value):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_ranks_that_disagree_and_overlap_raise_on_every_rank(comm):
     last = comm.Get_size() - 1
     model = tiny_model()
@@ -177,6 +162,7 @@ def test_ranks_that_disagree_and_overlap_raise_on_every_rank(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_nonfinite_combine_skipped_on_every_rank_start_restored(comm, caplog):
     """One rank's local steps overflow to Inf (its gradients stay finite): the combined delta is not finite,
     every rank keeps the window's start, and training goes on."""
@@ -200,6 +186,7 @@ def test_nonfinite_combine_skipped_on_every_rank_start_restored(comm, caplog):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("how", ["state_dict", "checkpoint"])
+@ONE_SIZE
 def test_checkpoint_mid_window_resumes_bitwise(comm, shared_dir, how):
     h, k, rank = 3, 2, comm.Get_rank()
 
@@ -239,6 +226,7 @@ def test_checkpoint_mid_window_resumes_bitwise(comm, shared_dir, how):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_flush_and_force_boundary_combine_a_short_window(comm):
     model = tiny_model()
     opt = DistributedOptimizer(inner("sgd", model.parameters()), local_steps=4)
@@ -254,6 +242,7 @@ def test_flush_and_force_boundary_combine_a_short_window(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
 def test_ddp_no_sync_recipe_is_distributed_optimizer_with_local_steps(comm, pg):
     """DDP users: every backward inside ``model.no_sync()`` (DDP reduces nothing), DistributedOptimizer with
     ``local_steps`` does the combine (docs/frameworks.md)."""
@@ -275,6 +264,7 @@ def test_ddp_no_sync_recipe_is_distributed_optimizer_with_local_steps(comm, pg):
 
 
 @pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
 def test_hierarchical_combine(comm):
     model = tiny_model()
     opt = DistributedOptimizer(inner("adam", model.parameters()), local_steps=2, hierarchical=True)
@@ -284,6 +274,7 @@ def test_hierarchical_combine(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_grad_scaler_backs_off_at_the_combine_on_every_rank(comm):
     """One rank's gradients overflow at its first local step: it skips that step alone; the combine goes on,
     and every rank backs the scale off once, there."""
@@ -352,6 +343,8 @@ def by_hand_delayed(comm, op: str, windows: int, h: int, outer_lr=1.0, mu=0.0):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op,outer", [("adasum", (1.0, 0.0)), ("mean", (1.0, 0.0)), ("adasum", (0.7, 0.9))])
+@TRAINING_SIZES
+@pytest.mark.smoke
 def test_delay_merges_each_combine_one_window_late(comm, op, outer):
     h, windows = 2, 4
     model = tiny_model()
@@ -374,6 +367,7 @@ def test_delay_merges_each_combine_one_window_late(comm, op, outer):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_delay_flush_drains_and_state_resumes_bitwise(comm):
     rank = comm.Get_rank()
 
@@ -397,6 +391,7 @@ def test_delay_flush_drains_and_state_resumes_bitwise(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
 def test_delay_flush_after_a_full_window_merges_the_combine_in_flight(comm):
     model = tiny_model()
     opt = DistributedOptimizer(inner("adam", model.parameters()), local_steps=2, delay=1)

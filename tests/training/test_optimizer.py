@@ -20,24 +20,17 @@ from adasum.rule.reference import reference_allreduce, reference_hierarchical
 from adasum.torch import (BoundaryScheduler, DistributedOptimizer, broadcast_optimizer_state,
                           broadcast_parameters, load_checkpoint, save_checkpoint)
 
-from helpers import assert_identical_across_ranks, raw_bytes, rel_l2, world_nodes
+from helpers import ONE_SIZE, REFERENCE_SIZES, TRAINING_SIZES, assert_identical_across_ranks, raw_bytes, rel_l2, world_nodes
+from torch_helpers import batch, loss_of, tiny_model, train
+from torch_helpers import inner as make_inner  # tests name their parameter inner
 
 OPS = ["adasum", "sum", "mean"]
 
 
-def tiny_model(seed: int = 0, dtype=torch.float64) -> torch.nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)).to(dtype)
 
 
-def batch(rank: int, step: int, micro: int, n: int = 6, dtype=torch.float64):
-    g = torch.Generator().manual_seed(1000 * rank + 37 * step + micro + 1)
-    return torch.randn(n, 5, generator=g, dtype=dtype), torch.randn(n, 3, generator=g, dtype=dtype)
 
 
-def loss_of(model, x, y):
-    return torch.nn.functional.mse_loss(model(x), y)
 
 
 def params_f64(model) -> list[np.ndarray]:
@@ -50,21 +43,8 @@ def set_params(model, values) -> None:
             p.copy_(torch.as_tensor(v))
 
 
-def train(model, opt, rank: int, steps: int, k: int, dtype=torch.float64) -> None:
-    """``steps`` windows of ``k`` micro-batches in Accelerate's calling convention."""
-    for s in range(steps):
-        for j in range(k):
-            loss_of(model, *batch(rank, s, j, dtype=dtype)).backward()
-            opt.step()
-            opt.zero_grad()
 
 
-def make_inner(name: str, params):
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=0.01)
-    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
 
 
 # --- the results -------------------------------------------------------------------------------------------
@@ -72,6 +52,8 @@ def make_inner(name: str, params):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("inner", ["sgd", "adam"])
+@REFERENCE_SIZES
+@pytest.mark.smoke
 def test_adasum_is_local_step_then_reference_of_deltas(comm, inner):
     """Each window: every rank's own local step (its own optimizer state), then start + Adasum of deltas."""
     size, rank, k, steps = comm.Get_size(), comm.Get_rank(), 2, 3
@@ -104,6 +86,7 @@ def test_adasum_is_local_step_then_reference_of_deltas(comm, inner):
 
 
 @pytest.mark.mpi(min_size=1)
+@REFERENCE_SIZES
 def test_hierarchical_adasum_is_local_step_then_reference(comm):
     """Node means of the deltas, then Adasum over nodes (under a plain launch: one node, so the mean)."""
     size, rank = comm.Get_size(), comm.Get_rank()
@@ -126,6 +109,7 @@ def test_hierarchical_adasum_is_local_step_then_reference(comm):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("op", ["mean", "sum"])
+@REFERENCE_SIZES
 def test_sum_mean_equal_one_step_over_the_whole_batch(comm, op):
     """k micro-batches on P ranks = one SGD step on one process over all P·k micro-batches."""
     size, rank, k, steps = comm.Get_size(), comm.Get_rank(), 3, 2
@@ -149,6 +133,7 @@ def test_sum_mean_equal_one_step_over_the_whole_batch(comm, op):
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("inner", ["sgd", "adam", "adamw"])
+@ONE_SIZE
 def test_one_rank_is_the_wrapped_optimizer_bitwise(comm, op, inner):
     """On a communicator of one rank the wrapper is the wrapped optimizer, bit for bit."""
     rank = comm.Get_rank()
@@ -165,6 +150,7 @@ def test_one_rank_is_the_wrapped_optimizer_bitwise(comm, op, inner):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("op", OPS)
+@REFERENCE_SIZES
 def test_parameters_identical_across_ranks_after_many_steps(comm, op):
     rank = comm.Get_rank()
     model = tiny_model(0, torch.float32)
@@ -178,6 +164,7 @@ def test_parameters_identical_across_ranks_after_many_steps(comm, op):
 
 
 @pytest.mark.mpi(min_size=1)
+@TRAINING_SIZES
 def test_start_copy_on_host_gives_the_same_result(comm):
     rank = comm.Get_rank()
     results = []
@@ -191,6 +178,7 @@ def test_start_copy_on_host_gives_the_same_result(comm):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("op", OPS)
+@TRAINING_SIZES
 def test_parameters_without_gradients_take_part_consistently(comm, op):
     """A branch only even ranks use, and a parameter no rank uses (AdamW would decay it given a zero
     gradient): no hang, the expected update, and the unused parameter untouched everywhere."""
@@ -254,6 +242,7 @@ def test_parameters_without_gradients_take_part_consistently(comm, op):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("op", OPS)
+@ONE_SIZE
 def test_no_mpi_call_off_the_boundary(comm, op, overlap):
     """Rank 0 takes the first k-1 micro-steps alone, on a communicator of its own job: any collective there
     would never complete (the test would time out). The traffic counters of that communicator and, with
@@ -310,6 +299,7 @@ def test_no_mpi_call_off_the_boundary(comm, op, overlap):
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("how", ["force_boundary", "flush"])
+@TRAINING_SIZES
 def test_short_last_window_is_averaged_by_its_count(comm, op, how):
     """Micro-batch gradients 1, 2, 3 (times rank + 1) in a window of 4 closed early average to 2, not 6/4.
 
@@ -345,6 +335,7 @@ def test_short_last_window_is_averaged_by_its_count(comm, op, how):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("pattern", ["helper", "flag"])
+@ONE_SIZE
 def test_scheduler_steps_once_per_boundary(comm, pattern):
     """Windows of 3 over 8 micro-batches, the last window forced short: 3 boundaries, 3 scheduler steps,
     and each window's update uses the learning rate of its own boundary."""
@@ -376,6 +367,7 @@ def test_scheduler_steps_once_per_boundary(comm, pattern):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 @pytest.mark.parametrize("overlap", [False, True])
+@ONE_SIZE
 def test_nonfinite_on_one_rank_is_skipped_everywhere(comm, op, bad, overlap, caplog):
     size, rank = comm.Get_size(), comm.Get_rank()
     model = tiny_model()
@@ -411,6 +403,7 @@ def test_nonfinite_on_one_rank_is_skipped_everywhere(comm, op, bad, overlap, cap
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_ranks_that_disagree_on_settings_raise_everywhere(comm):
     model = tiny_model()
     k = 3 if comm.Get_rank() == 1 else 2
@@ -458,6 +451,7 @@ def _amp_run(comm, op, scaler, inject_at=None, windows=4, device="cpu", start_co
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("overlap", [False, True])
+@TRAINING_SIZES
 def test_grad_scaler_with_autocast(comm, op, overlap):
     """Power-of-two scales unscale exactly, so the scaled run equals the unscaled one bitwise, while the
     scale grows every 2 good windows and backs off, on every rank alike, after an Inf on one rank."""
@@ -478,6 +472,7 @@ def test_grad_scaler_with_autocast(comm, op, overlap):
 
 
 @pytest.mark.mpi(min_size=1)
+@ONE_SIZE
 def test_grad_scaler_step_on_the_wrapper_is_refused(comm):
     model = tiny_model(1, torch.float32)
     scaler = torch.amp.GradScaler("cpu")
@@ -489,6 +484,7 @@ def test_grad_scaler_step_on_the_wrapper_is_refused(comm):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("op", OPS)
+@TRAINING_SIZES
 def test_clipping_at_the_boundary(comm, op):
     """``clip_grad_norm_`` at the boundary clips the averaged gradient: the reduced one for sum/mean, each
     rank's own before its local step for adasum."""
@@ -527,6 +523,7 @@ def test_clipping_at_the_boundary(comm, op):
 
 
 @pytest.mark.mpi(min_size=1)
+@TRAINING_SIZES
 def test_clip_grad_norm_before_step_without_accumulation(comm):
     """The plain ``torch.nn.utils.clip_grad_norm_`` before ``step()`` clips each rank's own gradient."""
     size, rank, max_norm = comm.Get_size(), comm.Get_rank(), 0.05
@@ -550,6 +547,7 @@ def test_clip_grad_norm_before_step_without_accumulation(comm):
 
 
 @pytest.mark.mpi(min_size=1)
+@ONE_SIZE
 def test_broadcast_parameters_and_optimizer_state(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
     root = size - 1
@@ -583,6 +581,7 @@ def test_broadcast_parameters_and_optimizer_state(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_broadcast_of_mismatched_tensors_raises_everywhere(comm):
     shape = (3, 4) if comm.Get_rank() == 1 else (3, 3)
     with pytest.raises(ValueError, match=r"rank 1: tensor 0 is 'w' of shape \(3, 4\)"):
@@ -592,6 +591,7 @@ def test_broadcast_of_mismatched_tensors_raises_everywhere(comm):
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("op,inner", [("adasum", "adam"), ("mean", "sgd"), ("sum", "adamw")])
 @pytest.mark.parametrize("overlap", [False, True])
+@ONE_SIZE
 def test_resume_mid_window_is_bitwise_the_uninterrupted_run(comm, shared_dir, op, inner, overlap):
     rank, k, total, stop = comm.Get_rank(), 3, 11, 5  # stops with 2 of 3 micro-batches in the window
 
@@ -633,6 +633,7 @@ def test_resume_mid_window_is_bitwise_the_uninterrupted_run(comm, shared_dir, op
 
 
 @pytest.mark.mpi(min_size=1)
+@ONE_SIZE
 def test_load_checkpoint_errors_reach_every_rank(comm, shared_dir):
     model = tiny_model()
     with pytest.raises(ValueError, match="rank 0: cannot load checkpoint"):

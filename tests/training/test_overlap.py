@@ -13,7 +13,8 @@ import torch
 import adasum
 from adasum.torch import DistributedOptimizer
 
-from helpers import assert_identical_across_ranks, raw_bytes
+from helpers import ONE_SIZE, TRAINING_SIZES, assert_identical_across_ranks, raw_bytes
+from torch_helpers import inner
 
 
 class Branches(torch.nn.Module):
@@ -36,10 +37,6 @@ def model_for(seed: int = 0, swap: bool = False) -> torch.nn.Module:
         return Branches(swap)
 
 
-def inner(name: str, params):
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
 
 
 def run(comm, *, overlap, op="adasum", opt_name="sgd", k=2, windows=4, swap=False, traffic=None, **kw):
@@ -69,6 +66,8 @@ def run(comm, *, overlap, op="adasum", opt_name="sgd", k=2, windows=4, swap=Fals
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("start_copy", ["device", "host"])
+@TRAINING_SIZES
+@pytest.mark.smoke
 def test_overlapped_adasum_is_bitwise_the_plain_run(comm, opt_name, k, start_copy):
     plain, _ = run(comm, overlap=False, opt_name=opt_name, k=k, start_copy=start_copy)
     over, opt = run(comm, overlap=True, opt_name=opt_name, k=k, start_copy=start_copy)
@@ -82,6 +81,7 @@ def test_overlapped_adasum_is_bitwise_the_plain_run(comm, opt_name, k, start_cop
 
 
 @pytest.mark.mpi(min_size=1)
+@TRAINING_SIZES
 def test_overlapped_hierarchical_adasum_is_bitwise_the_plain_run(comm):
     plain, _ = run(comm, overlap=False, hierarchical=True)
     over, _ = run(comm, overlap=True, hierarchical=True)
@@ -90,6 +90,7 @@ def test_overlapped_hierarchical_adasum_is_bitwise_the_plain_run(comm):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("how", ["force_boundary", "flush"])
+@TRAINING_SIZES
 def test_short_windows_with_overlap(comm, how):
     """force_boundary() before the closing backward overlaps that window too; flush() closes a window
     whose last backward has run already, without overlap. Both give the plain run's bits."""
@@ -117,6 +118,7 @@ def test_short_windows_with_overlap(comm, how):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("threshold", [0, 1 << 30])
+@TRAINING_SIZES
 def test_bucketed_adasum_is_bitwise_under_both_schedules(comm, threshold):
     """Buckets reduced alone give per layer the bits of one call on all parameters, whether each call
     takes recursive halving (threshold 0) or recursive doubling."""
@@ -132,6 +134,7 @@ def test_bucketed_adasum_is_bitwise_under_both_schedules(comm, threshold):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("op", ["sum", "mean"])
+@TRAINING_SIZES
 def test_overlapped_sum_mean_match_the_plain_run(comm, op):
     plain, _ = run(comm, overlap=False, op=op, opt_name="adamw")
     over, _ = run(comm, overlap=True, op=op, opt_name="adamw")
@@ -142,6 +145,7 @@ def test_overlapped_sum_mean_match_the_plain_run(comm, op):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", ["adasum", "mean"])
+@TRAINING_SIZES
 def test_backward_order_that_differs_between_ranks(comm, op):
     """Odd ranks finish the branches in the other order: the buckets still follow rank 0's order, so
     nothing hangs and adasum gives the bits of the run without overlap."""
@@ -155,6 +159,7 @@ def test_backward_order_that_differs_between_ranks(comm, op):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_users_own_collectives_during_backward(comm):
     """The thread works on its own duplicate of comm: the user's collectives on comm in the middle of
     backward never meet the optimizer's messages."""
@@ -189,6 +194,7 @@ class FailingSGD(torch.optim.SGD):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
+@ONE_SIZE
 def test_failure_on_the_thread_raises_in_step_on_every_rank(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
     model = model_for()
@@ -217,6 +223,7 @@ def test_failure_on_the_thread_raises_in_step_on_every_rank(comm):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("op", ["adasum", "sum", "mean"])
+@TRAINING_SIZES
 def test_clipping_with_overlap(comm, op):
     """Clipping each rank's gradient by its global norm needs all gradients before the local step: with
     adasum the optimizer then never overlaps, and the result is the plain run's bitwise. With sum/mean the
@@ -242,6 +249,7 @@ def test_clipping_with_overlap(comm, op):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_clipping_started_late_with_adasum_raises_and_restores(comm):
     """A loop that first clips at a boundary whose local steps already ran during backward gets an error
     on every rank and the window's starting parameters, never a silently different update."""
@@ -266,6 +274,7 @@ def test_clipping_started_late_with_adasum_raises_and_restores(comm):
 @pytest.mark.parametrize("op", ["adasum", "mean", "sum"])
 @pytest.mark.parametrize("compression", ["fp16", "bf16"])
 @pytest.mark.parametrize("overlap", [False, True])
+@TRAINING_SIZES
 def test_compression_halves_the_bytes_and_stays_close(comm, op, compression, overlap):
     size = comm.Get_size()
     full, half = adasum.Traffic(), adasum.Traffic()
@@ -290,6 +299,7 @@ def test_compression_halves_the_bytes_and_stays_close(comm, op, compression, ove
 
 
 @pytest.mark.mpi(min_size=1)
+@TRAINING_SIZES
 def test_compressed_adasum_overlap_is_bitwise_the_plain_compressed_run(comm):
     plain, _ = run(comm, overlap=False, compression="bf16")
     over, _ = run(comm, overlap=True, compression="bf16")
@@ -305,6 +315,7 @@ def test_bad_compression_is_refused():
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_the_timeline_shows_each_bucket_and_the_first_leaves_early(comm):
     """The first bucket is cut at 1 MiB (the last layer backward finishes), the others at bucket_bytes; the
     timeline of a boundary lists them in order with when each was handed over, began and ended."""

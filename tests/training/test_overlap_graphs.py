@@ -16,7 +16,8 @@ import torch
 import adasum
 from adasum.torch import DistributedOptimizer
 
-from helpers import assert_identical_across_ranks, raw_bytes
+from helpers import ONE_SIZE, TRAINING_SIZES, assert_identical_across_ranks, raw_bytes
+from torch_helpers import inner
 
 
 @pytest.fixture
@@ -28,10 +29,6 @@ def stall_timeout(comm):
     comm.Barrier()
 
 
-def inner(name: str, params):
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
 
 
 def stack() -> torch.nn.Sequential:
@@ -76,6 +73,7 @@ def overlap_threads() -> set[threading.Thread]:
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("set_to_none", [True, False])
+@TRAINING_SIZES
 def test_freezing_and_unfreezing_a_layer_is_bitwise_the_plain_run(comm, stall_timeout, opt_name, k, set_to_none):
     """Gradual unfreezing: a layer frozen after two windows is not trained and keeps its bits (also where
     zero_grad(set_to_none=False) leaves it a gradient of zeros, which the wrapped optimizer's momentum or
@@ -125,6 +123,7 @@ PATTERNS = {
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("pattern", sorted(PATTERNS))
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+@TRAINING_SIZES
 def test_a_branch_not_taken_on_one_rank_is_bitwise_the_plain_run(comm, stall_timeout, pattern, opt_name):
     rank = comm.Get_rank()
     uses = PATTERNS[pattern]
@@ -151,6 +150,7 @@ def test_a_branch_not_taken_on_one_rank_is_bitwise_the_plain_run(comm, stall_tim
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("op", ["sum", "mean"])
+@TRAINING_SIZES
 def test_a_branch_not_taken_on_one_rank_with_sum_mean(comm, stall_timeout, op):
     rank = comm.Get_rank()
 
@@ -174,6 +174,7 @@ def test_a_branch_not_taken_on_one_rank_with_sum_mean(comm, stall_timeout, op):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
+@ONE_SIZE
 def test_a_gradient_after_its_bucket_was_reduced_fails_on_every_rank(comm, stall_timeout):
     """The last rank runs backward twice in one closing micro-batch: its buckets went to the thread after
     the first, so the second's gradients come too late. Every rank raises in step(), naming it; the
@@ -212,6 +213,7 @@ def test_a_gradient_after_its_bucket_was_reduced_fails_on_every_rank(comm, stall
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("inspector", ["stall_timeout", "off"])
+@ONE_SIZE
 def test_dropping_an_optimizer_whose_ranks_diverged_returns_at_once(comm, inspector):
     """Rank 1 takes no branch in the last closing backward, so it holds the extra head's bucket and the ones
     after it, while the other ranks hand them to the thread, which waits in a collective rank 1 never

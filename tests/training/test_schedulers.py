@@ -14,7 +14,8 @@ import torch
 from adasum.torch import DistributedOptimizer
 from adasum.torch.ddp import DeltaState, adasum_delta_hook
 
-from helpers import assert_identical_across_ranks, raw_bytes
+from helpers import ONE_SIZE, TRAINING_SIZES, assert_identical_across_ranks, raw_bytes
+from torch_helpers import inner
 
 SCHEDULERS = ["steplr", "onecycle", "lambda", "plateau", "posthook"]
 WINDOWS = 6
@@ -30,10 +31,6 @@ def deep(seed: int = 0, layers: int = 6, width: int = 16, dtype=torch.float32) -
         return torch.nn.Sequential(*mods, torch.nn.Linear(width, 4)).to(dtype)
 
 
-def inner(name: str, params):
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
 
 
 def scheduler(kind: str, opt):
@@ -97,6 +94,7 @@ def train(comm, kind: str, opt_name: str, *, overlap: bool, k: int = 1):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
 @pytest.mark.parametrize("kind", SCHEDULERS)
+@TRAINING_SIZES
 def test_overlap_with_a_scheduler_on_the_wrapped_optimizer_is_bitwise_the_plain_run(comm, opt_name, kind):
     plain, _ = train(comm, kind, opt_name, overlap=False)
     over, opt = train(comm, kind, opt_name, overlap=True)
@@ -108,6 +106,7 @@ def test_overlap_with_a_scheduler_on_the_wrapped_optimizer_is_bitwise_the_plain_
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("overlap", [False, True])
+@ONE_SIZE
 def test_step_hooks_fire_once_per_window_with_accumulation(comm, overlap):
     """Two micro-batches per window: the hooks fire at the boundaries only, after the update."""
     plain, _ = train(comm, "posthook", "adamw", overlap=False, k=2)
@@ -117,6 +116,7 @@ def test_step_hooks_fire_once_per_window_with_accumulation(comm, overlap):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+@TRAINING_SIZES
 def test_delta_hook_with_steplr_is_bitwise_distributed_optimizer(comm, pg, opt_name):
     """DDP with adasum_delta_hook and a StepLR on the optimizer it steps, several DDP buckets, against
     DistributedOptimizer with the same scheduler; the post-hook fires once per update in both."""
@@ -159,6 +159,7 @@ def test_delta_hook_with_steplr_is_bitwise_distributed_optimizer(comm, pg, opt_n
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(240)
+@ONE_SIZE
 def test_parameters_hold_the_windows_start_until_step(comm):
     """With overlap and many buckets, whatever reads the parameters during the closing backward (a module's
     backward hook) or right after it sees exactly the values the previous step() left: 30 boundaries."""
@@ -193,6 +194,7 @@ def test_parameters_hold_the_windows_start_until_step(comm):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.frameworks
+@ONE_SIZE
 def test_lightning_scheduler_from_configure_optimizers_overlap_is_bitwise(comm):
     L = pytest.importorskip("lightning")
     from torch.utils.data import DataLoader, TensorDataset
@@ -236,6 +238,7 @@ def test_lightning_scheduler_from_configure_optimizers_overlap_is_bitwise(comm):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("overlap", [False, True])
+@ONE_SIZE
 def test_a_step_pre_hook_that_raises_on_one_rank_raises_on_every_rank(comm, overlap):
     model = deep()
     opt_inner = inner("adamw", model.parameters())

@@ -14,7 +14,7 @@ import pytest
 
 from adasum.torch import read_checkpoint
 
-from helpers import raw_bytes
+from helpers import TRAINING_SIZES, raw_bytes
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 # 400 signals: 320 for training (10 micro-batches of 32 on one rank), 80 for testing. Generated once and
@@ -97,6 +97,7 @@ def test_example_elastic_without_a_failure_is_the_plain_run(tmp_path):
 
 
 @pytest.mark.mpi(min_size=1)
+@TRAINING_SIZES
 def test_example_on_every_rank(comm):
     """One epoch on all ranks: every rank ends with the same metrics and rank 0 writes them."""
     tmp = comm.bcast(tempfile.mkdtemp(prefix="adasum-train-") if comm.Get_rank() == 0 else None, root=0)

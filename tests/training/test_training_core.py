@@ -18,7 +18,7 @@ import adasum
 from adasum.runtime.context import Context
 from adasum.torch import DistributedOptimizer
 
-from helpers import assert_identical_across_ranks, raw_bytes
+from helpers import ONE_SIZE, TRAINING_SIZES, assert_identical_across_ranks, raw_bytes
 
 
 def model_for(seed: int = 0, dtype=torch.float32) -> torch.nn.Module:
@@ -54,6 +54,7 @@ def _hooks(model) -> int:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(240)
+@ONE_SIZE
 def test_dropped_overlapped_optimizers_leave_nothing_behind(comm):
     model = model_for()
     g = torch.Generator().manual_seed(comm.Get_rank())
@@ -78,6 +79,7 @@ def test_dropped_overlapped_optimizers_leave_nothing_behind(comm):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("close", [False, True])
+@ONE_SIZE
 def test_a_new_optimizer_trains_as_if_the_old_one_were_closed(comm, close):
     """A new optimizer on the same model (another learning rate): the old one, dropped without close(),
     never steps the shared parameters again, so the run is bitwise the run that closed it."""
@@ -114,6 +116,7 @@ def trained_three_steps(comm, overlap: bool):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("overlap", [False, True])
+@ONE_SIZE
 def test_a_rank_leaving_early_is_named_on_every_waiting_rank(stall_comm, overlap):
     size, rank = stall_comm.Get_size(), stall_comm.Get_rank()
     model, opt, g = trained_three_steps(stall_comm, overlap)
@@ -128,6 +131,7 @@ def test_a_rank_leaving_early_is_named_on_every_waiting_rank(stall_comm, overlap
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("overlap", [False, True])
+@ONE_SIZE
 def test_a_rank_skipping_step_is_named_not_the_graph(stall_comm, overlap):
     size, rank = stall_comm.Get_size(), stall_comm.Get_rank()
     model, opt, g = trained_three_steps(stall_comm, overlap)
@@ -147,6 +151,7 @@ def test_a_rank_skipping_step_is_named_not_the_graph(stall_comm, overlap):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("start_copy", ["device", "host"])
+@ONE_SIZE
 def test_parameters_change_only_inside_step_with_overlap(comm, start_copy):
     def run(overlap: bool):
         model = model_for()
@@ -183,6 +188,7 @@ def test_parameters_change_only_inside_step_with_overlap(comm, start_copy):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", ["adasum", "sum", "mean"])
 @pytest.mark.parametrize("overlap", [False, True])
+@ONE_SIZE
 def test_closure_with_nonfinite_gradients_skips_every_update(comm, op, overlap):
     size, rank = comm.Get_size(), comm.Get_rank()
     model = model_for()
@@ -206,6 +212,7 @@ def test_closure_with_nonfinite_gradients_skips_every_update(comm, op, overlap):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", ["sum", "mean"])
+@TRAINING_SIZES
 def test_closure_with_reduced_gradients_matches_the_plain_loop(comm, op):
     def run(closure: bool):
         model = model_for()
@@ -229,6 +236,7 @@ def test_closure_with_reduced_gradients_matches_the_plain_loop(comm, op):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("lr", [1e-5, 1e-6, 1e-7, 1e-8])
 @pytest.mark.parametrize("op", ["adasum", "mean"])
+@TRAINING_SIZES
 def test_fp16_wire_keeps_the_deltas_of_small_learning_rates(comm, lr, op):
     def update(compression):
         model = model_for(dtype=torch.float64)
@@ -245,6 +253,7 @@ def test_fp16_wire_keeps_the_deltas_of_small_learning_rates(comm, lr, op):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_fp16_underflow_that_remains_is_logged_with_the_layer(comm, caplog):
     p = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
     q = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))

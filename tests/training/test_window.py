@@ -11,7 +11,7 @@ import torch
 import adasum
 from adasum.torch import DistributedOptimizer
 
-from helpers import assert_identical_across_ranks, raw_bytes
+from helpers import ONE_SIZE, TRAINING_SIZES, assert_identical_across_ranks, raw_bytes
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -105,6 +105,7 @@ def by_hand(comm, event: str, when: int, steps: int) -> torch.nn.Module:
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("delay", [0, 1])
 @pytest.mark.parametrize("event", ["freeze", "unfreeze", "add"])
+@TRAINING_SIZES
 def test_parameters_change_at_every_position_of_a_window(comm, event, delay):
     """At every position of two windows (before their first, second and third local step), for
     ``delay`` 0 and 1: every rank ends with the same parameters, and for ``delay=0`` with the defined
@@ -121,6 +122,7 @@ def test_parameters_change_at_every_position_of_a_window(comm, event, delay):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("delay", [0, 1])
+@TRAINING_SIZES
 def test_delay_one_freeze_then_unfreeze_lands_on_the_common_point(comm, delay):
     """With ``delay=1`` a parameter frozen at a combine boundary lands on the common point once its last
     combine is merged, and joins again from there when unfrozen."""
@@ -142,6 +144,7 @@ def test_delay_one_freeze_then_unfreeze_lands_on_the_common_point(comm, delay):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("delay", [0, 1])
+@ONE_SIZE
 def test_ranks_that_train_fewer_parameters_raise_on_every_rank(comm, delay):
     """Rank 0 freezes the first layer at a boundary, the others nothing: the next combine raises on every
     rank before any byte of the combine is sent, naming the counts, every rank back at the window's start."""
@@ -161,6 +164,7 @@ def test_ranks_that_train_fewer_parameters_raise_on_every_rank(comm, delay):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("delay", [0, 1])
+@ONE_SIZE
 def test_ranks_that_train_other_parameters_raise_on_every_rank(comm, delay):
     """Rank 0 freezes the first layer, the others the last (all of one shape): the next combine raises on
     every rank, naming the optimizer's parameters, and every rank is back at the window's start."""
@@ -196,6 +200,7 @@ def skipping_loop(comm, opt, model, steps: int, skip: int) -> None:
 @pytest.mark.parametrize("settings", [{"local_steps": H}, {"local_steps": H, "delay": 1},
                                       {"accumulation_steps": 2}, {"accumulation_steps": 2, "overlap": True}],
                          ids=["local-steps", "delay", "accumulation", "overlap"])
+@ONE_SIZE
 def test_a_skipped_step_raises_on_every_rank_at_the_latest_at_flush(comm, settings):
     model = model3()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), **settings)
@@ -205,6 +210,7 @@ def test_a_skipped_step_raises_on_every_rank_at_the_latest_at_flush(comm, settin
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_flush_with_nothing_open_passes_where_the_ranks_agree(comm):
     model = model3()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), accumulation_steps=2)
@@ -220,6 +226,7 @@ def test_flush_with_nothing_open_passes_where_the_ranks_agree(comm):
 @pytest.mark.parametrize("saved, loaded", [({"local_steps": 3}, {}), ({"local_steps": 3, "delay": 1}, {}),
                                            ({"local_steps": 3, "delay": 1}, {"local_steps": 3}),
                                            ({"local_steps": 3}, {"local_steps": 2})])
+@ONE_SIZE
 def test_a_mid_window_state_loads_only_into_the_same_settings(comm, saved, loaded):
     model = model3()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), **saved)
@@ -243,6 +250,7 @@ def test_a_mid_window_state_loads_only_into_the_same_settings(comm, saved, loade
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("settings", [{"local_steps": H}, {"local_steps": H, "delay": 1}, {"overlap": True}, {}],
                          ids=["local-steps", "delay", "overlap", "plain"])
+@ONE_SIZE
 def test_close_combines_what_is_open_and_every_later_call_raises(comm, settings):
     model = model3()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), **settings)
@@ -264,6 +272,7 @@ def test_close_combines_what_is_open_and_every_later_call_raises(comm, settings)
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("settings", [{"local_steps": 2}, {"local_steps": 3, "delay": 1}, {"outer_lr": 0.7}],
                          ids=["local-steps", "delay", "outer"])
+@ONE_SIZE
 def test_a_frozen_parameter_with_a_zero_gradient_is_not_stepped(comm, settings):
     """Frozen after a flush, its gradient kept as zeros (``zero_grad(set_to_none=False)``): Adam would move it
     through its moments; it stays where it was, on every rank."""
@@ -297,6 +306,7 @@ def bn_step(model, opt, rank: int, step: int) -> None:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("settings", [{}, {"local_steps": 2}], ids=["boundary", "local-steps"])
+@TRAINING_SIZES
 def test_flush_keeps_the_module_buffers_alike(comm, settings):
     """Forward passes after the last window (a micro-batch under no_sync(), as Lightning's accumulation runs
     one) change each rank's BatchNorm statistics: flush() makes them alike again."""
@@ -312,6 +322,7 @@ def test_flush_keeps_the_module_buffers_alike(comm, settings):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("settings", [{"accumulation_steps": 2}, {"local_steps": 2}, {"local_steps": 2, "delay": 1}],
                          ids=["accumulation", "local-steps", "delay"])
+@ONE_SIZE
 def test_a_mid_window_checkpoint_with_batchnorm_resumes_bitwise(comm, shared_dir, settings):
     """Each rank's own BatchNorm statistics and the values the next average is taken against travel with
     the optimizer's state: the resumed run is bitwise the run without a stop."""
@@ -342,3 +353,39 @@ def test_a_mid_window_checkpoint_with_batchnorm_resumes_bitwise(comm, shared_dir
         bn_step(model, opt, comm.Get_rank(), s)
     opt.flush()
     assert [raw_bytes(t) for t in model.state_dict().values()] == want
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["mean", "sum"])
+@pytest.mark.parametrize("compression", [None, "bf16"])
+@ONE_SIZE
+def test_a_sum_or_mean_step_makes_one_agreement_besides_its_data(comm, op, compression):
+    """The window's agreement rides on the reduction's own: a step that closes a window makes two
+    collectives on the optimizer's communicator (the agreement and the data), one accumulating step none."""
+    model = model3()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), op=op, compression=compression,
+                               accumulation_steps=2, comm=comm)
+    counts = []
+    for s in range(4):
+        micro(model, comm.Get_rank(), s)
+        with adasum.count_traffic(comm) as t:
+            opt.step()
+        opt.zero_grad()
+        counts.append(t.collectives)
+    assert counts == [0, 2, 0, 2]
+    assert_identical_across_ranks(comm, list(model.parameters()))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["mean", "sum"])
+@ONE_SIZE
+def test_a_skipped_sum_or_mean_step_raises_on_every_rank_naming_the_counts(comm, op):
+    """Rank 0 skips one micro-batch: the next boundary's reduction carries the window's ledger and every
+    rank raises naming the ranks' counts, its parameters at the window's start."""
+    model = model3()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), op=op, accumulation_steps=2,
+                               comm=comm)
+    with pytest.raises(RuntimeError, match=r"the ranks' windows differ \(a rank skipped or added a step\(\).*"
+                                           r"rank 0 has \{'combine': \d+, 'micro-batches': \d+"):
+        skipping_loop(comm, opt, model, 8, 2)
+    assert_identical_across_ranks(comm, list(model.parameters()))
