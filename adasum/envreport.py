@@ -86,18 +86,18 @@ def _adasum_lines() -> list[str]:
         if direct.get("dir_info", {}).get("editable"):
             how = f" (editable install of {direct.get('url', '?').removeprefix('file://')})"
             break
-    return [f"adasum {adasum.__version__}", f"  location      {where}{how}"]
+    return [f"adasum {adasum.__version__}", f"  location         {where}{how}"]
 
 
 def _python_lines() -> list[str]:
     return [f"Python {platform.python_version()} ({platform.python_implementation()}, {sys.executable})",
-            f"  platform      {platform.platform()}"]
+            f"  platform         {platform.platform()}"]
 
 
 def _package_lines() -> list[str]:
     lines = ["packages"]
     for module, label in _PACKAGES:
-        lines.append(f"  {label:<13} {package_version(module)}")
+        lines.append(f"  {label:<16} {package_version(module)}")
     return lines
 
 
@@ -124,20 +124,20 @@ def _mpi_lines() -> list[str]:
     from .runtime.faults import ulfm_problem
     from .runtime.gpu import _query_cuda_support, cuda_aware_mpi
 
-    version = MPI.Get_library_version().strip()
+    version = MPI.Get_library_version().replace("\0", "").strip()
     first = " ".join(version.splitlines()[0].split()) if version else "unknown"
     major, minor = MPI.Get_version()
     libraries = mapped_mpi_libraries()
-    lines = ["MPI", f"  library       {first}"]
+    lines = ["MPI", f"  library          {first}"]
     for line in version.splitlines()[1:]:
         key = line.split(":", 1)[0].strip()
         if key in ("MPICH Device", "MPICH Release date") or line.startswith("Open MPI"):
-            lines.append(f"                {' '.join(line.split())}")
-    lines.append(f"  standard      MPI {major}.{minor}")
-    lines.append(f"  loaded from   {', '.join(libraries) if libraries else 'unknown (no libmpi.so among the mapped files)'}")
+            lines.append(f"{'':19}{' '.join(line.split())}")
+    lines.append(f"  standard         MPI {major}.{minor}")
+    lines.append(f"  loaded from      {', '.join(libraries) if libraries else 'unknown (no libmpi.so among the mapped files)'}")
     for name in _MPI_DISTRIBUTIONS:
         try:
-            lines.append(f"  from PyPI     {name} {metadata.version(name)}")
+            lines.append(f"  from PyPI        {name} {metadata.version(name)}")
         except metadata.PackageNotFoundError:
             continue
 
@@ -157,8 +157,8 @@ def _mpi_lines() -> list[str]:
         job = f"no: {problem}"
     else:
         job = "no"
-    lines.append(f"  ULFM          available in the library: {library}")
-    lines.append(f"                enabled in this job: {job}")
+    lines.append(f"  ULFM             available in the library: {library}")
+    lines.append(f"{'':19}enabled in this job: {job}")
 
     queried = _query_cuda_support()
     effective = cuda_aware_mpi()
@@ -167,14 +167,13 @@ def _mpi_lines() -> list[str]:
         " (the library has no MPIX_Query_cuda_support: assumed not)"
     if effective != queried:
         cuda += f"; ADASUM_CUDA_AWARE makes adasum treat it as {'CUDA-aware' if effective else 'not CUDA-aware'}"
-    lines.append(f"  CUDA-aware    {cuda}")
+    lines.append(f"  CUDA-aware       {cuda}")
     return lines
 
 
 def _job_lines() -> list[str]:
     from mpi4py import MPI
 
-    from . import settings as _settings
     from .runtime.launch import _environment, launch_problem
     from .runtime.world import node_count
 
@@ -188,14 +187,13 @@ def _job_lines() -> list[str]:
         job = "1 rank (started by a launcher: " + ", ".join(f"{k}={v}" for k, v in sorted(env.items())) + ")"
     else:
         job = "1 rank (no launcher: run `mpiexec -n 2 python -m mpi4py -m adasum` to see a job)"
-    lines = ["job", f"  world         {job}"]
+    lines = ["job", f"  world            {job}"]
     problem = launch_problem(env, size, "-m adasum")
     if problem is not None:
-        lines.append(f"  launch        {problem}")
+        lines.append(f"  launch           {problem}")
     settings = {k: v for k, v in os.environ.items() if k.startswith("ADASUM_")}
-    lines.append("  settings      " + (", ".join(f"{k}={v}" for k, v in sorted(settings.items()))
+    lines.append("  settings         " + (", ".join(f"{k}={v}" for k, v in sorted(settings.items()))
                                       if settings else "no ADASUM_* variables set"))
-    del _settings
     return lines
 
 
@@ -215,8 +213,8 @@ def _kernel_lines() -> list[str]:
         if s.kernels_isa != "auto":
             isa += f" (capped by ADASUM_KERNELS_ISA={s.kernels_isa})"
     mpi = "yes" if native.mpi_bound() else "no (the small calls go through mpi4py)"
-    return ["kernels", f"  back end      {backend}", f"  C extension   {built}", f"  instruction set {isa}",
-            f"  native MPI    {mpi}"]
+    return ["kernels", f"  back end         {backend}", f"  C extension      {built}", f"  instruction set  {isa}",
+            f"  native MPI       {mpi}"]
 
 
 def _torch_lines() -> list[str]:
@@ -226,20 +224,20 @@ def _torch_lines() -> list[str]:
     except Exception as exc:  # not installed, blocked, or a broken install
         if package_version("torch") == "not installed":
             return []
-        return [f"  torch         does not import: {type(exc).__name__}: {exc}"]
-    lines = [f"  torch threads {torch.get_num_threads()} (intra-op), {torch.get_num_interop_threads()} (inter-op)"]
+        return [f"  torch            does not import: {type(exc).__name__}: {exc}"]
+    lines = [f"  torch threads    {torch.get_num_threads()} (intra-op), {torch.get_num_interop_threads()} (inter-op)"]
     try:
         cuda = torch.cuda.is_available()
         count = torch.cuda.device_count() if cuda else 0
     except Exception as exc:  # pragma: no cover - a driver problem
-        lines.append(f"  torch CUDA    unusable: {exc}")
+        lines.append(f"  torch CUDA       unusable: {exc}")
         return lines
     if cuda:
         names = sorted({torch.cuda.get_device_name(i) for i in range(count)})
-        lines.append(f"  torch CUDA    {torch.version.cuda}, {count} device{'s' if count != 1 else ''}: {', '.join(names)}")
+        lines.append(f"  torch CUDA       {torch.version.cuda}, {count} device{'s' if count != 1 else ''}: {', '.join(names)}")
     else:
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
-        lines.append(f"  torch CUDA    no device ({build})")
+        lines.append(f"  torch CUDA       no device ({build})")
     return lines
 
 
@@ -249,8 +247,8 @@ def _thread_lines() -> list[str]:
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         usable = None
     cpus = f"{os.cpu_count()}" + (f", {usable} usable by this process" if usable is not None else "")
-    lines = ["threads", f"  CPUs          {cpus}",
-             f"  OMP_NUM_THREADS {os.environ.get('OMP_NUM_THREADS', 'unset')}"]
+    lines = ["threads", f"  CPUs             {cpus}",
+             f"  OMP_NUM_THREADS  {os.environ.get('OMP_NUM_THREADS', 'unset')}"]
     return lines + _torch_lines()
 
 
