@@ -134,7 +134,8 @@ def _mpi_lines() -> list[str]:
         if key in ("MPICH Device", "MPICH Release date") or line.startswith("Open MPI"):
             lines.append(f"{'':19}{' '.join(line.split())}")
     lines.append(f"  standard         MPI {major}.{minor}")
-    lines.append(f"  loaded from      {', '.join(libraries) if libraries else 'unknown (no libmpi.so among the mapped files)'}")
+    loaded = ", ".join(libraries) if libraries else "unknown (no libmpi.so among the mapped files)"
+    lines.append(f"  loaded from      {loaded}")
     for name in _MPI_DISTRIBUTIONS:
         try:
             lines.append(f"  from PyPI        {name} {metadata.version(name)}")
@@ -234,7 +235,8 @@ def _torch_lines() -> list[str]:
         return lines
     if cuda:
         names = sorted({torch.cuda.get_device_name(i) for i in range(count)})
-        lines.append(f"  torch CUDA       {torch.version.cuda}, {count} device{'s' if count != 1 else ''}: {', '.join(names)}")
+        devices = f"{count} device{'s' if count != 1 else ''}: {', '.join(names)}"
+        lines.append(f"  torch CUDA       {torch.version.cuda}, {devices}")
     else:
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
         lines.append(f"  torch CUDA       no device ({build})")
