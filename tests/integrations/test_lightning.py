@@ -16,7 +16,7 @@ L = pytest.importorskip("lightning")
 import adasum.torch as at  # noqa: E402
 from adasum.lightning import AdasumStrategy  # noqa: E402
 
-from helpers import assert_identical_across_ranks, raw_bytes  # noqa: E402
+from helpers import ONE_SIZE, TRAINING_SIZES, assert_identical_across_ranks, raw_bytes  # noqa: E402
 
 pytestmark = pytest.mark.frameworks
 
@@ -91,6 +91,8 @@ def manual(comm, *, epochs=2, accumulate=1):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("accumulate", [1, 2])
 @pytest.mark.parametrize("overlap", [False, True])
+@TRAINING_SIZES
+@pytest.mark.smoke
 def test_fit_is_the_hand_written_loop(comm, accumulate, overlap):
     module, trainer = fit(comm, accumulate=accumulate, overlap=overlap)
     assert trainer.world_size == comm.Get_size() and trainer.global_rank == comm.Get_rank()
@@ -111,6 +113,7 @@ def test_fit_is_the_hand_written_loop(comm, accumulate, overlap):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "16-mixed+scaler"])
+@TRAINING_SIZES
 def test_mixed_precision(comm, precision):
     module, trainer = fit(comm, epochs=1, precision=precision)
     assert_identical_across_ranks(comm, list(module.net.parameters()))
@@ -125,6 +128,7 @@ def test_mixed_precision(comm, precision):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_checkpoint_is_written_by_rank_0_and_loads(comm, shared_dir):
     module, trainer = fit(comm, epochs=1)
     path = os.path.join(shared_dir, "lightning.ckpt")
@@ -137,6 +141,7 @@ def test_checkpoint_is_written_by_rank_0_and_loads(comm, shared_dir):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_ranks_that_disagree_raise_on_every_rank(comm):
     op = "mean" if comm.Get_rank() == comm.Get_size() - 1 else "adasum"
     with pytest.raises(ValueError, match=rf"ranks disagree on op of DistributedOptimizer: rank {comm.Get_size() - 1}"):
@@ -157,6 +162,7 @@ class BNModule(Module):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("accumulate", [1, 2])
 @pytest.mark.parametrize("overlap", [False, True])
+@TRAINING_SIZES
 def test_buffers_are_alike_on_every_rank(comm, accumulate, overlap):
     module = BNModule()
     trainer = L.Trainer(strategy=AdasumStrategy(overlap=overlap), accelerator="cpu", max_epochs=2,
@@ -177,6 +183,7 @@ def test_buffers_are_alike_on_every_rank(comm, accumulate, overlap):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_local_steps_and_outer_optimizer_pass_through(comm):
     """Each of Lightning's optimizer steps is a local step; the ranks combine every ``local_steps``."""
     options = {"local_steps": 2, "outer_lr": 0.7, "outer_momentum": 0.9}
@@ -217,6 +224,7 @@ class ValidatedBN(BNModule):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("options", [{"local_steps": 5}, {"local_steps": 5, "delay": 1}, {"local_steps": 2, "delay": 1}],
                          ids=["local5", "local5-delay", "local2-delay"])
+@TRAINING_SIZES
 def test_fit_with_local_steps_ends_and_validates_on_the_common_model(comm, options):
     """Windows of local steps that the epochs cut short: every validation during fit() and the end of fit()
     see one model on every rank (parameters and BatchNorm buffers), whatever window was open."""
@@ -295,6 +303,7 @@ def clipped_serially(size, *, clip, algorithm, op, accumulate=1, epochs=2, per_r
 @pytest.mark.parametrize("op, algorithm, accumulate, overlap",
                          [("mean", "norm", 1, False), ("mean", "value", 2, False), ("sum", "norm", 2, False),
                           ("mean", "norm", 1, True)])
+@TRAINING_SIZES
 def test_gradient_clipping_clips_the_reduced_gradient(comm, op, algorithm, accumulate, overlap):
     """Trainer(gradient_clip_val=...) with op='mean'/'sum' clips the reduced gradient, as DDPStrategy does:
     the training equals the serial one that clips the ranks' mean (sum) gradient, and differs from clipping
@@ -321,6 +330,7 @@ def test_gradient_clipping_clips_the_reduced_gradient(comm, op, algorithm, accum
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("overlap", [False, True])
+@TRAINING_SIZES
 def test_gradient_clipping_with_adasum_clips_each_ranks_own_gradient(comm, overlap):
     """op='adasum': each rank's own gradient is clipped before its local step, as
     DistributedOptimizer.clip_grad_norm_ does in a hand-written loop; with overlap the Trainer's clipping
@@ -344,6 +354,7 @@ def test_gradient_clipping_with_adasum_clips_each_ranks_own_gradient(comm, overl
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_gradient_clipping_with_16_mixed_and_a_scaler_is_refused(comm):
     from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -401,6 +412,7 @@ class HookedBN(BNModule):
 
 
 @pytest.mark.mpi(min_size=2)
+@ONE_SIZE
 def test_callbacks_and_hooks_see_the_combined_model_with_local_steps(comm):
     """local_steps=5 and epochs of 6 (2 ranks) or 4 (3 ranks) steps, validation every second epoch: a window
     is open at the validation and at the end of fit(). A user callback and the module's own hooks at
@@ -444,6 +456,7 @@ class ClipsInHook(Module):
 
 
 @pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
 def test_clipping_in_the_hook_with_16_mixed_and_a_scaler(comm):
     """The gradients the hook clips are unscaled and reduced (op='mean'): the same norm on every rank."""
     from lightning.pytorch.plugins.precision import MixedPrecision
