@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from ..runtime.agreement import agree
+from ..runtime.agreement import Companion, agree
 from .plain import FUSED_VOTE, run_plain
 from .roundtrip import round_trip
 from ..adapters import array_kind
@@ -85,6 +85,21 @@ def adasum_allreduce_inplace(tensors, *, op: str | Op = "adasum", comm: MPI.Intr
     return _allreduce(tensors, op, comm, hierarchical, inplace=True)
 
 
+def allreduce_inplace_with(tensors, op: str, comm: MPI.Intracomm, companion: Companion):
+    """:func:`adasum_allreduce_inplace` whose agreement also carries ``companion``: the caller's own
+    agreement (:class:`~adasum.runtime.agreement.Companion`), so one small collective does for both. Where
+    the companions differ or one has an error, every rank raises as in any other difference, before any
+    data moves."""
+    with context_for(comm).call("adasum_allreduce_inplace", companion=companion) as call:
+        use_isa(call.settings.kernels_isa)
+        extras = agreed_extras(call)
+        if call.ctx.size > 1:
+            done = _round_trip(call, extras, tensors, op, False, True)
+            if done is not None:
+                return done
+        return _on_host(call, extras, tensors, op, False, True)
+
+
 def _as_list(tensors) -> tuple[bool, list]:
     if type(tensors) is list:
         return False, tensors  # read only, never kept
@@ -143,7 +158,7 @@ def _on_host(call: Call, extras: dict, tensors, op, hierarchical: bool, inplace:
         if done is not _NOT_TAKEN:
             return done
     if op == "adasum" and not hierarchical and type(tensors) is list and call.ctx.size > 1 \
-            and small_call.allowed(call.settings):
+            and call.companion is None and small_call.allowed(call.settings):
         known = kept_plan(call.ctx, tensors, extras["adasum"])
         if known is not None and known.small is not None:
             done = small_call.run_small(call, known, tensors, inplace, extras)

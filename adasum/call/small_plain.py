@@ -25,7 +25,7 @@ from ..kernels.native import compiled as _kernels  # None without a C compiler: 
 from ..kernels.native import handle, request
 from ..rule.dtypes import FLOAT_DTYPES, INT_DTYPES, itemsize
 from ..runtime import stall
-from ..runtime.agreement import AGREE_BYTES, explain, resume
+from ..runtime.agreement import AGREE_BYTES, explain, resume, with_companion
 from ..runtime.waiting import policy
 from ..schedules.fusion import TensorLayout, layer_spans
 
@@ -93,6 +93,11 @@ class SmallPlain:
     def __call__(self, call, items: list, single: bool, inplace: bool, patience: float):
         """The call ``call`` of ``items`` (the plan's tensors), whole, or None (before any communication)
         where its tensors cannot take it: not contiguous, read-only or overlapping in place."""
+        digest, extra, companion = self.digest, self.extra, call.companion
+        if companion is not None:  # a caller's agreement rides along (adasum.runtime.agreement.Companion)
+            if companion.error is not None:
+                return None  # the general path fails the call on every rank
+            digest, _, extra = with_companion(call, digest, None, extra)
         live = items if self.all_live else [items[i] for i in self.layers]
         torch, out = self.torch, None
         if torch is not None:  # the tensors' addresses: a fraction of what numpy views of them cost
@@ -116,7 +121,7 @@ class SmallPlain:
             how = self._wait = (call.waiting, policy(call.waiting))
         scratch, program, spans = self.ctx.agree_scratch, self.program, self.span_array
         try:
-            rc, where = _kernels.small_plain(buf, parts, spans, program, self.digest, scratch, patience, 0, inplace,
+            rc, where = _kernels.small_plain(buf, parts, spans, program, digest, scratch, patience, 0, inplace,
                                              *how[1])
         except (BufferError, ValueError):  # not contiguous, or read-only in place: nothing was sent
             return None
@@ -129,14 +134,14 @@ class SmallPlain:
             ctx.record("collectives", 1)  # the agreement, made inside the compiled call
         if rc == -2:
             resume(call, self.op, self.descs, patience)
-            rc, _ = _kernels.small_plain(buf, parts, spans, program, self.digest, scratch, patience, 1, inplace,
+            rc, _ = _kernels.small_plain(buf, parts, spans, program, digest, scratch, patience, 1, inplace,
                                          *how[1])
         if rc == -3:
             self._resume_allreduce(call, patience)
-            rc, _ = _kernels.small_plain(buf, parts, spans, program, self.digest, scratch, patience, 2, inplace,
+            rc, _ = _kernels.small_plain(buf, parts, spans, program, digest, scratch, patience, 2, inplace,
                                          *how[1])
         if rc == -1:
-            raise explain(call, self.op, self.descs, None, self.extra)
+            raise explain(call, self.op, self.descs, None, extra)
         if rc:
             raise MPI.Exception(rc)
         if ctx.counters:

@@ -22,7 +22,7 @@ from ..adapters import Adapter, Adapters
 from ..rule.dtypes import FLOAT_DTYPES, INT_DTYPES, dtype_code, op_code
 from ..kernels.native import compiled, mpi_bound, request
 
-__all__ = ["AdasumMismatchError", "TensorDesc", "agree", "agree_exchange", "agreed", "describe", "exchange_digest",
+__all__ = ["AdasumMismatchError", "TensorDesc", "Companion", "agree", "with_companion", "agree_exchange", "agreed", "describe", "exchange_digest",
            "explain", "load", "resume", "signature"]
 
 
@@ -108,6 +108,28 @@ def signature(op: str, descs: Sequence[TensorDesc], extra: tuple) -> int:
 AGREE_BYTES = 4 * 8  # what one rank hands to the agreement allreduce: four int64
 
 
+class Companion(NamedTuple):
+    """A caller's own agreement, folded into the agreement of the call it makes next, so that one small
+    collective carries both (the training layer's window ledger with the reduction of its gradients).
+    ``salt`` (62 bits) is mixed into the call's digest, ``extra`` (``(name, int)`` pairs) is what it stands
+    for, shown where the ranks differ, and ``error`` (this rank's failure, or None) fails the call on every
+    rank before any data moves."""
+
+    salt: int
+    extra: tuple
+    error: str | None = None
+
+
+def with_companion(call, sig: int, error: Exception | None, extra: tuple) -> tuple:
+    """The call's digest, error and extra settings with its companion's (if any) folded in."""
+    comp = call.companion
+    if comp is None:
+        return sig, error, extra
+    if error is None and comp.error is not None:
+        error = RuntimeError(comp.error if comp.error.startswith("rank ") else f"rank {call.ctx.rank}: {comp.error}")
+    return (sig ^ comp.salt) & _MASK or 1, error, tuple(extra) + tuple(comp.extra)
+
+
 def agree(call, op: str, descs: Sequence[TensorDesc] | None, error: Exception | None,
           extra: tuple = (), digest: int | None = None, vote: int = 0, kind: str = "adasum_allreduce") -> int:
     """Meet the other ranks of the call ``call`` (:class:`adasum.runtime.context.Call`) once; raise the same exception on every rank if any
@@ -122,13 +144,14 @@ def agree(call, op: str, descs: Sequence[TensorDesc] | None, error: Exception | 
     """
     ctx = call.ctx
     if ctx.size == 1:
+        error = with_companion(call, 0, error, extra)[1]
         if error is not None:
             raise error
         return vote
+    sig = 0 if error is not None else signature(op, descs, extra) if digest is None else digest
+    sig, error, extra = with_companion(call, sig, error, extra)
     if error is not None:
         sig = 0
-    else:
-        sig = signature(op, descs, extra) if digest is None else digest
     scratch = ctx.agree_scratch
     load(scratch, sig, error is not None, vote)
     call.record("scalar_bytes", AGREE_BYTES)

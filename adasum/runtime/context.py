@@ -24,7 +24,7 @@ import operator
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
@@ -79,6 +79,7 @@ class Call(NamedTuple):
     lcomm: MPI.Intracomm  # the library's duplicate of the user's communicator
     number: int  # the call's number on this communicator, this rank (the stall inspector's call #N)
     what: str  # what the call is, as errors name it
+    companion: Any = None  # a caller's own agreement folded into the call's (adasum.runtime.agreement.Companion)
 
     def record(self, field: str, nbytes: int, messages: int = 0) -> None:
         """Count ``nbytes`` (and ``messages``) in ``field`` of the active traffic counters."""
@@ -164,14 +165,15 @@ class Context:
         return self._agree_handles
 
     # --- calls ---------------------------------------------------------------------------------------------
-    def call(self, what: str, settings: Settings | None = None) -> Call:
+    def call(self, what: str, settings: Settings | None = None, companion=None) -> Call:
         """A call on this communicator, for a ``with`` statement (``with ctx.call(what, settings) as call:``,
         which ends it): numbered, the library's duplicate made on the first one (collectively,
         stall-watched), and returned as the immutable :class:`Call` that the call path takes. RuntimeError
         at once if another thread has a call in flight here (two calls on one communicator would mix their
         messages). ``settings`` (default: the current ones, read here) are the call's snapshot: nothing the
-        call runs reads the live settings again. Every 64th call first drops the stall inspector's messages
-        of earlier calls."""
+        call runs reads the live settings again. ``companion``: what the caller's own agreement adds to the
+        call's (:class:`~adasum.runtime.agreement.Companion`). Every 64th call first drops the stall
+        inspector's messages of earlier calls."""
         if self.broken is not None:
             if self._freed:  # abandoned after a failure: not a new failure, a stale communicator
                 raise AdasumCollectiveError(f"{what} on {self.name}: {self.broken}; use the survivors' world "
@@ -193,7 +195,7 @@ class Context:
                 lcomm = self._duplicate(s)
             how = s.waiting
             call = _new_call(Call, (self, s, ("nap" if self.beside_compute else "spin") if how == "auto" else how,
-                                    lcomm, number, what))
+                                    lcomm, number, what, companion))
             if number % 64 == 0:
                 stall.drain(call)
         except BaseException:

@@ -353,3 +353,41 @@ def test_a_mid_window_checkpoint_with_batchnorm_resumes_bitwise(comm, shared_dir
         bn_step(model, opt, comm.Get_rank(), s)
     opt.flush()
     assert [raw_bytes(t) for t in model.state_dict().values()] == want
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["mean", "sum"])
+@pytest.mark.parametrize("compression", [None, "bf16"])
+@ONE_SIZE
+def test_a_sum_or_mean_step_makes_one_agreement_besides_its_data(comm, op, compression):
+    """The window's agreement rides on the reduction's own: a step that closes a window makes one agreement
+    and the data's collective on the optimizer's communicator (the bf16 sum travels as point-to-point
+    messages: the agreement alone), an accumulating step none."""
+    model = model3()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), op=op, compression=compression,
+                               accumulation_steps=2, comm=comm)
+    counts = []
+    for s in range(4):
+        micro(model, comm.Get_rank(), s)
+        with adasum.count_traffic(comm) as t:
+            opt.step()
+        opt.zero_grad()
+        counts.append(t.collectives)
+    closing = 2 if compression is None else 1
+    assert counts == [0, closing, 0, closing]
+    assert_identical_across_ranks(comm, list(model.parameters()))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["mean", "sum"])
+@ONE_SIZE
+def test_a_skipped_sum_or_mean_step_raises_on_every_rank_naming_the_counts(comm, op):
+    """Rank 0 skips one micro-batch: the next boundary's reduction carries the window's ledger and every
+    rank raises naming the ranks' counts, its parameters at the window's start."""
+    model = model3()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), op=op, accumulation_steps=2,
+                               comm=comm)
+    with pytest.raises(RuntimeError, match=r"the ranks' windows differ \(a rank skipped or added a step\(\).*"
+                                           r"rank 0 has \{'combine': \d+, 'micro-batches': \d+"):
+        skipping_loop(comm, opt, model, 8, 2)
+    assert_identical_across_ranks(comm, list(model.parameters()))

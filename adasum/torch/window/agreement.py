@@ -28,7 +28,7 @@ from ...runtime.agreement import AdasumMismatchError, agree_exchange
 from ...runtime import exchange
 from ...runtime.context import check_comm
 
-__all__ = ["Decision", "Layout", "Ledger", "agree", "log_skip"]
+__all__ = ["Decision", "Layout", "Ledger", "agree", "companion_extra", "differences", "log_skip"]
 
 _log = logging.getLogger("adasum")
 
@@ -96,8 +96,8 @@ def agree(comm: MPI.Intracomm, ledger: dict[str, int], layout: Layout, params: l
     comm = check_comm(comm)
     if comm.Get_size() == 1:
         return Decision(None if error is None else f"rank 0: {error}", overflowed)
-    entries, digest = layout.of(params)
-    extra = tuple(ledger.items()) + (("parameters", len(entries)), ("layout", digest))
+    extra = companion_extra(ledger, layout, params)
+    entries = layout.of(params)[0]
     vote = 2 if error is not None else (1 if overflowed else 0)
     try:
         with exchange.call_on(comm, _WHAT) as call:
@@ -109,6 +109,22 @@ def agree(comm: MPI.Intracomm, ledger: dict[str, int], layout: Layout, params: l
         if "disagree on the settings" not in str(e):
             raise  # a rank in another kind of call altogether: the agreement's own text says which
     return Decision(_differences(comm, ledger, entries), overflowed)
+
+
+def companion_extra(ledger: dict[str, int], layout: Layout, params: list[torch.Tensor]) -> tuple:
+    """What the window's agreement compares: the ledger, the number of parameters and their layout."""
+    entries, digest = layout.of(params)
+    return tuple(ledger.items()) + (("parameters", len(entries)), ("layout", digest))
+
+
+def differences(comm: MPI.Intracomm, ledger: dict[str, int], entries: list) -> str | None:
+    """Collective (every rank found a difference): what differs in the windows, naming the ranks and their
+    numbers, or None where the ledgers and parameters are the same on every rank."""
+    text = _differences(comm, ledger, entries)
+    return None if text == _NO_DIFFERENCE else text
+
+
+_NO_DIFFERENCE = "the ranks' windows differ"
 
 
 def _differences(comm: MPI.Intracomm, ledger: dict[str, int], entries: list) -> str:
@@ -129,7 +145,7 @@ def _differences(comm: MPI.Intracomm, ledger: dict[str, int], entries: list) -> 
                    f"the window's parameter {i} is {_entry(mine, i)} on rank {r} and {_entry(entries0, i)} on "
                    "rank 0 (every rank must train the same parameters: freeze, unfreeze or add groups alike "
                    "on every rank)")
-    return "; ".join(out) or "the ranks' windows differ"
+    return "; ".join(out) or _NO_DIFFERENCE
 
 
 def _entry(entries: list, i: int) -> str:

@@ -19,7 +19,8 @@ from mpi4py import MPI
 
 from ..overlap.engine import OverlapEngine
 from .accumulate import AccumulationWindow
-from .agreement import Layout, agree
+from ...runtime.agreement import AdasumMismatchError, Companion, exchange_digest
+from .agreement import Layout, agree, companion_extra, differences
 from .agreement import log_skip as window_log
 from .amp import LossScale
 from .reduce import AdasumDeltas, Bucket, GradientReduce, trained_params
@@ -106,11 +107,23 @@ class Boundary:
             # A frozen parameter (requires_grad off) is not stepped, even where it still has a gradient.
             everything = len(params) == len({id(p) for g in self.optimizer.param_groups for p in g["params"]})
             self.strategy.local(buckets[0], side=False, everything=everything)
-            self._decide(buckets, ledger, buckets[0].error or hook_error)
+            error = buckets[0].error or hook_error
+            # sum/mean: the window's agreement rides on the reduction's own (one small collective, not two)
+            companion = self._companion(ledger, error) if self.strategy.carries_companion(buckets[0], comm) else None
+            if companion is None:
+                self._decide(buckets, ledger, error)
             try:
-                self.strategy.combine(buckets[0], comm)
-            except BaseException:
+                self.strategy.combine(buckets[0], comm, **({} if companion is None else {"companion": companion}))
+            except AdasumMismatchError as e:
                 self._abandon(buckets)
+                if companion is None:
+                    raise
+                raise self._refused(ledger, e) from None
+            except BaseException as e:
+                self._abandon(buckets)
+                if companion is not None and error is not None and isinstance(e, RuntimeError):
+                    raise RuntimeError(f"(raised on rank {self.comm.Get_rank()}) a local step or reduction failed "
+                                       f"at this boundary; the parameters keep the window's start: {e}") from None
                 raise
         self.strategy.settle(buckets)
         return buckets, scale
@@ -125,6 +138,22 @@ class Boundary:
             self._abandon(buckets)
             raise RuntimeError(f"(raised on rank {self.comm.Get_rank()}) a local step or reduction failed at "
                                "this boundary; the parameters keep the window's start: " + decision.failed)
+
+    def _companion(self, ledger: dict[str, int], error: str | None) -> Companion:
+        """The window's agreement (:func:`~adasum.torch.window.agreement.agree`'s ledger, parameters and
+        error) as the companion of the reduction's agreement."""
+        extra = companion_extra(ledger, self.layout, trained_params(self.optimizer))
+        return Companion(exchange_digest("the window's agreement", extra), extra, error)
+
+    def _refused(self, ledger: dict[str, int], e: AdasumMismatchError) -> RuntimeError:
+        """Every rank's error where the reduction that carried the window's agreement found the ranks apart;
+        collective where the settings differ (every rank then gathers what differs in the windows)."""
+        text = str(e)
+        if "disagree on the settings" in text:
+            found = differences(self.comm, ledger, self.layout.of(trained_params(self.optimizer))[0])
+            text = found or text
+        return RuntimeError(f"(raised on rank {self.comm.Get_rank()}) a local step or reduction failed at this "
+                            f"boundary; the parameters keep the window's start: {text}")
 
     def _abandon(self, buckets: list[Bucket]) -> None:
         if self.engine is not None:

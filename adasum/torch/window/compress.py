@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ...call.allreduce import adasum_allreduce_inplace
+from ...call.allreduce import adasum_allreduce_inplace, allreduce_inplace_with
+from ...runtime.agreement import Companion
 from ...runtime import exchange
 from ..internals import foreach_norm
 
@@ -38,6 +39,14 @@ _MAX_EXP = 126  # scales stay within float32's normal range: 2**-126 .. 2**126
 
 WIRE_DTYPES = {None: None, "none": None, "fp16": torch.float16, "float16": torch.float16,
                "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def _reduce(tensors: list, op: str, comm: MPI.Intracomm, companion: Companion | None) -> None:
+    """``op`` ("sum" or "mean") of ``tensors`` over ``comm``, in place, the companion on its agreement."""
+    if companion is None:
+        adasum_allreduce_inplace(tensors, op=op, comm=comm)
+    else:
+        allreduce_inplace_with(tensors, op, comm, companion)
 
 
 def wire_dtype(compression) -> torch.dtype | None:
@@ -73,17 +82,26 @@ class Wire:
         self._reduce16(tensors, scales, "adasum", comm, hierarchical)
         return amax
 
-    def sum_(self, tensors: list[torch.Tensor], comm: MPI.Intracomm, mean: bool, names: list[str] | None = None):
-        """Sum (``mean``: mean) of ``tensors`` over ``comm``, in place."""
+    @property
+    def carries_companion(self) -> bool:
+        """Whether :meth:`sum_` starts with the reduction's own agreement (no exchange of scales before it),
+        which can then carry the caller's (a :class:`~adasum.runtime.agreement.Companion`)."""
+        return self.dtype is not torch.float16
+
+    def sum_(self, tensors: list[torch.Tensor], comm: MPI.Intracomm, mean: bool, names: list[str] | None = None,
+             companion: Companion | None = None):
+        """Sum (``mean``: mean) of ``tensors`` over ``comm``, in place. ``companion`` (where
+        :attr:`carries_companion`) rides on the reduction's agreement."""
+        op = "mean" if mean else "sum"
         if self.dtype is None:
-            adasum_allreduce_inplace(tensors, op="mean" if mean else "sum", comm=comm)
+            _reduce(tensors, op, comm, companion)
             return None
         scales, amax = self._scales(tensors, comm, names)
-        self._reduce16(tensors, scales, "mean" if mean else "sum", comm)
+        self._reduce16(tensors, scales, op, comm, companion=companion)
         return amax
 
     def _reduce16(self, tensors: list[torch.Tensor], scales: list[float], op: str, comm: MPI.Intracomm,
-                  hierarchical: bool = False) -> None:
+                  hierarchical: bool = False, companion: Companion | None = None) -> None:
         """``op`` of ``tensors`` over ``comm``, in place, travelling as the wire's dtype: each tensor times its
         scale is cast into its view of one kept 16-bit buffer (one pass), the library reduces that buffer (the
         views as layers for Adasum), and each view divided by its scale goes back into its tensor's own dtype
@@ -92,8 +110,10 @@ class Wire:
         flat = self._kept.get(sum(t.numel() for t in tensors), self.dtype, device)
         views = _views(flat, tensors)
         _pack(tensors, views, scales)
-        # Adasum is per layer; a sum is element-wise, so the buffer goes whole
-        adasum_allreduce_inplace(views if op == "adasum" else [flat], op=op, comm=comm, hierarchical=hierarchical)
+        if op == "adasum":
+            adasum_allreduce_inplace(views, op=op, comm=comm, hierarchical=hierarchical)
+        else:  # a sum is element-wise: the buffer goes whole
+            _reduce([flat], op, comm, companion)
         _unpack(views, tensors, scales)
 
     def explain(self, tensors: list[torch.Tensor], amax, names: list[str]) -> None:

@@ -137,6 +137,10 @@ class AdasumDeltas:
             bucket.amax = self.wire.adasum_(bucket.result, comm, self.hierarchical,
                                             bucket.names() if self.wire.dtype else None)
 
+    def carries_companion(self, bucket: Bucket, comm: MPI.Intracomm) -> bool:
+        """No: the window's agreement comes first, the deltas' votes with it."""
+        return False
+
     def settle(self, buckets: list[Bucket]) -> None:
         """Nothing to hand over before the update: the deltas stay apart from the gradients."""
 
@@ -204,10 +208,11 @@ class GradientReduce:
                 average_(grads_of(bucket.params), bucket.count, bucket.scale)
             bucket.averaged = True
 
-    def combine(self, bucket: Bucket, comm: MPI.Intracomm) -> None:
+    def combine(self, bucket: Bucket, comm: MPI.Intracomm, companion=None) -> None:
         """Reduce the averaged gradients over ``comm`` in one call. A parameter without a gradient takes part
         with zeros; it gets the reduced gradient if some rank had one, else it stays without (so the wrapped
-        optimizer skips it on every rank alike). One extra layer carries which ranks had gradients."""
+        optimizer skips it on every rank alike). One extra layer carries which ranks had gradients.
+        ``companion``: the window's agreement, carried by the call's (:meth:`carries_companion`)."""
         params = bucket.params
         with torch.no_grad():
             if not params or comm.Get_size() == 1:
@@ -222,10 +227,14 @@ class GradientReduce:
                 else:
                     tensors.append(p.grad)
             bucket.amax = self.wire.sum_(tensors + [have], comm, self.op == "mean",
-                                         bucket.names() if self.wire.dtype else None)
+                                         bucket.names() if self.wire.dtype else None, companion=companion)
             if missing:
                 somewhere = (have > 0).tolist()
                 bucket.result = [(params[i], tensors[i]) for i in missing if somewhere[i]]
+
+    def carries_companion(self, bucket: Bucket, comm: MPI.Intracomm) -> bool:
+        """Whether :meth:`combine` of ``bucket`` starts with one agreement that can carry the window's."""
+        return bool(bucket.params) and comm.Get_size() > 1 and self.wire.carries_companion
 
     def settle(self, buckets: list[Bucket]) -> None:
         """Give the parameters that had no gradient here the reduced one (main thread)."""
