@@ -1,24 +1,39 @@
-"""Runs the test suite: once serially, then under mpiexec at each world size in --sizes, the framework
-tests (Lightning, Accelerate, transformers) at --frameworks-sizes, the core tests again on the numpy kernels
-(--numpy-kernels-sizes), the hierarchical-mode tests on emulated nodes (--hostfile-runs), the convergence
-study's --quick run with a check of its outputs, the elastic tests (ranks SIGKILLed under Open MPI with ULFM,
-in their own environment .venv-ompi: scripts/run-elastic-tests.sh), and last the documentation build
-(mkdocs --strict).
+"""Runs the test suite: once serially, then under mpiexec at each world size in --sizes (the FSDP2 tests in
+jobs of their own at 4 ranks and at 2), the framework tests (Lightning, Accelerate, transformers) at
+--frameworks-sizes, the core tests again on the numpy kernels (--numpy-kernels-sizes), the
+hierarchical-mode tests on emulated nodes (--hostfile-runs), the convergence study's --quick run with a
+check of its outputs, the elastic tests (ranks SIGKILLed under Open MPI with ULFM, in their own
+environment .venv-ompi: scripts/run-elastic-tests.sh), and last the documentation build (mkdocs --strict).
+
+Which tests run at which size: the core's (tests/core, tests/rule) at every size, the training layer's
+where their ``world_size`` marks say (tests/helpers.py: argument checks, refusals, API errors and
+lifecycles at one size, training runs that are bitwise the plain or hand-written one at 2 and 3, those
+against a serial reference of the tree at 1, 2, 3 and 5).
+
+``--fast``: the serial run, the tests marked ``smoke`` (one of each training path: DistributedOptimizer
+plain, overlapped, with local steps and with delay=1, the DDP hook, FSDP2's hooks and ReplicaDeltas,
+Lightning, the Accelerate recipe, the Horovod façade) in one job at 2 ranks, and
+tests/core/test_allreduce.py at 3 ranks; nothing else (no elastic tests, study or docs).
 
 Every mpiexec command is made by one function (``_mpiexec``). Rank 0 of each MPI run prints to the
 terminal; the other ranks write to logs that are printed, and kept, only when their run fails. The counts
 come from the junit report each rank writes (rank 0's counts, any rank's failures). A run fails when it
 exits non-zero, and also when it collects no test at all (unless the arguments select tests: ``-k``, ``-m``
-or paths). After each run one line says how it went ("np=3: 512 passed, 0 failed, 4 skipped, 95 s"); at
-the end these lines come again, then the total over all runs, in the form "N passed, N failed".
+or paths). After each run one line says how it went ("np=3: 512 passed, 0 failed, 4 skipped, 95 s, CPU
+170 s"; the CPU seconds of its processes do not depend on what else the machine runs, its seconds do); at
+the end these lines come again, then the total time and CPU time with the load averages at the start and
+the end, and the total over all runs, in the form "N passed, N failed".
 
-A focused run starts only what its selection touches. With ``-k``, ``-m`` or paths, the tests are collected
-once first (scripts/selection.py lists the selected ones with their markers) and only the runs that hold
-one of them start: the serial run, each MPI size (``world_size`` marks counted), the framework runs, the
-numpy-kernel runs, the emulated-node runs, the convergence check, and the docs build only where a test of
-tests/docs/ is selected. ``--sizes`` given: the framework and numpy-kernel sizes, the emulated-node runs and
-the convergence run (6 ranks) are kept only at those sizes, unless their own option is given too. So
-``bash scripts/run-tests.sh --sizes 2,3 -k traffic`` runs tests/core/test_traffic.py at 2 and 3 ranks and
+The tests are collected once first (scripts/selection.py lists them with their markers; not for
+``--fast``), and each MPI run is given the files that hold its tests, so that it imports no other (the
+frameworks' imports alone take seconds per rank). A focused run starts only what its selection touches:
+with ``-k``, ``-m`` or paths only the runs that hold a selected test start: the serial run, each MPI size
+(``world_size`` marks counted), the framework runs, the numpy-kernel runs, the emulated-node runs, the
+convergence check, and the docs build only where a test of tests/docs/ is selected. ``--sizes`` given:
+the framework and numpy-kernel sizes, the emulated-node runs and the convergence run (6 ranks) are kept
+only at those sizes, unless their own option is given too. So ``bash scripts/run-tests.sh --sizes 2,3 -k
+traffic`` runs the three tests of tests/core/test_traffic.py at 2 and 3 ranks, and
+tests/core/test_context.py's test_traffic_is_counted_per_communicator (its name matches too) at 2, and
 nothing else.
 """
 
@@ -27,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shlex
 import shutil
 import subprocess
@@ -55,6 +71,17 @@ HOSTFILE_RUNS = [
 HOSTFILE_TESTS = ["tests/core/test_hierarchical.py", "tests/core/test_world.py"]
 # The numpy kernels (the fallback where adasum.kernels._kernels could not be built) run the core tests too.
 NUMPY_KERNEL_TESTS = ["tests/core/test_allreduce.py", "tests/core/test_hierarchical.py"]
+# The FSDP2 tests run in jobs of their own (they make many communicators): at 4 ranks (meshes 2x2 and 4x1)
+# and at 2 (a mesh 2x1).
+FSDP_SIZES = (2, 4)
+# --fast: the core allreduce at a size that folds a pair first.
+FAST_CORE_TESTS = ["tests/core/test_allreduce.py"]
+
+
+def _smoke_files() -> list[str]:
+    """The test files that hold a test marked ``smoke`` (found in their text: no collection needed)."""
+    return sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").rglob("test_*.py")
+                  if "mark.smoke" in f.read_text(errors="replace"))
 
 
 def _counts(reports: list[Path]) -> dict[str, int]:
@@ -138,10 +165,6 @@ def _selection(extra: list[str], env: dict, py: str) -> list[dict] | None:
 def _holds(tests: list[dict], name: str, cmd: list[str], extra: list[str]) -> bool:
     """Whether the run ``name`` (``cmd``, with the user's pytest arguments ``extra``) would run one of
     ``tests``."""
-    def at(t, n):
-        return t["sizes"] is None or n in t["sizes"]
-
-    mpi = [t for t in tests if "mpi" in t["marks"]]
     if name == "serial":
         return any("mpi" not in t["marks"] for t in tests)
     if name.startswith("convergence"):
@@ -150,24 +173,62 @@ def _holds(tests: list[dict], name: str, cmd: list[str], extra: list[str]) -> bo
         return any(t["id"].startswith("tests/docs/") for t in tests)
     if name.startswith("elastic"):
         return any(t["id"].startswith("tests/elastic/") for t in tests)
+    return bool(_files_of(tests, name, cmd, extra))
+
+
+def _files_of(tests: list[dict], name: str, cmd: list[str], extra: list[str]) -> list[str]:
+    """The files holding the tests of ``tests`` that the MPI run ``name`` (``cmd``) would run."""
     n = int(cmd[cmd.index("-n") + 1])
+    mpi = [t for t in tests if "mpi" in t["marks"] and (t["sizes"] is None or n in t["sizes"])]
     files = [a for a in cmd if a.startswith("tests/") and a.endswith(".py") and a not in extra]
-    if files:  # the numpy-kernel and emulated-node runs: their files only
-        return any(at(t, n) and t["id"].split("::")[0] in files for t in mpi)
-    frameworks, fsdp = ", frameworks" in name, ", FSDP2" in name
-    return any(at(t, n) and ("frameworks" in t["marks"]) == frameworks and ("fsdp" in t["marks"]) == fsdp
-               for t in mpi)
+    if files:  # the numpy-kernel, emulated-node and --fast runs: their files only
+        held = [t for t in mpi if t["id"].split("::")[0] in files]
+    else:
+        frameworks, fsdp = ", frameworks" in name, ", FSDP2" in name
+        held = [t for t in mpi if ("frameworks" in t["marks"]) == frameworks and ("fsdp" in t["marks"]) == fsdp]
+    return sorted({t["id"].split("::")[0] for t in held})
 
 
-def _touched(runs: list, extra: list[str], env: dict, py: str) -> list:
-    """The runs that hold a test the selection ``extra`` selects (all of them where collection failed)."""
+def _touched(runs: list, extra: list[str], env: dict, py: str, selected: bool, narrow: bool) -> list:
+    """With ``selected``, the runs that hold a test the selection ``extra`` selects; with ``narrow``, each MPI
+    run that names no test files is given those that hold its tests, so that it imports no other (the
+    frameworks' and the training layer's imports cost seconds per rank). All runs as they are where the
+    collection failed."""
     tests = _selection(extra, env, py)
     if tests is None:
         print("selection: collecting the tests failed; every run starts", flush=True)
         return runs
-    kept = [r for r in runs if _holds(tests, r[0], r[1], extra)]
-    print(f"selection: {len(tests)} tests; runs: {', '.join(r[0] for r in kept) or 'none'}", flush=True)
-    return kept
+    if selected:
+        runs = [r for r in runs if _holds(tests, r[0], r[1], extra)]
+        print(f"selection: {len(tests)} tests; runs: {', '.join(r[0] for r in runs) or 'none'}", flush=True)
+    if narrow:
+        out = []
+        for name, cmd, run_vars in runs:
+            if "-n" in cmd and not any(a.startswith("tests/") and a.endswith(".py") for a in cmd):
+                cmd = cmd + _files_of(tests, name, cmd, extra)  # none: it collects all, and says so
+            out.append((name, cmd, run_vars))
+        runs = out
+    return runs
+
+
+def _fast_runs(extra: list[str]) -> list:
+    """--fast: the smoke tests at 2 ranks in one job (frameworks and FSDP2 among them), the core allreduce at
+    3 ranks."""
+    return [("np=2, smoke", _mpiexec(2, ["pytest", "-q", "--with-mpi", "-m", "mpi and smoke", *_smoke_files(),
+                                         *extra]), {}),
+            ("np=3, core allreduce", _mpiexec(3, ["pytest", "-q", "--with-mpi", "-m", "mpi", *FAST_CORE_TESTS,
+                                                  *extra]), {})]
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user and system) of the finished child processes, theirs included: what a run costs
+    whatever else the machine does, where its time in seconds depends on the load."""
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
+def _load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def main() -> int:
@@ -187,12 +248,19 @@ def main() -> int:
     ap.add_argument("--no-docs", action="store_true", help="skip building the documentation (mkdocs --strict)")
     ap.add_argument("--no-elastic", action="store_true",
                     help="skip the elastic tests (ranks killed under Open MPI with ULFM, in .venv-ompi)")
+    ap.add_argument("--fast", action="store_true",
+                    help="the serial tests, the smoke tests (-m smoke: one of each training path) at 2 ranks "
+                         "and the core allreduce at 3, nothing else (a few minutes)")
     ap.add_argument("--hostfile-runs", default=None,
                     help="emulated-node runs of the hierarchical tests: 'all', 'none' or names from "
                          f"{', '.join(name for name, _, _ in HOSTFILE_RUNS)} (comma-separated; default all)")
     args, extra = ap.parse_known_args()
     given = {k for k, v in vars(args).items() if v is not None}
     _focus(args, given)
+    if args.fast:  # the runs of the full matrix: none
+        args.sizes = args.frameworks_sizes = args.numpy_kernels_sizes = ""
+        args.hostfile_runs = "none"
+        args.no_convergence = args.no_elastic = args.no_docs = True
 
     env = dict(os.environ)
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
@@ -202,16 +270,18 @@ def main() -> int:
     py = str(VENV_BIN / "python")
     totals = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
     failures = []
-    started = time.time()
+    started, cpu_started, load_started = time.time(), _children_cpu(), _load()
 
     runs: list[tuple[str, list[str], dict[str, str]]] = []
     if not args.no_serial:
         runs.append(("serial", ["pytest", "-q", "-m", "not mpi", *extra], {}))
+    if args.fast:
+        runs += _fast_runs(extra)
     for n in [int(s) for s in args.sizes.split(",") if s]:
         runs.append((f"np={n}", _mpiexec(n, ["pytest", "-q", "--with-mpi", "-m", "mpi and not frameworks and not fsdp",
                                              *extra]), {}))
-        if n == 4:  # the FSDP2 tests (4 ranks only) in a job of their own: they make many communicators
-            runs.append(("np=4, FSDP2", _mpiexec(4, ["pytest", "-q", "--with-mpi", "-m", "mpi and fsdp", *extra]),
+        if n in FSDP_SIZES:
+            runs.append((f"np={n}, FSDP2", _mpiexec(n, ["pytest", "-q", "--with-mpi", "-m", "mpi and fsdp", *extra]),
                          {}))
     for n in [int(s) for s in args.frameworks_sizes.split(",") if s]:
         runs.append((f"np={n}, frameworks",
@@ -250,8 +320,9 @@ def main() -> int:
     if not args.no_docs and docs.exists():
         runs.append(("docs (mkdocs build --strict)", ["bash", str(docs)], {}))
     selected = any(a in ("-k", "-m") or a.startswith(("-k", "tests/")) for a in extra)
-    if selected:
-        runs = _touched(runs, extra, env, py)
+    narrow = not args.fast and not any(a.startswith("tests/") for a in extra)
+    if selected or narrow:
+        runs = _touched(runs, extra, env, py, selected, narrow)
 
     summaries = []
     for number, (name, cmd, run_vars) in enumerate(runs, 1):
@@ -262,8 +333,9 @@ def main() -> int:
         if cmd[0] == "pytest":
             cmd = [py, "-m", "pytest", f"--junitxml={logdir / 'junit-rank0.xml'}", *cmd[1:]]
         print(f"\n===== {name} (run {number} of {len(runs)}) =====", flush=True)
-        run_started = time.time()
+        run_started, cpu_before = time.time(), _children_cpu()
         rc = _run(cmd, run_env, args.timeout + 60)
+        cpu = _children_cpu() - cpu_before
         reports = list(logdir.glob("junit-rank*.xml"))
         counts = _counts(reports)
         for key in totals:
@@ -291,13 +363,15 @@ def main() -> int:
         else:
             shutil.rmtree(logdir, ignore_errors=True)
         summaries.append(f"{name}: {counts['passed']} passed, {failed} failed, {counts['skipped']} "
-                         f"skipped, {time.time() - run_started:.0f} s ({how}{kept})")
+                         f"skipped, {time.time() - run_started:.0f} s, CPU {cpu:.0f} s ({how}{kept})")
         print(f"===== {summaries[-1]}", flush=True)
 
     print("\n===== summary =====")
     for line in summaries:
         print("  " + line)
-    print(f"runs failed: {', '.join(failures) or 'none'}; {time.time() - started:.0f} s")
+    print(f"runs failed: {', '.join(failures) or 'none'}; {time.time() - started:.0f} s, CPU "
+          f"{_children_cpu() - cpu_started:.0f} s; load average {load_started} at the start, "
+          f"{_load()} at the end")
     print(f"{totals['passed']} passed, {totals['failed'] + totals['error']} failed, {totals['skipped']} skipped")
     return 1 if failures or totals["passed"] == 0 else 0
 
