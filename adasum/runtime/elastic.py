@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import os
+import signal
 
 from mpi4py import MPI
 
@@ -25,11 +26,13 @@ from .faults import (WorldChanged, is_failure, is_revoked, replace_world, revoke
                      world)
 
 __all__ = ["WorldChanged", "world", "replace_world", "ulfm_problem", "is_failure", "is_revoked", "revoke_all",
-           "shrink", "when_shrunk"]
+           "shrink", "when_shrunk", "note_whereabouts", "kill_silent"]
 
 # Seconds MPI_Finalize may take at exit once ranks died before this process ends without it.
 FINALIZE_PATIENCE = 10.0
 _listeners: list = []  # called, in order, after the world shrank (when_shrunk)
+# (the world they were gathered on, [(host, pid) of each of its ranks]): note_whereabouts
+_whereabouts: list = [None, []]
 
 
 def when_shrunk(fn) -> None:
@@ -71,3 +74,37 @@ def shrink() -> MPI.Intracomm:
     for fn in _listeners:
         fn()
     return new
+
+
+def note_whereabouts(gather) -> None:
+    """Keep the host and process id of every rank of the current world, ``gather(obj)`` being an allgather
+    over it (collective): what :func:`kill_silent` needs to end a rank that stopped answering."""
+    _whereabouts[:] = [world(), gather((MPI.Get_processor_name(), os.getpid()))]
+
+
+def kill_silent(exc) -> list[int]:
+    """After a stall timeout (``exc``, an :class:`~adasum.runtime.errors.AdasumStallError` naming the ranks
+    nobody heard from): SIGKILL those of them that run on this host, so that MPI reports them dead and the
+    survivors can shrink the world without them (a stopped or hung process never takes part in the
+    shrink). Returns the ranks of the current world it killed. Only where :func:`note_whereabouts` has
+    noted the current world; a rank on another host is left to a waiting rank on its own host."""
+    comm, silent = getattr(exc, "comm", None), getattr(exc, "silent", None)
+    noted, places = _whereabouts
+    if not silent or comm is None or noted is None or noted != world() or not places:
+        return []
+    try:
+        ranks = MPI.Group.Translate_ranks(comm.Get_group(), silent, world().Get_group())
+    except MPI.Exception:
+        return []
+    host, me, killed = MPI.Get_processor_name(), os.getpid(), []
+    for rank in ranks:
+        if rank == MPI.UNDEFINED or not 0 <= rank < len(places):
+            continue
+        where, pid = places[rank]
+        if where == host and pid != me:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(rank)
+            except (ProcessLookupError, PermissionError):
+                pass
+    return killed

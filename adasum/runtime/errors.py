@@ -15,4 +15,15 @@ class AdasumCollectiveError(RuntimeError):
 
 
 class AdasumStallError(AdasumCollectiveError):
-    """A call waited ``stall_timeout`` seconds for ranks that did not enter it; the text names them."""
+    """A call waited ``stall_timeout`` seconds for ranks that did not enter it; the text names them.
+
+    Attributes:
+        silent: the ranks (of ``comm``) that nobody heard from: they had not entered the call; None where
+            the error does not come from a wait that timed out (a communicator given up).
+        comm: the communicator those ranks belong to.
+    """
+
+    def __init__(self, *args, silent: list[int] | None = None, comm=None):
+        super().__init__(*args)
+        self.silent = silent
+        self.comm = comm

@@ -82,9 +82,13 @@ def ulfm_problem() -> str | None:
 def is_failure(exc: BaseException | None) -> bool:
     """Whether ``exc`` (or an exception it was raised from or during) says a rank died: a
     :class:`WorldChanged`, or an MPI error of class ``ERR_PROC_FAILED``/``ERR_REVOKED``, also as the text a
-    lane carries back from its thread. An ``ERR_IN_STATUS`` (a wait on several requests, whose own errors
-    are in their statuses) counts where this process knows of a dead rank or a revoked communicator
-    (:func:`_lost_a_rank`)."""
+    lane carries back from its thread. Any other MPI error counts where this process knows of a dead rank
+    or a revoked communicator (:func:`_lost_a_rank`): an ``ERR_IN_STATUS`` (a wait on several requests,
+    whose own errors are in their statuses), or the ``ERR_OTHER`` that Open MPI's nonblocking collectives
+    give (``NBC_Start_round``) when a round meets a dead or revoked peer.
+
+    An MPI error met before this process learnt of the death is not counted here;
+    :func:`adasum.torch.elastic.run` still treats it as a possible death (revoke, shrink, and see)."""
     seen: set[int] = set()
     classes = _failure_classes()
     while exc is not None and id(exc) not in seen:
@@ -93,7 +97,7 @@ def is_failure(exc: BaseException | None) -> bool:
             return True
         if isinstance(exc, MPI.Exception) and exc.Get_error_class() in classes:
             return True
-        if isinstance(exc, MPI.Exception) and exc.Get_error_class() == MPI.ERR_IN_STATUS and _lost_a_rank():
+        if isinstance(exc, MPI.Exception) and _lost_a_rank():
             return True
         if any(name in str(exc) for name in _FAILURE_NAMES + ("WorldChanged",)):
             return True

@@ -194,7 +194,7 @@ def _wait(call, req: MPI.Request | list, op: str | None, descs, waited: float = 
         if timeout is not None and elapsed >= timeout:
             text = _report(ctx, seq, heard, elapsed, label)
             ctx.broken = text
-            raise AdasumStallError(text)
+            raise AdasumStallError(text, silent=[r for r in range(ctx.size) if r not in heard], comm=comm)
         time.sleep(delay)
         delay = min(2 * delay, 0.01)
     if via is not None:

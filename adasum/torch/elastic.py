@@ -34,14 +34,23 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import os
+import signal
+import sys
+import threading
 import time
+import traceback
 from typing import Any, Callable
 
+from mpi4py import MPI
+
 from ..runtime import exchange
-from ..runtime.elastic import WorldChanged, is_failure, shrink, ulfm_problem, world
+from ..runtime.elastic import (WorldChanged, kill_silent, note_whereabouts, revoke_all, shrink,
+                               ulfm_problem, world)
+from ..runtime.errors import AdasumCollectiveError, AdasumStallError
 from .state.broadcast import broadcast_optimizer_state, broadcast_parameters, to_cpu
 
-__all__ = ["State", "run", "WorldChanged", "world"]
+__all__ = ["State", "run", "WorldChanged", "AnotherRankRaised", "world"]
 
 _log = logging.getLogger("adasum")
 _told: list[bool] = [False]
@@ -181,37 +190,201 @@ def tell_once() -> str | None:
     return problem
 
 
-def _reset(state: State, detected: float) -> None:
-    """``state.reset()``, again for each rank that dies while it runs."""
-    while True:
-        try:
-            state.reset(detected)
+# Seconds a rank that raised waits for the others to hear of it (they must reach a call of the library, or
+# a call on the world, which then fails at once) before it dies of SIGKILL: Open MPI then reports it dead and
+# the others go on without it, rather than wait for it for ever.
+TELL_PATIENCE = 120.0
+_ON_ERROR = ("end", "leave")
+
+
+class AnotherRankRaised(RuntimeError):
+    """Raised by :func:`run` on every rank whose training function did not fail when another rank's did:
+    the job ends (``on_error="end"``). ``ranks`` are the ranks (of ``MPI.COMM_WORLD``) that raised and
+    ``errors`` what they raised (one line each); their tracebacks are in their own output."""
+
+    def __init__(self, text: str, ranks: list[int], errors: list[str]):
+        super().__init__(text)
+        self.ranks, self.errors = ranks, errors
+
+
+def _summary(exc: BaseException) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= 500 else text[:497] + "..."
+
+
+def _cause(exc: BaseException) -> str:
+    """What ``exc``, caught by :func:`run` on this rank, says: ``"death"`` (a rank died: a
+    :class:`WorldChanged`, an MPI error of the failure classes, as raised or as the text a thread carried
+    back), ``"maybe"`` (another MPI error, a stall, a communicator the library gave up: a rank may have
+    died, which the shrink that follows finds out) or ``"raised"`` (an error of the training function
+    itself: the job ends, or this rank leaves, as ``on_error`` says)."""
+    seen: set[int] = set()
+    maybe = False
+    death = False
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, MPI.Exception):
+            return "death" if exc.Get_error_class() in _failure_classes() else "maybe"
+        text = str(exc)
+        if any(name in text for name in ("MPI_ERR_PROC_FAILED", "MPI_ERR_REVOKED", "MPIX_ERR_PROC_FAILED",
+                                         "MPIX_ERR_REVOKED")):
+            return "death"
+        if "MPI_ERR" in text or isinstance(exc, AdasumCollectiveError) and not isinstance(exc, WorldChanged):
+            maybe = True
+        if isinstance(exc, WorldChanged):
+            death = True
+        exc = exc.__cause__ or exc.__context__
+    return "death" if death else "maybe" if maybe else "raised"
+
+
+def _failure_classes() -> set[int]:
+    names = ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+    return {c for c in (getattr(MPI, n, None) for n in names) if c is not None and c not in (MPI.ERR_UNKNOWN,
+                                                                                            MPI.ERR_OTHER)}
+
+
+class _Fault:
+    """What :func:`run` knows of the fault it recovers from, on this rank."""
+
+    def __init__(self) -> None:
+        self.detected = time.monotonic()
+        self.own: BaseException | None = None  # this rank's training function raised this
+        self.maybe: BaseException | None = None  # an error that a death may explain (_cause "maybe")
+        self.deadline: threading.Timer | None = None
+
+    def met(self, exc: BaseException) -> None:
+        """Note ``exc``, met in the training function or in the recovery, and make every other rank leave
+        the call it is in (the communicators revoked); a stall timeout's silent ranks on this host killed."""
+        cause = _cause(exc)
+        if isinstance(exc, AdasumStallError):
+            killed = kill_silent(exc)
+            if killed:
+                _log.warning("adasum: rank %d: rank%s %s of the world did not answer for stall_timeout seconds; "
+                             "killed, so that the others go on without %s", world().Get_rank(),
+                             "s" * (len(killed) != 1), ", ".join(map(str, killed)),
+                             "it" if len(killed) == 1 else "them")
+        if cause == "raised" and self.own is None:
+            self.own = exc
+        elif cause == "maybe" and self.maybe is None:
+            self.maybe = exc
+        revoke_all()
+
+    def arm(self) -> None:
+        """A rank that raised: say so at once (the traceback comes when the exception leaves ``run``), and
+        die of SIGKILL if the others cannot be told within ``TELL_PATIENCE`` seconds."""
+        if self.own is None or self.deadline is not None:
             return
-        except Exception as exc:  # noqa: BLE001 - only a rank's death is handled, the rest re-raised
-            if not is_failure(exc):
-                raise
+        rank = MPI.COMM_WORLD.Get_rank()
+        print(f"adasum: rank {rank}: {_summary(self.own)} (raised inside the elastic training function; "
+              "telling the other ranks, the job ends)", file=sys.stderr, flush=True)
+        self.deadline = threading.Timer(TELL_PATIENCE, _die, args=(self.own,))
+        self.deadline.daemon = True
+        self.deadline.start()
+
+    def disarm(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
 
 
-def run(func: Callable[..., Any]) -> Callable[..., Any]:
+def _die(exc: BaseException) -> None:
+    print(f"adasum: rank {MPI.COMM_WORLD.Get_rank()}: the other ranks did not take part in ending the job "
+          f"within {TELL_PATIENCE:.0f} s; this rank dies of SIGKILL so that they go on without it. It "
+          "raised:", file=sys.stderr, flush=True)
+    traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _leave_now(exc: BaseException) -> None:
+    """``on_error="leave"``: this rank's training function raised ``exc``: show it and die of SIGKILL, which
+    the others see as a rank's death and go on without it (as Horovod's elastic mode drops a failed worker)."""
+    print(f"adasum: rank {MPI.COMM_WORLD.Get_rank()}: the elastic training function raised; this rank leaves "
+          "the job (on_error='leave') and the others go on without it:", file=sys.stderr, flush=True)
+    traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _recover(state: State, fault: _Fault) -> BaseException | None:
+    """Collective over the ranks still alive, each having met the fault: shrink the world, hear from every
+    rank whether its training function raised, and either end the job (the exception to raise on this
+    rank) or roll back and go on (None)."""
+    before = world().Get_size()
+    shrink()
+    shrank = world().Get_size() < before
+    certain = fault.own is not None
+    guess = fault.maybe is not None and not shrank  # an MPI error that no death explains
+    mine = _summary(fault.own if certain else fault.maybe) if certain or guess else None
+    votes = exchange.allgather(world(), (MPI.COMM_WORLD.Get_rank(), mine, certain),
+                               what="the elastic ranks' errors")
+    raised = [(r, text) for r, text, sure in votes if text is not None and sure]
+    raised = raised or [(r, text) for r, text, _ in votes if text is not None]
+    if raised:
+        fault.disarm()
+        if mine is not None and (certain or not any(sure for _, _, sure in votes)):
+            return fault.own if certain else fault.maybe
+        ranks, errors = [r for r, _ in raised], [t for _, t in raised]
+        return AnotherRankRaised(
+            f"rank {MPI.COMM_WORLD.Get_rank()}: the elastic training function raised on rank"
+            f"{'s' * (len(ranks) != 1)} {', '.join(map(str, ranks))} (of MPI.COMM_WORLD): "
+            + "; ".join(errors) + "; the job ends (that rank's output has the traceback)", ranks, errors)
+    state.resets += 1  # counted once the world shrank: a death during the rest is a reset of its own
+    state.rejoin()
+    state.restore()
+    state.on_reset()
+    _log.warning("adasum: rank %d: a rank died; the world shrank from %d to %d ranks and went back to the "
+                 "last commit (reset %d, %.2f s)", world().Get_rank(), before, world().Get_size(),
+                 state.resets, time.monotonic() - fault.detected)
+    return None
+
+
+def run(func: Callable[..., Any] | None = None, *, on_error: str = "end") -> Callable[..., Any]:
     """Decorate a training function ``func(state, *args, **kwargs)`` so that a rank's death makes the
     survivors go on (the module docstring): each attempt starts with ``state.sync()``; a failure is
-    followed by ``state.reset()`` and the next attempt. Errors that are not a rank's death propagate."""
+    followed by the shrink, ``state.reset``'s steps and the next attempt.
+
+    An error of the training function itself on one rank (``on_error="end"``, the default) ends the job:
+    the communicators revoked, so that the other ranks leave the call they are in at once; every rank
+    hears of it; it leaves ``run`` on the rank that raised it, and :class:`AnotherRankRaised` on the
+    others. ``on_error="leave"`` is Horovod's elastic behaviour instead: that rank shows its traceback and
+    dies (SIGKILL), the others go on without it as after any death. ``@run`` and
+    ``@run(on_error=...)`` both decorate. Without ULFM errors propagate as they would without ``run``."""
+    if on_error not in _ON_ERROR:
+        raise ValueError(f"on_error must be one of {_ON_ERROR}, got {on_error!r}")
+    if func is None:
+        return functools.partial(run, on_error=on_error)
 
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs):
         problem = tell_once()
+        fault: _Fault | None = None
         detected = None
         while True:
+            ending = None
             try:
-                state.sync()
-                if detected is not None:
-                    state.last_recovery_seconds = time.monotonic() - detected
-                    state.last_resumed_at = time.time()
-                return func(state, *args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - only a rank's death is handled, the rest re-raised
-                if problem is not None or not is_failure(exc):
+                if fault is not None:
+                    fault.arm()
+                    ending = _recover(state, fault)
+                    if ending is None:
+                        detected, fault = fault.detected, None
+                if ending is None:
+                    note_whereabouts(lambda obj: exchange.allgather(world(), obj, what="the ranks' hosts"))
+                    state.sync()
+                    if detected is not None:
+                        state.last_recovery_seconds = time.monotonic() - detected
+                        state.last_resumed_at = time.time()
+                    return func(state, *args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - every rank must hear of it, or the others wait
+                if problem is not None:
                     raise
-                detected, state.last_failure_seen_at = time.monotonic(), time.time()
-                _reset(state, detected)
+                if on_error == "leave" and fault is None and _cause(exc) == "raised":
+                    _leave_now(exc)
+                if fault is None:
+                    fault = _Fault()
+                    state.last_failure_seen_at = time.time()
+                fault.met(exc)
+                continue
+            raise ending
 
     return wrapper

@@ -5,9 +5,12 @@
 ``--kill R@E.B[:where]`` (repeatable): the rank of ``MPI.COMM_WORLD`` ``R`` SIGKILLs itself at epoch ``E``,
 batch ``B``, ``where`` being ``before`` (between two steps, the default), ``step`` (after its backward,
 while the others are already inside ``optimizer.step()``'s combine), ``commit`` (a few milliseconds
-after it entered the commit that follows that batch, inside the optimizer's ``flush()``) or ``reset``
+after it entered the commit that follows that batch, inside the optimizer's ``flush()``), ``reset``
 (inside the reset callbacks of the first recovery, a failure during the recovery itself; ``E.B`` then
-names the batch of the death that recovery is from, so that the reference run drops both at one commit). ``--api hvd``
+names the batch of the death that recovery is from, so that the reference run drops both at one commit),
+``stop`` (SIGSTOP instead of SIGKILL, between two steps: the others' stall timeout, ``--stall-timeout``,
+must end it) or ``raise`` (a RuntimeError raised by the training function there: the job ends, or under
+``--on-error leave`` that rank leaves it, a death for the reference run). ``--api hvd``
 trains through ``adasum.horovod``; ``--local-steps 4`` with ``DistributedOptimizer(local_steps=4)`` (and ``--delay 1``),
 ``--overlap`` with ``overlap=True``; ``--plain`` also trains the same model without elastic first and
 records whether both end bitwise alike.
@@ -50,6 +53,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--plain", action="store_true")
     p.add_argument("--overlap", action="store_true", help="DistributedOptimizer(overlap=True): a lane")
     p.add_argument("--delay", type=int, default=0, help="DistributedOptimizer(delay=...) with --local-steps")
+    p.add_argument("--stall-timeout", type=float, default=60.0)
+    p.add_argument("--on-error", choices=["end", "leave"], default="end", help="run(on_error=...)")
     p.add_argument("--out", required=True)
     return p.parse_args()
 
@@ -104,11 +109,11 @@ def evaluate(model) -> float:
         return float(torch.nn.functional.mse_loss(model(x), y))
 
 
-def die() -> None:
-    """SIGKILL this process, its time written beside the result first."""
+def die(how: signal.Signals = signal.SIGKILL) -> None:
+    """SIGKILL (or SIGSTOP) this process, its time written beside the result first."""
     with open(f"{OUT[0]}.killed.{MPI.COMM_WORLD.Get_rank()}", "w") as f:
         f.write(repr(time.time()))
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), how)
 
 
 OUT = [""]
@@ -117,6 +122,13 @@ OUT = [""]
 def one_batch(model, opt, epoch: int, batch: int, die_here: str | None) -> None:
     if die_here == "before":
         die()
+    if die_here == "stop":
+        die(signal.SIGSTOP)
+    if die_here == "raise":
+        with open(f"{OUT[0]}.killed.{MPI.COMM_WORLD.Get_rank()}", "w") as f:
+            f.write(repr(time.time()))
+        raise RuntimeError(f"rank {MPI.COMM_WORLD.Get_rank()}: a bug in the training function at epoch {epoch} "
+                           f"batch {batch}")
     x, y = data(MPI.COMM_WORLD.Get_rank(), epoch, batch)
     opt.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
@@ -135,6 +147,7 @@ def train_elastic(args, model, opt, losses: list) -> elastic.State:
     if "reset" in die_at.values():  # this rank dies inside the first recovery's callbacks
         state.register_reset_callbacks([lambda: (time.sleep(0.2), die())])
     runner = hvd.elastic.run if args.api == "hvd" else elastic.run
+    runner = runner(on_error=args.on_error)
 
     @runner
     def train(state):
@@ -216,7 +229,7 @@ def params_bytes(model) -> bytes:
 def main() -> None:
     args = parse()
     OUT[0] = args.out
-    adasum.configure(stall_timeout=60.0)
+    adasum.configure(stall_timeout=args.stall_timeout)
     if args.api == "hvd":
         hvd.init()
     plain = train_plain(args) if args.plain else None
