@@ -202,7 +202,7 @@ def main(argv=None) -> dict | None:
         left = (args.epochs - pos.epoch) * steps - math.ceil(pos.micro / args.accumulation_steps)
         cosine.T_max = cosine.last_epoch + left
         log.info("elastic: a rank died; the world is now %d ranks (reset %d); going on from the last commit, "
-                 "epoch %d micro-batch %d, %d micro-batches to train again", adasum.size(), pos.resets + 1,
+                 "epoch %d micro-batch %d, %d micro-batches to train again", adasum.size(), pos.resets,
                  pos.epoch + 1, pos.micro, reached[0] - pos.done)
 
     pos.register_reset_callbacks([after_reset])

@@ -9,8 +9,11 @@ after it entered the commit that follows that batch, inside the optimizer's ``fl
 (inside the reset callbacks of the first recovery, a failure during the recovery itself; ``E.B`` then
 names the batch of the death that recovery is from, so that the reference run drops both at one commit),
 ``stop`` (SIGSTOP instead of SIGKILL, between two steps: the others' stall timeout, ``--stall-timeout``,
-must end it) or ``raise`` (a RuntimeError raised by the training function there: the job ends, or under
-``--on-error leave`` that rank leaves it, a death for the reference run). ``--api hvd``
+must end it), ``raise`` (a RuntimeError raised by the training function there: the job ends, or under
+``--on-error leave`` that rank leaves it, a death for the reference run) or ``mpierror`` (half a second
+into the batch, an ``MPI.Exception`` of class ``ERR_OTHER`` raised in place of the step, as Open MPI's
+nonblocking collectives give when a round meets a rank that just died: not a death of this rank).
+``--no-reference`` skips the reference run (for jobs that must end). ``--api hvd``
 trains through ``adasum.horovod``; ``--local-steps 4`` with ``DistributedOptimizer(local_steps=4)`` (and ``--delay 1``),
 ``--overlap`` with ``overlap=True``; ``--plain`` also trains the same model without elastic first and
 records whether both end bitwise alike.
@@ -55,6 +58,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--delay", type=int, default=0, help="DistributedOptimizer(delay=...) with --local-steps")
     p.add_argument("--stall-timeout", type=float, default=60.0)
     p.add_argument("--on-error", choices=["end", "leave"], default="end", help="run(on_error=...)")
+    p.add_argument("--no-reference", action="store_true")
     p.add_argument("--out", required=True)
     return p.parse_args()
 
@@ -124,6 +128,9 @@ def one_batch(model, opt, epoch: int, batch: int, die_here: str | None) -> None:
         die()
     if die_here == "stop":
         die(signal.SIGSTOP)
+    if die_here == "mpierror":
+        time.sleep(0.5)  # the rank that dies at this batch is dead by now
+        raise MPI.Exception(MPI.ERR_OTHER)
     if die_here == "raise":
         with open(f"{OUT[0]}.killed.{MPI.COMM_WORLD.Get_rank()}", "w") as f:
             f.write(repr(time.time()))
@@ -184,7 +191,9 @@ def train_reference(args) -> tuple[bytes | None, list[float]]:
     epoch."""
     me = MPI.COMM_WORLD.Get_rank()
     leave = {}  # (epoch, batch) of a commit: the ranks that leave there
-    for who, epoch, batch, _ in deaths(args):
+    for who, epoch, batch, where in deaths(args):
+        if where == "mpierror":
+            continue
         leave.setdefault((epoch, batch - batch % COMMIT_EVERY), set()).add(who)
     comm = MPI.COMM_WORLD.Dup()
     model, opt = make(args, api="native", comm=comm)
@@ -233,7 +242,7 @@ def main() -> None:
     if args.api == "hvd":
         hvd.init()
     plain = train_plain(args) if args.plain else None
-    reference, reference_losses = train_reference(args)
+    reference, reference_losses = (None, []) if args.no_reference else train_reference(args)
     model, opt = make(args)
     losses: list = []
     start = time.time()

@@ -1,5 +1,9 @@
 """Horovod's elastic API (``hvd.elastic``) over MPI with ULFM: :func:`run`, :class:`TorchState`,
-:class:`ObjectState` (:mod:`adasum.torch.elastic` says what happens at a failure).
+:class:`ObjectState`, :class:`ElasticSampler` (:mod:`adasum.torch.elastic` says what happens at a failure).
+
+``run`` also takes ``on_error="leave"``: a rank whose training function raises leaves the job (its
+traceback shown) and the others go on without it, as under ``horovodrun``; by default such an error ends
+the whole job.
 
 The world cannot grow, as it can under ``horovodrun --min-np``: ranks that die are dropped, the survivors
 go on; no host is added. After a reset ``hvd.size()``, ``hvd.rank()``, the collectives, new
@@ -11,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..elastic import State, WorldChanged, run
+from ..elastic import AnotherRankRaised, ElasticSampler, State, WorldChanged, run
 
-__all__ = ["run", "State", "TorchState", "ObjectState", "WorldChanged"]
+__all__ = ["run", "State", "TorchState", "ObjectState", "ElasticSampler", "WorldChanged", "AnotherRankRaised"]
 
 
 class TorchState(State):
