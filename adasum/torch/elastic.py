@@ -24,6 +24,12 @@ tree re-formed at the new size), restores model, optimizer and attributes to the
 reset callbacks, broadcasts the state of the new world's rank 0 (:meth:`State.sync`) and calls the function
 again. Every survivor then holds bitwise the same parameters.
 
+Faults that are not a death never leave the job hanging: an exception of the training function on one
+rank ends the whole job (every rank hears of it through the shrink; :class:`AnotherRankRaised` on the
+others), or with ``run(on_error="leave")`` only that rank (Horovod's behaviour); a stall timeout
+(``stall_timeout``) kills the ranks nobody heard from on the waiting ranks' hosts, who then go on as after a
+death; any other MPI error goes through the shrink, which finds out whether a rank died.
+
 The commit is taken at a combined point: :meth:`State.commit` calls the optimizer's ``flush()`` first
 (collective), so the copy holds no open window. Without ULFM, ``run`` says so once and a failure ends the
 job as it would without it.
