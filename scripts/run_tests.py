@@ -10,9 +10,10 @@ where their ``world_size`` marks say (tests/helpers.py: argument checks, refusal
 lifecycles at one size, training runs that are bitwise the plain or hand-written one at 2 and 3, those
 against a serial reference of the tree at 1, 2, 3 and 5).
 
-``--fast``: the serial run, the tests marked ``smoke`` (one of each training path: DistributedOptimizer
-plain, overlapped, with local steps and with delay=1, the DDP hook, FSDP2's hooks and ReplicaDeltas,
-Lightning, the Accelerate recipe, the Horovod façade) in one job at 2 ranks, and
+``--fast``: the serial run without the tests marked ``slow`` (the recipes trained under mpiexec, the wheel
+built and installed, the docs' accuracies), the tests marked ``smoke`` (one of each training path:
+DistributedOptimizer plain, overlapped, with local steps and with delay=1, the DDP hook, FSDP2's hooks and
+ReplicaDeltas, Lightning, the Accelerate recipe, the Horovod façade) in one job at 2 ranks, and
 tests/core/test_allreduce.py at 3 ranks; nothing else (no elastic tests, study or docs).
 
 Every mpiexec command is made by one function (``_mpiexec``). Rank 0 of each MPI run prints to the
@@ -274,7 +275,7 @@ def main() -> int:
 
     runs: list[tuple[str, list[str], dict[str, str]]] = []
     if not args.no_serial:
-        runs.append(("serial", ["pytest", "-q", "-m", "not mpi", *extra], {}))
+        runs.append(("serial", ["pytest", "-q", "-m", "not mpi and not slow" if args.fast else "not mpi", *extra], {}))
     if args.fast:
         runs += _fast_runs(extra)
     for n in [int(s) for s in args.sizes.split(",") if s]:

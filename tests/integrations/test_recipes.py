@@ -19,6 +19,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# Each case trains under mpiexec -n 2 for some seconds (scripts/run_tests.py --fast leaves slow tests out;
+# its smoke tests at 2 ranks run the Accelerate recipe of tests/integrations/test_hf.py)
+pytestmark = pytest.mark.slow
+
 # (script, the framework it needs)
 RECIPES = [
     ("train_quickstart.py", None),
