@@ -311,7 +311,7 @@ def _cause(exc: BaseException) -> str:
             return "death" if exc.Get_error_class() in _failure_classes() else "maybe"
         text = str(exc)
         if any(name in text for name in ("MPI_ERR_PROC_FAILED", "MPI_ERR_REVOKED", "MPIX_ERR_PROC_FAILED",
-                                         "MPIX_ERR_REVOKED")):
+                                         "MPIX_ERR_REVOKED", "WorldChanged")):
             return "death"
         if "MPI_ERR" in text or isinstance(exc, AdasumCollectiveError) and not isinstance(exc, WorldChanged):
             maybe = True
@@ -332,6 +332,7 @@ class _Fault:
 
     def __init__(self) -> None:
         self.detected = time.monotonic()
+        self.size = world().Get_size()  # of the world the fault was met in
         self.own: BaseException | None = None  # this rank's training function raised this
         self.maybe: BaseException | None = None  # an error that a death may explain (_cause "maybe")
         self.deadline: threading.Timer | None = None
@@ -396,7 +397,7 @@ def _recover(state: State, fault: _Fault) -> BaseException | None:
     rank) or roll back and go on (None)."""
     before = world().Get_size()
     shrink()
-    shrank = world().Get_size() < before
+    shrank = world().Get_size() < fault.size  # over every attempt of this recovery
     certain = fault.own is not None
     guess = fault.maybe is not None and not shrank  # an MPI error that no death explains
     mine = _summary(fault.own if certain else fault.maybe) if certain or guess else None

@@ -96,6 +96,7 @@ def test_what_run_makes_of_each_error():
         assert _cause(MPI.Exception(MPI.ERR_PROC_FAILED)) == "death"
         assert _cause(MPI.Exception(MPI.ERR_REVOKED)) == "death"
     assert _cause(RuntimeError("lane: MPI_ERR_PROC_FAILED: process failure")) == "death"
+    assert _cause(RuntimeError("the overlap thread raised WorldChanged: rank 1 died")) == "death"
     assert _cause(MPI.Exception(MPI.ERR_OTHER)) == "maybe"  # NBC_Start_round's error while a rank dies
     assert _cause(MPI.Exception(MPI.ERR_IN_STATUS)) == "maybe"
     assert _cause(RuntimeError("a thread met MPI_ERR_OTHER: known error not in list")) == "maybe"
