@@ -41,9 +41,10 @@ Where the meaning differs from Horovod's:
   are reduced as Horovod reduces them, gathered or with ``sparse_as_dense`` (:mod:`.sparse`).
 - ``Compression.fp16`` sends 16-bit values, scaled by a power of two that every rank agrees on, and
   combines them in float32: half the bytes of float32 on the wire.
-- Elastic training (``hvd.elastic.run``, ``TorchState``, ``ObjectState``; :mod:`.elastic`) needs an MPI
-  with ULFM (Open MPI 5, ``mpiexec --with-ft ulfm``): ranks that die are dropped and the survivors go on from
-  the last commit; the world never grows. The world is then the survivors' communicator.
+- Elastic training (``hvd.elastic.run``, ``TorchState``, ``ObjectState``, ``ElasticSampler``; :mod:`.elastic`)
+  needs an MPI with ULFM (Open MPI 5, ``mpiexec --with-ft ulfm``): ranks that die are dropped and the
+  survivors go on from the last commit; the world never grows. The world is then the survivors'
+  communicator. An exception on one rank ends the job unless ``hvd.elastic.run(on_error="leave")``.
 - Not provided (``NotImplementedError`` naming what to use): Gloo, the timeline and ``SyncBatchNorm``.
 """
 
