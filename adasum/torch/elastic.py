@@ -179,6 +179,10 @@ class State:
         to the last commit and run the reset callbacks. Collective over the survivors."""
         before = world().Get_size()
         shrink()
+        self._roll_back(before, detected)
+
+    def _roll_back(self, before: int, detected: float) -> None:
+        """Once the world shrank from ``before`` ranks: rebuild, roll back, run the reset callbacks, log."""
         self.resets += 1  # counted once the world shrank: a death during the rest is a reset of its own
         self.rejoin()
         self.restore()
@@ -414,13 +418,7 @@ def _recover(state: State, fault: _Fault) -> BaseException | None:
             f"rank {MPI.COMM_WORLD.Get_rank()}: the elastic training function raised on rank"
             f"{'s' * (len(ranks) != 1)} {', '.join(map(str, ranks))} (of MPI.COMM_WORLD): "
             + "; ".join(errors) + "; the job ends (that rank's output has the traceback)", ranks, errors)
-    state.resets += 1  # counted once the world shrank: a death during the rest is a reset of its own
-    state.rejoin()
-    state.restore()
-    state.on_reset()
-    _log.warning("adasum: rank %d: a rank died; the world shrank from %d to %d ranks and went back to the "
-                 "last commit (reset %d, %.2f s)", world().Get_rank(), before, world().Get_size(),
-                 state.resets, time.monotonic() - fault.detected)
+    state._roll_back(before, fault.detected)
     return None
 
 
