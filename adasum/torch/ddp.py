@@ -43,6 +43,7 @@ from mpi4py import MPI
 from ..call.allreduce import Op
 from ..runtime.context import check_comm
 from ..runtime.lane import Lane
+from .checks import check_agreement
 from .internals import step_hooks_of
 from .options import Options
 from .window.agreement import Layout, agree
@@ -217,15 +218,14 @@ class DeltaState(_CommState):
 
     def __init__(self, optimizer, comm: MPI.Intracomm | None = None, *, grad_scaler=None,
                  options: Options | None = None, **settings):
-        unused = sorted(set(settings) - _DELTA_SETTINGS)
-        if unused:
-            raise TypeError(f"DeltaState takes the settings {', '.join(sorted(_DELTA_SETTINGS))}, not "
-                            f"{', '.join(map(repr, unused))} (those belong to DistributedOptimizer)")
-        opts = Options.of(options or Options(overlap=True), settings, "DeltaState")
-        opts.raise_problems(check_comm(comm), "DeltaState")
+        opts = Options.of(options or Options(overlap=True), settings, "DeltaState", allowed=_DELTA_SETTINGS)
+        comm = check_comm(comm)
+        opts.raise_problems(comm, "DeltaState")
         compression, start_copy, accumulation_steps, skip_nonfinite, overlap = (
             opts.compression, opts.start_copy, opts.accumulation_steps, opts.skip_nonfinite, opts.overlap)
         _check_unclaimed(optimizer)
+        # every rank the same settings and parameters (a difference raises on every rank)
+        check_agreement(comm, {k: getattr(opts, k) for k in sorted(_DELTA_SETTINGS)}, trained_params(optimizer))
         super().__init__(comm, overlap)
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps

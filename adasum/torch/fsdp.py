@@ -90,9 +90,11 @@ class ReplicaDeltas:
 
     The rules of :class:`~adasum.torch.DistributedOptimizer` hold here too:
 
-    - a delta that is not finite on any rank (a NaN or Inf loss on one replica) skips that combine on every
-      rank: every parameter goes back to the window's start, ``step_was_skipped`` is True and
-      ``skipped_updates`` counts it;
+    - a rank whose gradients are not finite (a NaN or Inf loss on one replica) skips its own optimizer step,
+      so its state stays finite; with ``local_steps=1`` that combine is then skipped on every rank (every
+      parameter back at the window's start, ``step_was_skipped`` True, ``skipped_updates`` counting it),
+      with local steps the window goes on without that step; a combined delta that is not finite skips the
+      combine on every rank;
     - a local step that raises on one rank, at a step that combines, raises on every rank, the parameters
       back at the window's start;
     - at each combine the ranks agree on the window's number and its steps, and the model's forward checks
@@ -155,11 +157,12 @@ class ReplicaDeltas:
             if closure is not None:  # before the check: the closure makes the gradients
                 with torch.enable_grad():
                     loss = closure()
-            # A rank whose gradients are not finite skips its own step, so its optimizer state stays finite;
-            # the window's combine is then skipped on every rank.
+            # A rank whose gradients are not finite skips its own step, so its optimizer state stays finite.
+            # A window of one step is then skipped on every rank (as DistributedOptimizer's boundary does);
+            # a window of local steps goes on without that step (as its local steps do).
             if _grads_finite(self.params):
                 self.optimizer.step()
-            else:
+            elif self.local_steps == 1:
                 self._nonfinite = True
         except BaseException as e:
             if not combines:

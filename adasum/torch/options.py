@@ -13,6 +13,8 @@ from ..runtime import exchange
 
 __all__ = ["Options"]
 
+_UNEXPECTED = "got unexpected keyword argument(s)"
+
 # The names ``compression`` takes (adasum.torch.window.compress reads the same names).
 _WIRES = (None, "none", "fp16", "float16", "bf16", "bfloat16")
 
@@ -84,7 +86,7 @@ class Options:
     def problems(self) -> list[str]:
         """What is wrong with these settings on this rank (empty where nothing is): the one check of every
         field, which every entry point runs on every rank before it uses any of them."""
-        found = []
+        found = list(getattr(self, "_argument_problems", ()))
         if self.op not in ("adasum", "sum", "mean"):
             found.append(f"op must be one of 'adasum', 'sum', 'mean', got {self.op!r}")
         for name in ("accumulation_steps", "bucket_bytes"):
@@ -95,7 +97,11 @@ class Options:
             found.append(f"start_copy must be 'device' or 'host', got {self.start_copy!r}")
         if self.buffers not in (None, "average", "broadcast"):
             found.append(f"buffers must be 'average', 'broadcast' or None, got {self.buffers!r}")
-        if self.hierarchical and self.op != "adasum":
+        for name in ("skip_nonfinite", "hierarchical", "overlap"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                found.append(f"{name} must be True or False, got {value!r}")
+        if self.hierarchical is True and self.op != "adasum":
             found.append(f"hierarchical=True needs op 'adasum', got op '{self.op}'")
         key = self.compression.lower() if isinstance(self.compression, str) else self.compression
         if key not in _WIRES:
@@ -114,7 +120,7 @@ class Options:
             found.append(f"outer_momentum must be a number in [0, 1), got {mu!r}")
         if isinstance(delay, bool) or delay not in (0, 1):
             found.append(f"delay must be 0 or 1, got {delay!r}")
-        if not found and self.overlap and self.uses_local_steps:
+        if not found and self.overlap is True and self.uses_local_steps:
             found.append("overlap=True overlaps a combine with the backward that closes it; with local_steps > 1 "
                          "or an outer optimizer the combine follows the H-th local step instead: construct the "
                          "optimizer with overlap=False")
@@ -129,19 +135,36 @@ class Options:
 
     def raise_problems(self, comm, who: str, more: str | None = None) -> None:
         """Collective over ``comm``: where any rank's settings have a problem (or ``more``, a problem of
-        this rank's other arguments), raise ValueError on every rank, naming each rank and its problems."""
+        this rank's other arguments), raise on every rank, naming each rank and its problems: TypeError
+        where a rank passed a keyword that is not a setting, else ValueError."""
         mine = "; ".join(self.problems() + ([more] if more else [])) or None
-        exchange.raise_everywhere(comm, mine, ValueError, f"{who}'s settings")
+        found = exchange.failures(comm, mine, f"{who}'s settings")
+        if found is not None:
+            kind = TypeError if _UNEXPECTED in found else ValueError
+            exchange.raise_found(comm.Get_rank(), found, kind)
 
     @classmethod
-    def of(cls, options: "Options | None", settings: dict[str, Any], who: str) -> "Options":
-        """``options`` with ``settings`` (keywords) replacing its fields; an unknown keyword is a TypeError
-        that names ``who`` and the settings there are."""
-        unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(cls)})
+    def of(cls, options: "Options | None", settings: dict[str, Any], who: str,
+           allowed: frozenset | None = None) -> "Options":
+        """``options`` with ``settings`` (keywords) replacing its fields. A keyword that is not a setting
+        (or not one of ``allowed``) does not raise here: :meth:`problems` names it with ``who`` and the
+        settings there are, so that every rank raises it."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        known = set(names) if allowed is None else set(allowed)
+        unknown = sorted(set(settings) - known)
+        out = dataclasses.replace(options or cls(), **{k: v for k, v in settings.items() if k in set(names)})
+        extra = []
         if unknown:
-            raise TypeError(f"{who} got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; its "
-                            f"settings are {', '.join(f.name for f in dataclasses.fields(cls))}")
-        return dataclasses.replace(options or cls(), **settings)
+            extra.append(f"{who} {_UNEXPECTED} {', '.join(map(repr, unknown))}; its settings are "
+                         f"{', '.join(n for n in names if n in known)}")
+        if allowed is not None and options is not None:  # an Options object: its other fields left as they are
+            default = cls()
+            changed = [n for n in names if n not in allowed and getattr(options, n) != getattr(default, n)]
+            if changed:
+                extra.append(f"{who} takes the settings {', '.join(sorted(allowed))}; the options given set "
+                             f"{', '.join(f'{n}={getattr(options, n)!r}' for n in changed)}")
+        object.__setattr__(out, "_argument_problems", tuple(extra))
+        return out
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -64,3 +64,29 @@ def test_problems_lists_every_bad_value_of_one_rank(comm):
         DistributedOptimizer(torch.optim.SGD(params(), lr=0.1), comm=comm, **settings)
     # good settings afterwards: nothing was left behind
     DistributedOptimizer(torch.optim.SGD(params(), lr=0.1), comm=comm).close()
+
+
+def test_an_unknown_keyword_on_one_rank_raises_on_every_rank(comm):
+    last = comm.Get_size() - 1
+    settings = {"local_step": 2} if comm.Get_rank() == last else {}
+    with pytest.raises(TypeError, match=rf"rank {last}: DistributedOptimizer got unexpected keyword argument\(s\) "
+                                        r"'local_step'; its settings are op, "):
+        DistributedOptimizer(torch.optim.SGD(params(), lr=0.1), comm=comm, **settings)
+    settings = {"op": "mean"} if comm.Get_rank() == last else {}
+    with pytest.raises(TypeError, match=rf"rank {last}: DeltaState got unexpected keyword argument\(s\) 'op'"):
+        DeltaState(torch.optim.SGD(params(), lr=0.1), comm, **settings)
+
+
+def test_delta_state_refuses_options_it_does_not_take_and_ranks_that_differ(comm):
+    with pytest.raises(ValueError, match=r"DeltaState takes the settings .*; the options given set op='mean', "
+                                         r"local_steps=4"):
+        DeltaState(torch.optim.SGD(params(), lr=0.1), comm, options=Options(op="mean", local_steps=4))
+    k = 2 if comm.Get_rank() == comm.Get_size() - 1 else 1
+    with pytest.raises(ValueError, match=r"ranks disagree on accumulation_steps of DistributedOptimizer"):
+        DeltaState(torch.optim.SGD(params(), lr=0.1), comm, accumulation_steps=k)
+
+
+@pytest.mark.parametrize("name", ["skip_nonfinite", "hierarchical", "overlap"])
+def test_switches_take_booleans_only(comm, name):
+    with pytest.raises(ValueError, match=rf"{name} must be True or False, got 'no'"):
+        DistributedOptimizer(torch.optim.SGD(params(), lr=0.1), comm=comm, **{name: "no"})

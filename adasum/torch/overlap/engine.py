@@ -224,11 +224,17 @@ class OverlapEngine:
         """Raise where the backward that closes a window handed buckets to the thread and ``step()`` never
         took them (a skipped ``step()``), after waiting for the thread: nothing touches the parameters then."""
         if self.started:
-            self.finish()
-            raise RuntimeError(
-                f"rank {self.comm.Get_rank()}: {what} after the backward that closes a window but before its "
-                "step(): every rank must call step() after each micro-batch's backward; the window's reduced "
-                "buckets are dropped and the parameters keep the window's start")
+            bw = self._bw
+            _, _, refused = self.finish()
+            text = (f"rank {self.comm.Get_rank()}: {what} after the backward that closes a window but before its "
+                    "step(): every rank must call step() after each micro-batch's backward; the window's reduced "
+                    "buckets are dropped and the parameters keep the window's start")
+            if refused is None:
+                # The other ranks' step() decides the boundary next (Boundary._decide): this rank meets that
+                # decision with its error, so every rank raises instead of waiting for it.
+                agree(self.comm, self._ledger.at(bw.count), self._layout, bw.params, text)
+            self.replan()
+            raise RuntimeError(text)
 
     def disable(self, why: str) -> None:
         """Overlap off for good (later boundaries run in ``step()``)."""

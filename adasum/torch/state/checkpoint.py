@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import tempfile
+import zlib
 from typing import IO, Any
 
 import torch
@@ -57,14 +58,14 @@ def save_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimize
 
     After a combine the parameters are identical on every rank and the model is the common one. Inside a
     window of local steps (or with ``delay=1`` before :meth:`~adasum.torch.DistributedOptimizer.flush`) each
-    rank holds its own parameters: the model saved is then the root's own, and each rank's own values travel
-    in its optimizer state. Such a file resumes exactly at the world size it was saved at (model and
+    rank holds its own parameters (the save compares the ranks' parameters, one checksum each): the model
+    saved is then the root's own, and each rank's own values travel in its optimizer state. Such a file resumes exactly at the world size it was saved at (model and
     optimizer); :func:`load_checkpoint` refuses to load its model alone. Call ``flush()`` before saving for a
     checkpoint whose model is the combined one.
     """
     comm, rank, size = _setup(comm, root)
     local = to_cpu(optimizer.state_dict()) if optimizer is not None else None
-    combined = not getattr(optimizer, "holds_own_parameters", False)
+    combined = not getattr(optimizer, "holds_own_parameters", False) and _alike(comm, model)
     states = exchange.gather(comm, local, root=root, what="save_checkpoint's optimizer states")
     problem = None
     if rank == root:
@@ -78,6 +79,18 @@ def save_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimize
     raise_everywhere(comm, problem)
 
 
+def _alike(comm: MPI.Intracomm, model: torch.nn.Module) -> bool:
+    """Collective: whether every rank holds the same parameters (one checksum per rank), so that the root's
+    model is the common one, whichever optimizer (if any) was passed to the save."""
+    digest = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            t = p.detach()
+            t = t.to_local() if hasattr(t, "to_local") else t
+            digest = zlib.crc32(t.cpu().contiguous().view(torch.uint8).numpy().tobytes(), digest)
+    return len(set(exchange.allgather(comm, digest, what="save_checkpoint's comparison of the models"))) == 1
+
+
 def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = None, optimizer=None,
                     comm: MPI.Intracomm | None = None, root: int = 0) -> dict[str, Any] | None:
     """Load ``path`` (written by :func:`save_checkpoint`) into ``model`` and ``optimizer`` on every rank;
@@ -87,8 +100,8 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
     ``torch.load(weights_only=True)`` and sends each rank its part. Each rank gets the optimizer state of
     the rank it was when saved, so the world size must be the one saved; to move to another world size,
     load the model alone (``optimizer=None``). A file saved inside a window of local steps holds the root's
-    own, uncombined model: its model alone is refused (resume at the size it was saved at, ``flush()``,
-    and save again).
+    own, uncombined model (the ranks' parameters differed): its model alone is refused (resume at the size
+    it was saved at, ``flush()``, and save again).
 
     Raises ValueError on every rank, naming the file and what is wrong, if the file is missing, empty,
     truncated, longer than its header says, fails its checksum, or does not fit ``model`` (a missing or
@@ -104,9 +117,10 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
             if optimizer is not None and payload["optimizer"] is None:
                 raise ValueError("it holds no optimizer state")
             if optimizer is None and model is not None and not payload.get("combined", True):
-                raise ValueError(f"it was saved inside a window of local steps, so its model is rank {root}'s own "
-                                 "and not the combined one; load it with the optimizer on "
-                                 f"{payload['world_size']} ranks, call flush(), and save again")
+                raise ValueError(f"the ranks' parameters differed when it was saved (inside a window of local "
+                                 f"steps, say), so its model is rank {root}'s own and not the combined one; load "
+                                 f"it with the optimizer on {payload['world_size']} ranks, call flush(), and save "
+                                 "again")
             if optimizer is not None and payload["world_size"] != size:
                 raise ValueError(f"it was written by {payload['world_size']} ranks and this job has {size}; "
                                  "resume with as many ranks, or load the model alone (optimizer=None)")

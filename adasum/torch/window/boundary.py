@@ -108,8 +108,12 @@ class Boundary:
             everything = len(params) == len({id(p) for g in self.optimizer.param_groups for p in g["params"]})
             self.strategy.local(buckets[0], side=False, everything=everything)
             error = buckets[0].error or hook_error
-            # sum/mean: the window's agreement rides on the reduction's own (one small collective, not two)
-            companion = self._companion(ledger, error) if self.strategy.carries_companion(buckets[0], comm) else None
+            # sum/mean: the window's agreement rides on the reduction's own (one small collective, not two).
+            # Not where an overlap engine is open: its lane makes the agreement of the boundaries it reduces,
+            # and this one must meet it there (a rank that forced this boundary, say).
+            lane_open = self.engine is not None and not self.engine.closed
+            companion = self._companion(ledger, error) \
+                if not lane_open and self.strategy.carries_companion(buckets[0], comm) else None
             if companion is None:
                 self._decide(buckets, ledger, error)
             try:
