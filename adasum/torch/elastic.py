@@ -452,7 +452,8 @@ def run(func: Callable[..., Any] | None = None, *, on_error: str = "end") -> Cal
                     if ending is None:
                         detected, fault = fault.detected, None
                 if ending is None:
-                    note_whereabouts(lambda obj: exchange.allgather(world(), obj, what="the ranks' hosts"))
+                    if problem is None:  # where a stall timeout may have to kill a silent rank
+                        note_whereabouts(lambda obj: exchange.allgather(world(), obj, what="the ranks' hosts"))
                     state.sync()
                     if detected is not None:
                         state.last_recovery_seconds = time.monotonic() - detected
