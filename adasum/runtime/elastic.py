@@ -6,7 +6,9 @@ A wait that meets a dead rank revokes every communicator of the library and rais
 *current world*: the default communicator of every call that takes ``comm=None`` (:func:`world`). The
 contexts of the old communicators are abandoned, never freed (freeing a revoked communicator may wait for
 dead ranks); their next call raises at once. State of the library that is one per process (the Horovod
-façade's process sets) follows through :func:`when_shrunk`.
+façade's process sets) follows through :func:`when_shrunk`. :func:`note_whereabouts` keeps every rank's host
+and process id, so that after a stall timeout :func:`kill_silent` can end a rank that stopped answering
+(a stopped process never takes part in a shrink, and is reported dead only once it is killed).
 
 Where the MPI has no ULFM, :func:`ulfm_problem` says why and what to do; nothing here changes how a failure
 ends the job there.
