@@ -73,6 +73,18 @@ def test_an_mpi_error_while_rank_0_dies_counts_as_that_death(tmp_path):
     report("np=4 rank 0 dies, ERR_OTHER on rank 1", result, killed)
 
 
+@needs_ulfm
+def test_an_mpi_error_with_nobody_dead_ends_the_job(tmp_path):
+    """The same ``MPI_ERR_OTHER`` on rank 1 with every rank alive: the shrink finds nobody dead, so it is rank
+    1's own error, and the job ends as for an exception (rank 1 raises it, the others AnotherRankRaised)."""
+    proc = run_job(tmp_path, 4, "--no-reference", "--kill", "1@1.2:mpierror")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not (tmp_path / "result.json").exists(), output[-4000:]
+    assert "mpi4py.MPI.Exception: MPI_ERR_OTHER" in output, output[-4000:]
+    others = [line for line in output.splitlines() if line.startswith("adasum.torch.elastic.AnotherRankRaised")]
+    assert len(others) == 3 and all("raised on rank 1 " in line for line in others), output[-4000:]
+
+
 def _chained(exc: BaseException, cause: BaseException) -> BaseException:
     try:
         try:
