@@ -137,9 +137,13 @@ def test_a_rank_skipping_step_is_named_not_the_graph(stall_comm, overlap):
     model, opt, g = trained_three_steps(stall_comm, overlap)
     if rank == size - 1:
         micro(model, g)  # no step() after this backward
-        if overlap:  # its buckets went to the thread: zero_grad() tells it what it did
+        if overlap:  # its buckets went to the thread: zero_grad() tells it, and the others, what it did
             with pytest.raises(RuntimeError, match="zero_grad\\(\\) after the backward that closes a window"):
                 opt.zero_grad()
+        return
+    if overlap:  # the last rank's zero_grad() meets this boundary's decision with its error
+        with pytest.raises(RuntimeError, match=rf"rank {size - 1}: zero_grad\(\) after the backward that closes"):
+            train(model, opt, g, 2)
         return
     with pytest.raises(adasum.AdasumStallError, match=rf"for rank {size - 1}, which has not entered it"):
         train(model, opt, g, 2)
