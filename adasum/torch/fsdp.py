@@ -272,6 +272,7 @@ class _ForwardCheck:
     def __init__(self, owner: weakref.ref):
         self.owner = owner
 
+    @torch.compiler.disable  # a collective over MPI: never traced into a compiled model's graph
     def __call__(self, module, args) -> None:
         owner = self.owner()
         if owner is not None and owner._finalizer.alive:
