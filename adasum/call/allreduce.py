@@ -90,14 +90,7 @@ def allreduce_inplace_with(tensors, op: str, comm: MPI.Intracomm, companion: Com
     agreement (:class:`~adasum.runtime.agreement.Companion`), so one small collective does for both. Where
     the companions differ or one has an error, every rank raises as in any other difference, before any
     data moves."""
-    with context_for(comm).call("adasum_allreduce_inplace", companion=companion) as call:
-        use_isa(call.settings.kernels_isa)
-        extras = agreed_extras(call)
-        if call.ctx.size > 1:
-            done = _round_trip(call, extras, tensors, op, False, True)
-            if done is not None:
-                return done
-        return _on_host(call, extras, tensors, op, False, True)
+    return _allreduce(tensors, op, comm, False, inplace=True, companion=companion)
 
 
 def _as_list(tensors) -> tuple[bool, list]:
@@ -121,8 +114,9 @@ def _parse_op(op) -> str:
         raise ValueError(f"op must be one of 'adasum', 'sum', 'mean', got {op!r}") from None
 
 
-def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool):
-    with context_for(comm).call("adasum_allreduce_inplace" if inplace else "adasum_allreduce") as call:
+def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool, companion: Companion | None = None):
+    what = "adasum_allreduce_inplace" if inplace else "adasum_allreduce"
+    with context_for(comm).call(what, companion=companion) as call:
         use_isa(call.settings.kernels_isa)
         extras = agreed_extras(call)
         if call.ctx.size > 1:
