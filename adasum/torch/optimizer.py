@@ -295,9 +295,8 @@ class DistributedOptimizer(_Wrapping):
     skipped_updates = property(lambda self: self._steps.skipped_updates)
     @property
     def holds_own_parameters(self) -> bool:
-        """Whether this rank's parameters are its own, not yet combined with the other ranks': a window of
-        local steps is open, or (``delay=1``) a combine is on its way. :meth:`flush` combines them; a
-        checkpoint saved meanwhile holds the root rank's own model (:func:`adasum.torch.save_checkpoint`)."""
+        """Whether this rank's parameters are its own, not yet combined (a window of local steps is open, or
+        with ``delay=1`` a combine is on its way): :meth:`flush` combines them."""
         local = self._parts.local
         return local is not None and (local.taken > 0 or local.pending)
 
