@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from ...runtime import world
-from ...runtime.stall import AdasumCollectiveError
+from ..runtime import world
+from ..runtime.stall import AdasumCollectiveError
 
 __all__ = ["Adasum", "Average", "Sum", "Min", "Max", "Product", "Compression", "HorovodInternalError",
            "size", "rank", "local_size", "local_rank", "cross_rank", "cross_size", "is_initialized",

@@ -12,7 +12,7 @@ import time
 import torch
 from mpi4py import MPI
 
-from ...runtime import exchange, world
+from ..runtime import exchange, world
 from . import plans
 from .basics import HorovodInternalError
 from .negotiate import RankCall, execute, serve_joined

@@ -41,7 +41,7 @@ Where the meaning differs from Horovod's:
   are reduced as Horovod reduces them, gathered or with ``sparse_as_dense`` (:mod:`.sparse`).
 - ``Compression.fp16`` sends 16-bit values, scaled by a power of two that every rank agrees on, and
   combines them in float32: half the bytes of float32 on the wire.
-- Elastic training (``hvd.elastic.run``, ``TorchState``, ``ObjectState``, ``ElasticSampler``; :mod:`.elastic`)
+- Elastic training (``hvd.elastic.run``, ``TorchState``, ``ObjectState``, ``ElasticSampler``; :mod:`.elastic_api`)
   needs an MPI with ULFM (Open MPI 5, ``mpiexec --with-ft ulfm``): ranks that die are dropped and the
   survivors go on from the last commit; the world never grows. The world is then the survivors'
   communicator. An exception on one rank ends the job unless ``hvd.elastic.run(on_error="leave")``.
@@ -54,14 +54,14 @@ from .basics import (Adasum, Average, BF16Compressor, Compression, FP16Compresso
                      NoneCompressor, Product, Sum, ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
                      gloo_built, gloo_enabled, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
                      mpi_threads_supported, nccl_built, rank, rocm_built, size)
-from .collectives import (allgather, allgather_object, allreduce, allreduce_, alltoall, barrier, broadcast,
+from .blocking import (allgather, allgather_object, allreduce, allreduce_, alltoall, barrier, broadcast,
                           broadcast_, broadcast_object, grouped_allgather, grouped_allreduce, grouped_allreduce_,
                           grouped_reducescatter, join, reducescatter)
 from .handles import (allgather_async, allreduce_async, allreduce_async_, alltoall_async, broadcast_async,
                       broadcast_async_, grouped_allgather_async, grouped_allreduce_async, grouped_allreduce_async_,
                       grouped_reducescatter_async, poll, reducescatter_async, sparse_allreduce_async, synchronize)
-from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
-from . import elastic
+from .optimizer_api import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+from . import elastic_api as elastic
 from .process_sets import (ProcessSet, add_process_set, global_process_set, init, remove_process_set,
                            shutdown)
 

@@ -19,11 +19,11 @@ from typing import Callable, Iterable
 
 from mpi4py import MPI
 
-from ...runtime import world
-from ...runtime.context import library_comm
-from ...runtime.elastic import when_shrunk
-from ...runtime.elastic import world as world_comm
-from ...runtime.lane import Lane
+from ..runtime import world
+from ..runtime.context import library_comm
+from ..runtime.elastic import when_shrunk
+from ..runtime.elastic import world as world_comm
+from ..runtime.lane import Lane
 from .negotiate import RankCall, execute
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "init", "shutdown",

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from ...runtime import world
+from ..runtime import world
 from . import plans
 from .basics import Average, Sum
 from .process_sets import resolve, thread
@@ -104,7 +104,7 @@ def _copy_into(tensors):
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, process_set=None, compression=None) -> int:
-    """:func:`~.collectives.allreduce` on the communication thread; a handle."""
+    """:func:`~.blocking.allreduce` on the communication thread; a handle."""
     return _async("allreduce_async", name, plans.allreduce(tensor, average, compression, op, prescale_factor,
                                                            postscale_factor, process_set, grad=False))
 

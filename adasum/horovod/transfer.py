@@ -10,9 +10,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ...call.allreduce import adasum_allreduce
-from ...runtime import exchange
-from ..window.compress import Wire
+from ..call.allreduce import adasum_allreduce
+from ..runtime import exchange
+from ..torch.window.compress import Wire
 from .basics import Adasum, Average, MPI_OPS, Sum
 
 __all__ = ["reduce", "reduce_group", "allgatherv", "alltoallv", "bcast", "scaled", "integral"]

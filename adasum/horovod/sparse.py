@@ -30,8 +30,8 @@ import contextlib
 import torch
 from mpi4py import MPI
 
-from ...runtime import exchange, world
-from ..window.tensors import all_finite, mark_nonfinite
+from ..runtime import exchange, world
+from ..torch.window.tensors import all_finite, mark_nonfinite
 from . import plans
 from .basics import Average, Sum
 from .process_sets import ProcessSet

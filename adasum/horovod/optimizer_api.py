@@ -9,11 +9,11 @@ import warnings
 import torch
 from mpi4py import MPI
 
-from ...runtime import exchange, world
-from .. import DistributedOptimizer as _DistributedOptimizer
-from .. import broadcast_optimizer_state as _broadcast_optimizer_state
-from .. import broadcast_parameters as _broadcast_parameters
-from ..window.reduce import trained_params
+from ..runtime import exchange, world
+from ..torch import DistributedOptimizer as _DistributedOptimizer
+from ..torch import broadcast_optimizer_state as _broadcast_optimizer_state
+from ..torch import broadcast_parameters as _broadcast_parameters
+from ..torch.window.reduce import trained_params
 from .basics import Average, Compression, wire_of
 from .process_sets import resolve
 from .sparse import SparseGradients, hidden

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ...runtime import world
+from ..runtime import world
 from . import transfer
 from .basics import Average, Sum
 from .negotiate import run

@@ -19,8 +19,8 @@ from typing import Any, Callable, NamedTuple
 
 from mpi4py import MPI
 
-from ...runtime.agreement import AdasumMismatchError
-from ...runtime import exchange, world
+from ..runtime.agreement import AdasumMismatchError
+from ..runtime import exchange, world
 from .basics import HorovodInternalError
 
 __all__ = ["RankCall", "Collective", "WHAT", "negotiate", "verdict", "execute", "run", "serve_joined", "RUN", "RAISE", "DONE"]

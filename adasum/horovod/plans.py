@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from ...runtime import world
+from ..runtime import world
 from . import autograd as ag
 from . import transfer
 from .basics import Adasum, Average, Max, Min, MPI_OPS, OPS, Sum, wire_of

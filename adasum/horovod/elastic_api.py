@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..elastic import AnotherRankRaised, ElasticSampler, State, WorldChanged, run
+from ..torch.elastic import AnotherRankRaised, ElasticSampler, State, WorldChanged, run
 
 __all__ = ["run", "State", "TorchState", "ObjectState", "ElasticSampler", "WorldChanged", "AnotherRankRaised"]
 
