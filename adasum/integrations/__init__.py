@@ -1,1 +1,0 @@
-"""Framework integrations: the Lightning strategy (``adasum.lightning``) and the Hugging Face Trainer callback (``adasum.hf``)."""
