@@ -11,8 +11,10 @@ changing only its import::
     hvd.broadcast_optimizer_state(opt, root_rank=0)
 
 The world is ``MPI.COMM_WORLD`` (the survivors' communicator after an elastic reset). ``init()`` is
-collective; the synchronous calls work without it, the
-asynchronous calls, ``join()`` and process sets raise ``ValueError`` until it was called.
+collective; the synchronous calls work without it, the asynchronous calls, ``join()`` and process sets
+raise ``ValueError`` until it was called. What the façade keeps between calls (the handles' thread and
+communicator, the process sets, the pending handles, the 16-bit wires) is one object that ``init()`` makes
+and ``shutdown()`` closes (:mod:`.facade`); importing this module calls no MPI.
 Where the meaning differs from Horovod's:
 
 - ``Adasum`` runs at any number of ranks (Horovod's needs a power of two), combining with the size-weighted
@@ -52,18 +54,18 @@ from __future__ import annotations
 
 from .basics import (Adasum, Average, BF16Compressor, Compression, FP16Compressor, HorovodInternalError, Max, Min,
                      NoneCompressor, Product, Sum, ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
-                     gloo_built, gloo_enabled, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
+                     gloo_built, gloo_enabled, local_rank, local_size, mpi_built, mpi_enabled,
                      mpi_threads_supported, nccl_built, rank, rocm_built, size)
-from .blocking import (allgather, allgather_object, allreduce, allreduce_, alltoall, barrier, broadcast,
-                          broadcast_, broadcast_object, grouped_allgather, grouped_allreduce, grouped_allreduce_,
-                          grouped_reducescatter, join, reducescatter)
+from .blocking import (allgather, allgather_object, allreduce, allreduce_, alltoall, barrier, broadcast, broadcast_,
+                       broadcast_object, grouped_allgather, grouped_allreduce, grouped_allreduce_,
+                       grouped_reducescatter, join, reducescatter)
 from .handles import (allgather_async, allreduce_async, allreduce_async_, alltoall_async, broadcast_async,
                       broadcast_async_, grouped_allgather_async, grouped_allreduce_async, grouped_allreduce_async_,
                       grouped_reducescatter_async, poll, reducescatter_async, sparse_allreduce_async, synchronize)
 from .optimizer_api import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 from . import elastic_api as elastic
-from .process_sets import (ProcessSet, add_process_set, global_process_set, init, remove_process_set,
-                           shutdown)
+from .process_sets import (ProcessSet, add_process_set, global_process_set, init, is_initialized,
+                           remove_process_set, shutdown)
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_rank",
            "cross_size", "Adasum", "Average", "Sum", "Min", "Max", "Product", "Compression", "NoneCompressor",

@@ -10,7 +10,7 @@ from ..runtime import world
 from ..runtime.stall import AdasumCollectiveError
 
 __all__ = ["Adasum", "Average", "Sum", "Min", "Max", "Product", "Compression", "HorovodInternalError",
-           "size", "rank", "local_size", "local_rank", "cross_rank", "cross_size", "is_initialized",
+           "size", "rank", "local_size", "local_rank", "cross_rank", "cross_size",
            "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
            "ddl_built", "ccl_built", "cuda_built", "rocm_built"]
 
@@ -86,11 +86,6 @@ def wire_of(compression) -> tuple[str | None, str | None]:
     if compression in ("fp16", "bf16"):
         return compression, None
     return None, f"compression must be Compression.none, fp16 or bf16, got {compression!r}"
-
-
-def is_initialized() -> bool:
-    from .process_sets import initialized
-    return initialized()
 
 
 def size() -> int:

@@ -16,7 +16,8 @@ from ..runtime import exchange, world
 from . import plans
 from .basics import HorovodInternalError
 from .negotiate import RankCall, execute, serve_joined
-from .process_sets import resolve, thread
+from .facade import started
+from .process_sets import resolve
 
 __all__ = ["allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "allgather", "grouped_allgather",
            "broadcast", "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", "barrier", "join",
@@ -145,9 +146,6 @@ def allgather_object(obj, name=None, process_set=None) -> list:
     return _simple("allgather_object", process_set, local=obj, run=lambda everyone: [c.local for c in everyone])
 
 
-_ABSORBED = [0]  # abandoned join()s on the handles' communicator that ended with the others' join()
-
-
 def join(device=-1) -> int:
     """Wait until every rank has called ``join()``, answering meanwhile the other ranks' calls of this
     module: their ``allreduce``/``grouped_allreduce`` (op ``Sum``, ``Average`` or ``Adasum``; synchronous or
@@ -163,21 +161,22 @@ def join(device=-1) -> int:
     it answers the other ranks' next asynchronous allreduce with NaN (not zeros that would look valid) and
     their next asynchronous call after that by raising the failure; a ``join()`` of theirs ends it.
     """
+    state = started()
     ps = resolve(None)
     start = time.monotonic()
     me = world.rank()
     box: dict = {}
 
     def on_stream() -> None:
-        if _ABSORBED[0]:  # an abandoned join() met the other ranks' next join() on this communicator
-            _ABSORBED[0] -= 1
+        if state.absorbed:  # an abandoned join() met the other ranks' next join() on this communicator
+            state.absorbed -= 1
             box["served"] = 0
             return
         box["served"], last = serve_joined(ps.comm(stream=True), ps.ranks, me, plans.answer_with_zeros,
                                            lambda: box.get("abandoned"))
         if "abandoned" in box and all(c.kind == "join" for c in last):
-            _ABSORBED[0] += 1  # it used up the others' next join() here: this rank's next one skips it
-    handle = thread().submit(_kept(on_stream, box))
+            state.absorbed += 1  # it used up the others' next join() here: this rank's next one skips it
+    handle = state.lane.submit(_kept(on_stream, box))
     try:
         served, _ = serve_joined(ps.comm(), ps.ranks, me, plans.answer_with_zeros)
     except BaseException as exc:

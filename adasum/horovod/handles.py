@@ -1,5 +1,5 @@
 """The asynchronous calls of :mod:`adasum.horovod`: each returns a handle (an int) at once; the call runs on
-the façade's communication thread (:mod:`.process_sets`), over the handles' own duplicate of the set's
+the façade's communication thread (the lane of its state, :mod:`.facade`), over the handles' own duplicate of the set's
 communicator, negotiated and stall-watched as the synchronous calls are. ``poll(handle)`` says whether it
 finished; ``synchronize(handle)`` waits for it and returns its result or raises its error.
 
@@ -12,7 +12,6 @@ not track gradients.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Callable
 
 import torch
@@ -20,7 +19,8 @@ import torch
 from ..runtime import world
 from . import plans
 from .basics import Average, Sum
-from .process_sets import resolve, thread
+from .facade import FacadeState, current, started
+from .process_sets import resolve
 
 __all__ = ["allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
            "allgather_async", "grouped_allgather_async", "broadcast_async", "broadcast_async_",
@@ -38,13 +38,9 @@ class _Pending:
         self.name = name
 
 
-_handles: dict[int, _Pending] = {}
-_names: set = set()
-_ids = itertools.count(1)
-
-
 def _submit(what: str, name, work: Callable[[], Any]) -> int:
-    if name is not None and name in _names:
+    state = started()
+    if name is not None and name in state.names:
         raise ValueError(f"rank {world.rank()}: {what}: the name {name!r} is in use by a call whose handle was "
                          "not synchronized yet; names of pending calls must differ")
     pending = _Pending(name)
@@ -55,11 +51,11 @@ def _submit(what: str, name, work: Callable[[], Any]) -> int:
                 pending.result = work()
         except BaseException as exc:  # noqa: BLE001 - raised by synchronize()
             pending.error = exc
-    pending.job = thread().submit(job)
-    handle = next(_ids)
-    _handles[handle] = pending
+    pending.job = state.lane.submit(job)
+    handle = next(state.handle_ids)
+    state.pending[handle] = pending
     if name is not None:
-        _names.add(name)
+        state.names.add(name)
     return handle
 
 
@@ -72,24 +68,26 @@ def _async(what: str, name, plan: plans.Collective, after: Callable[[Any], Any] 
 
 def poll(handle: int) -> bool:
     """Whether the call of ``handle`` has finished (``synchronize()`` then returns at once)."""
-    return _pending(handle).job.done.is_set()
+    return _pending(handle)[1].job.done.is_set()
 
 
 def synchronize(handle: int):
     """Wait for the call of ``handle`` and return its result (raise its error); the handle is used up."""
-    pending = _pending(handle)
+    state, pending = _pending(handle)
     pending.job.wait()
-    del _handles[handle]
-    _names.discard(pending.name)
+    del state.pending[handle]
+    state.names.discard(pending.name)
     if pending.error is not None:
         raise pending.error
     return pending.result
 
 
-def _pending(handle) -> _Pending:
+def _pending(handle) -> tuple[FacadeState, _Pending]:
+    """The state holding ``handle``'s call, and the call."""
+    state = current()
     try:
-        return _handles[handle]
-    except (KeyError, TypeError):
+        return state, state.pending[handle]
+    except (AttributeError, KeyError, TypeError):  # AttributeError: no state (before init(), after shutdown())
         raise ValueError(f"rank {world.rank()}: {handle!r} is not a handle of a pending call (each handle is "
                          "synchronized once)") from None
 

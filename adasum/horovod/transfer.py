@@ -2,7 +2,8 @@
 the call already (:mod:`.negotiate`). Reductions go through the library's allreduce (agreed and
 stall-watched again there); the other collectives are one nonblocking MPI call on the library's duplicate
 of the communicator, waited through the stall inspector (:func:`adasum.runtime.exchange.wait`). Tensors
-travel as their bytes, so every dtype and device takes the same path (through host memory)."""
+travel as their bytes, so every dtype and device takes the same path (through host memory). The 16-bit
+wires of ``compression`` are the calling thread's of the façade's state (:func:`.facade.wire`)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,10 @@ from mpi4py import MPI
 
 from ..call.allreduce import adasum_allreduce
 from ..runtime import exchange
-from ..torch.window.compress import Wire
+from . import facade
 from .basics import Adasum, Average, MPI_OPS, Sum
 
 __all__ = ["reduce", "reduce_group", "allgatherv", "alltoallv", "bcast", "scaled", "integral"]
-
-_WIRES = {name: Wire(name) for name in ("fp16", "bf16")}
 
 
 def integral(tensor: torch.Tensor) -> bool:
@@ -54,9 +53,9 @@ def reduce_group(tensors: list[torch.Tensor], op: str, wire: str | None, prescal
         out = [t.clone() for t in tensors]
         names = [f"allreduce.{i}" for i in range(len(out))]
         if op == Adasum:
-            _WIRES[wire].adasum_(out, comm, names=names)
+            facade.wire(wire).adasum_(out, comm, names=names)
         else:
-            _WIRES[wire].sum_(out, comm, mean=op == Average, names=names)
+            facade.wire(wire).sum_(out, comm, mean=op == Average, names=names)
     elif op == Average and any(integral(t) for t in tensors):
         summed = adasum_allreduce(tensors, op=Sum, comm=comm)
         size = comm.Get_size()

@@ -604,18 +604,22 @@ def test_nonfinite_sparse_gradient_skips_the_update_everywhere(comm, sparse_as_d
 
 
 def test_the_horovod_package_has_no_import_cycle():
-    """No module of adasum/torch/horovod/ imports, directly or through others, a module that imports it
-    (module-level imports, as Python runs them)."""
+    """No module of adasum/horovod/ imports, directly or through others, a module that imports it, and every
+    import is at the top of its module (none inside a function, where it could hide a cycle)."""
     import ast
     from pathlib import Path
 
     folder = Path(hvd.__file__).parent
     modules = {p.stem for p in folder.glob("*.py")} - {"__init__"}
     edges = {}
+    inside = []
     for name in modules:
         tree = ast.parse((folder / f"{name}.py").read_text())
+        top = set(tree.body)
         found = set()
-        for node in tree.body:  # module level only
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and node not in top:
+                inside.append(f"{name}.py:{node.lineno}: {ast.unparse(node)}")
             if isinstance(node, ast.ImportFrom) and node.level == 1:
                 if node.module is None:
                     found |= {a.name for a in node.names if a.name in modules}
@@ -626,5 +630,25 @@ def test_the_horovod_package_has_no_import_cycle():
     def reaches(start, target, seen=()):
         return any(n == target or (n not in seen and reaches(n, target, (*seen, n))) for n in edges[start])
 
-    cycles = sorted(n for n in modules if reaches(n, n))
-    assert cycles == []
+    assert inside == []
+    assert sorted(n for n in modules if reaches(n, n)) == []
+
+
+@ONE_SIZE
+def test_importing_the_facade_calls_no_mpi():
+    """``import adasum.horovod`` runs no MPI call: with mpi4py told not to initialise MPI, any call would
+    fail; nothing is kept before ``hvd.init()``."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import mpi4py; mpi4py.rc.initialize = False\n"
+            "import adasum.horovod as hvd\n"
+            "from mpi4py import MPI\n"
+            "from adasum.horovod import facade\n"
+            "assert not MPI.Is_initialized() and facade.current() is None and not hvd.is_initialized()\n"
+            "print(hvd.elastic.run.__module__, hvd.elastic.TorchState.__name__, hvd.DistributedOptimizer.__name__)")
+    root = Path(hvd.__file__).parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["adasum.torch.elastic", "TorchState", "DistributedOptimizer"]
