@@ -46,10 +46,10 @@ from ..runtime.lane import Lane
 from .checks import check_agreement
 from .internals import step_hooks_of
 from .options import Options
-from .window.agreement import Layout, agree
+from .window.close import Layout, WindowClose
 from .window.amp import LossScale
 from .window.compress import Wire
-from .window.reduce import AdasumDeltas, Bucket, trained_params
+from .window.reduce import AdasumDeltas, Bucket, BucketUpdate, trained_params
 from .window.tensors import StartCopy
 
 __all__ = ["AdasumState", "adasum_hook", "DeltaState", "adasum_delta_hook"]
@@ -233,14 +233,17 @@ class DeltaState(_CommState):
         self.strategy = AdasumDeltas(optimizer, StartCopy(start_copy), Wire(compression), opts.hierarchical,
                                      bool(skip_nonfinite))
         self.buckets: list[Bucket] = []
-        self.layout = Layout(optimizer)
-        self.step_was_skipped = False
-        self.skipped_updates = 0
-        self.updates = 0
+        self.closing = WindowClose(comm, Layout(optimizer), self.loss, name="DeltaState",
+                                 skip_nonfinite=bool(skip_nonfinite),
+                                 failed="a local step failed inside the DDP hook; the parameters keep their values")
         self._index: dict[int, int] = {}
         self._in_hook = False
         handle = optimizer.register_step_pre_hook(_StepGuard(weakref.ref(self)))
         weakref.finalize(self, handle.remove)  # the optimizer steps freely again once the state is gone
+
+    step_was_skipped = property(lambda self: self.closing.step_was_skipped)
+    skipped_updates = property(lambda self: self.closing.skipped)
+    updates = property(lambda self: self.closing.combines, doc="Updates made so far (skipped ones included).")
 
     def __getstate__(self):
         raise TypeError("a DeltaState holds its optimizer; build it again in the new process")
@@ -291,21 +294,16 @@ def _delta_bucket(state: DeltaState, first: bool, last: bool, pairs: list) -> No
 
 
 def _finish(state: DeltaState) -> None:
+    """After the last bucket: the window's procedure (agreement, apply, loss scale, counters), then the
+    update's step post-hooks, once the parameters hold its result."""
     buckets, state.buckets = state.buckets, []
     error = next((b.error for b in buckets if b.error), None)
-    decision = agree(state.comm, {"update": state.updates + 1}, state.layout, [p for b in buckets for p in b.params],
-                     error)
-    if decision.failed:
-        state.strategy.abandon(buckets)
-        raise RuntimeError(f"(raised on rank {state.comm.Get_rank()}) a local step failed inside the DDP hook; "
-                           f"the parameters keep their values: {decision.failed}")
+    update = BucketUpdate(state.strategy, buckets, [p for b in buckets for p in b.params],
+                          lambda: state.strategy.abandon(buckets))
     scale = state.loss.current()
-    ok = state.strategy.update(buckets)
-    state.loss.update(scale, ok)
-    state.step_was_skipped = not ok
-    state.skipped_updates += not ok
-    state.updates += 1
-    state.strategy.after_step()  # the update's step post-hooks, once the parameters hold its result
+    decision = state.closing.reduce(update, {"update": state.closing.combines + 1}, error=error, reduced=True)
+    state.closing.apply(update, decision, scale)
+    state.strategy.after_step()
 
 
 def _check_unclaimed(optimizer) -> None:

@@ -31,9 +31,10 @@ from mpi4py import MPI
 from ..call.allreduce import Op
 from ..runtime import exchange
 from ..runtime.agreement import agree_exchange
+from ..runtime.faults import world
 from .fsdp_layout import _INSTALLED, _free, _managed, installed, replica_comms, setup
 from .replicas import ReplicaTree
-from .window.agreement import Layout, agree, log_skip
+from .window.close import Layout, WindowClose
 from .window.tensors import all_finite
 
 __all__ = ["ReplicaDeltas", "ReplicaHooks", "adasum_replicas", "replica_comms"]
@@ -107,21 +108,28 @@ class ReplicaDeltas:
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, mesh, *, op: str | Op = "adasum",
                  local_steps: int = 1):
+        self.comm = world()  # the world the mesh spans (MPI's, or the survivors' after an elastic shrink)
         modules, plan, self.tree = setup(model, mesh, op, form="ReplicaDeltas", local_steps=local_steps)
-        self.local_steps, self.windows, self._steps, self._start = local_steps, 0, 0, None
-        self.step_was_skipped, self.skipped_updates, self._nonfinite = False, 0, False
+        self.local_steps, self._steps, self._start, self._nonfinite = local_steps, 0, None, False
         self._checked = False  # whether the replicas were found to start alike (at the first step)
         self.params = [p for m in modules for _, p in _managed(m)]
         known = {id(p) for p in self.params}
         stray = [i for i, p in enumerate(q for g in optimizer.param_groups for q in g["params"]) if id(p) not in known]
-        problem = (f"rank {MPI.COMM_WORLD.Get_rank()}: ReplicaDeltas: the optimizer's parameters {stray} are not "
+        problem = (f"rank {self.comm.Get_rank()}: ReplicaDeltas: the optimizer's parameters {stray} are not "
                    "parameters of the model's FSDP modules") if stray else None
-        exchange.raise_everywhere(MPI.COMM_WORLD, problem, ValueError, "ReplicaDeltas: checking the optimizer")
+        exchange.raise_everywhere(self.comm, problem, ValueError, "ReplicaDeltas: checking the optimizer")
         self.optimizer = optimizer
-        self._layout = Layout(optimizer)  # how the ranks compare the parameters of their windows
+        self.closing = WindowClose(self.comm, Layout(optimizer), None, name="ReplicaDeltas", unit="combine",
+                                 failed="ReplicaDeltas: the combine failed; the parameters are back at the "
+                                 "window's start")
         # Before FSDP's own pre-forward hook (which gathers the parameters): the steps taken so far.
         check = model.register_forward_pre_hook(_ForwardCheck(weakref.ref(self)), prepend=True)
         self._finalizer = weakref.finalize(self, _close_deltas, check, self.tree.replicate, self.tree.shard)
+
+    step_was_skipped = property(lambda self: self.closing.step_was_skipped,
+                                doc="Whether the last combine was skipped for values that were not finite.")
+    skipped_updates = property(lambda self: self.closing.skipped, doc="Combines skipped so far.")
+    windows = property(lambda self: self.closing.combines, doc="Combines made so far (skipped ones included).")
 
     @property
     def param_groups(self) -> list:
@@ -150,7 +158,7 @@ class ReplicaDeltas:
                 self._check_alike()
             with torch.no_grad():
                 self._start = [p.to_local().clone() for p in self.params]
-        self.step_was_skipped = False
+        self.closing.step_was_skipped = False
         combines = self._steps + 1 == self.local_steps
         try:
             loss = None
@@ -168,7 +176,7 @@ class ReplicaDeltas:
             if not combines:
                 raise  # the next forward's check (or flush) finds this rank one step behind
             self._steps += 1
-            self._combine(error=f"rank {MPI.COMM_WORLD.Get_rank()}: the wrapped optimizer's step raised "
+            self._combine(error=f"rank {self.comm.Get_rank()}: the wrapped optimizer's step raised "
                                 f"{type(e).__name__}: {e}")
             raise  # not reached: the combine raises on every rank
         self._steps += 1
@@ -189,11 +197,11 @@ class ReplicaDeltas:
         problem = None
         if len(set(seen)) > 1:
             apart = [g for g, d in enumerate(seen) if d != seen[0]]
-            problem = (f"rank {MPI.COMM_WORLD.Get_rank()}: ReplicaDeltas: the replicas start from different "
+            problem = (f"rank {self.comm.Get_rank()}: ReplicaDeltas: the replicas start from different "
                        f"parameters (replicas {apart} differ from replica 0 in this rank's shards), and would "
                        "stay apart: load the same checkpoint on every replica (a checkpoint saved after "
                        "flush(), or one that keeps one copy of the model, as torch.distributed.checkpoint does)")
-        exchange.raise_everywhere(MPI.COMM_WORLD, problem, ValueError, "ReplicaDeltas: comparing the replicas")
+        exchange.raise_everywhere(self.comm, problem, ValueError, "ReplicaDeltas: comparing the replicas")
         self._checked = True
 
     def flush(self) -> None:
@@ -204,53 +212,25 @@ class ReplicaDeltas:
         self._combine()
 
     def _ledger(self) -> dict[str, int]:
-        return {"combine": self.windows + 1, "local steps": self._steps}
+        return {"combine": self.closing.combines + 1, "local steps": self._steps}
 
     def _check_forward(self) -> None:
         """Collective, at every forward of the model: the ranks' step counts, before FSDP's collectives."""
-        decision = agree(MPI.COMM_WORLD, {**self._ledger(), "forward": 1}, self._layout, self.params, None)
-        if decision.failed:
-            raise RuntimeError(f"(raised on rank {MPI.COMM_WORLD.Get_rank()}) ReplicaDeltas: the ranks' windows "
-                               f"differ at the model's forward: {decision.failed}")
+        self.closing.decide({**self._ledger(), "forward": 1}, self.params,
+                          context="ReplicaDeltas: the ranks' windows differ at the model's forward")
 
     def _combine(self, error: str | None = None) -> None:
-        """The window's agreement (:func:`adasum.torch.window.agreement.agree`: the combine's number, the
-        steps it holds, the parameters, a failed local step, a delta that is not finite), then the combine
-        of the deltas across the replicas and a vote on whether every combined delta is finite."""
-        comm = MPI.COMM_WORLD
-        deltas = None
-        if self._start is not None and error is None:
-            with torch.no_grad():
-                shards = [p.to_local() for p in self.params]
-                deltas = torch.cat([(t - s).reshape(-1) for t, s in zip(shards, self._start)])
-        finite = not self._nonfinite and (deltas is None or bool(torch.isfinite(deltas).all()))
-        decision = agree(comm, self._ledger(), self._layout, self.params, error,
-                         overflowed=not finite)
-        if decision.failed:
-            self._restart()
-            raise RuntimeError(f"(raised on rank {comm.Get_rank()}) ReplicaDeltas: the combine failed; the "
-                               f"parameters are back at the window's start: {decision.failed}")
-        if self._start is None:
+        """The window's procedure (:class:`~adasum.torch.window.close.WindowClose`: the agreement on the
+        combine's number, the steps it holds, the parameters, a failed local step, a delta that is not
+        finite; the combine of the deltas across the replicas; the vote on whether every combined delta is
+        finite; start + combined delta, or the start), then a new window."""
+        if self._start is None:  # no window open: the ranks check their counts
+            self.closing.decide(self._ledger(), self.params, error, undo=self._restart)
+            self._steps, self._nonfinite = 0, False
             return
-        ok = not decision.overflowed
-        if ok:
-            sizes = tuple(s.numel() for s in self._start)
-            with torch.no_grad():
-                self.tree.reduce_(deltas, sizes, "weight deltas")
-            # The replicas hold different shards: whether every combined delta is finite is voted on.
-            ok = not exchange.any_true(comm, not bool(torch.isfinite(deltas).all()),
-                                       "ReplicaDeltas: non-finite combined deltas")
-        if ok:
-            with torch.no_grad():
-                for p, s, d in zip(self.params, self._start, deltas.split(sizes)):
-                    p.to_local().copy_(s + d.view_as(s))
-        else:
-            self._restart()
-            self.step_was_skipped, self.skipped_updates = True, self.skipped_updates + 1
-            log_skip(comm, "adasum: ReplicaDeltas: combine %d skipped on every rank: a weight delta holds a NaN "
-                     "or Inf; parameters left at the window's start (%d skipped so far)", self.windows + 1,
-                     self.skipped_updates)
-        self.windows, self._steps, self._start, self._nonfinite = self.windows + 1, 0, None, False
+        update = _ShardDeltas(self, error is None)
+        self.closing.close(update, self._ledger(), error=error, overflowed=not update.finite)
+        self._steps, self._start, self._nonfinite = 0, None, False
 
     def _restart(self) -> None:
         """Every parameter back at the window's start; a new window begins."""
@@ -262,6 +242,53 @@ class ReplicaDeltas:
     def close(self) -> None:
         """Remove the forward check and free the communicators; any later :meth:`step` raises."""
         self._finalizer()
+
+
+class _ShardDeltas:
+    """The window's deltas of this rank's shards, as the window's procedure takes them
+    (:class:`~adasum.torch.window.close.Update`): one flat buffer, combined across the replicas by the tree
+    on whole parameters. The replicas hold different shards: whether every combined delta is finite is
+    voted on; a rank whose own update is not finite skips the wire on every rank."""
+
+    voted = True
+    skips_overflowed = True
+
+    def __init__(self, owner: ReplicaDeltas, form: bool):
+        self.owner, self.params = owner, owner.params
+        self.sizes = tuple(s.numel() for s in owner._start)
+        self.deltas = None
+        if form:
+            with torch.no_grad():
+                shards = [p.to_local() for p in owner.params]
+                self.deltas = torch.cat([(t - s).reshape(-1) for t, s in zip(shards, owner._start)])
+        self.finite = not owner._nonfinite and (self.deltas is None or bool(torch.isfinite(self.deltas).all()))
+
+    def carries_companion(self, comm: MPI.Intracomm) -> bool:
+        return False
+
+    def combine(self, comm: MPI.Intracomm, companion) -> None:
+        with torch.no_grad():
+            self.owner.tree.reduce_(self.deltas, self.sizes, "weight deltas")
+
+    def settle(self) -> None:
+        """Nothing: the combined deltas are in the buffer."""
+
+    def combined(self) -> list[torch.Tensor]:
+        return [self.deltas]
+
+    def apply(self, ok: bool) -> None:
+        if not ok:
+            self.owner._restart()
+            return
+        with torch.no_grad():
+            for p, s, d in zip(self.params, self.owner._start, self.deltas.split(self.sizes)):
+                p.to_local().copy_(s + d.view_as(s))
+
+    def explain(self) -> None:
+        """Nothing more to say than the log line: the deltas are not kept."""
+
+    def abandon(self) -> None:
+        self.owner._restart()
 
 
 class _ForwardCheck:
@@ -305,7 +332,7 @@ class _Hook:
         if output.numel() != sum(sizes):
             sizes = tuple(n for n, p in zip(self.sizes, self.params) if p.requires_grad)
         if output.numel() != sum(sizes) or output.dim() != 1:
-            problem = (f"rank {MPI.COMM_WORLD.Get_rank()}: adasum_replicas: FSDP module {self.name or '(root)'} "
+            problem = (f"rank {world().Get_rank()}: adasum_replicas: FSDP module {self.name or '(root)'} "
                        f"handed its hook shape {tuple(output.shape)}; its parameters' shards make "
                        f"{sum(self.sizes)} elements, those that require gradients {sum(sizes)}. A parameter that "
                        "forward did not use has no gradient and leaves the layers unknown: use every parameter, "

@@ -9,6 +9,8 @@ from mpi4py import MPI
 
 from ..call.allreduce import Op
 from ..runtime import exchange
+from ..runtime.faults import world
+from .internals import fsdp_group
 from .replicas import ReplicaTree
 
 __all__ = ["installed", "replica_comms", "setup"]
@@ -38,8 +40,10 @@ def _free(*comms) -> None:
 
 def setup(model: torch.nn.Module, mesh, op, form: str, local_steps: int = 1) -> tuple[list, list, ReplicaTree]:
     """Check the mesh and the model on every rank, compare the ranks, split the communicators. ``form``:
-    ``"adasum_replicas"`` (the hook) or ``"ReplicaDeltas"``."""
-    comm = MPI.COMM_WORLD
+    ``"adasum_replicas"`` (the hook) or ``"ReplicaDeltas"``. Collective over the current world
+    (:func:`adasum.runtime.faults.world`: ``MPI.COMM_WORLD``, or the survivors' world after an elastic
+    shrink)."""
+    comm = world()
     problem, layout, modules, plan = None, None, [], []
     try:
         try:
@@ -69,9 +73,7 @@ def _check_modules(modules: list, plan: list, form: str) -> None:
     """What the form cannot take: hooks installed already (a second hook, or deltas on top of the
     gradients' combine), and for the hook, modules sharded together (``fully_shard([a, b])``: one buffer
     for both, which the hook of each cannot cut)."""
-    from .internals import fsdp_group
-
-    rank = MPI.COMM_WORLD.Get_rank()
+    rank = world().Get_rank()
     for module, (name, _) in zip(modules, plan):
         if installed(module) is not None:
             what = ("close() the ReplicaHooks it returned first" if form == "adasum_replicas" else
@@ -100,15 +102,15 @@ def _check_mesh(mesh) -> tuple:
     """The mesh as (dimension names, rows of global ranks: one row per replica, in shard order)."""
     names = getattr(mesh, "mesh_dim_names", None)
     if getattr(mesh, "ndim", None) != 2:
-        raise ValueError(f"rank {MPI.COMM_WORLD.Get_rank()}: adasum_replicas needs a 2-D (replicate, shard) "
+        raise ValueError(f"rank {world().Get_rank()}: adasum_replicas needs a 2-D (replicate, shard) "
                          f"DeviceMesh, got {getattr(mesh, 'ndim', type(mesh).__name__)} dimension(s)")
     if names is None or tuple(names) != ("replicate", "shard"):
-        raise ValueError(f"rank {MPI.COMM_WORLD.Get_rank()}: adasum_replicas needs the mesh's dimensions "
+        raise ValueError(f"rank {world().Get_rank()}: adasum_replicas needs the mesh's dimensions "
                          f"named ('replicate', 'shard'), got {names}")
     import torch.distributed as dist
 
-    if dist.get_rank() != MPI.COMM_WORLD.Get_rank():
-        raise ValueError(f"rank {MPI.COMM_WORLD.Get_rank()}: torch.distributed calls this rank "
+    if dist.get_rank() != world().Get_rank():
+        raise ValueError(f"rank {world().Get_rank()}: torch.distributed calls this rank "
                          f"{dist.get_rank()}: start it with adasum.torch.init_process_group()")
     return tuple(names), mesh.mesh.tolist()
 
@@ -118,7 +120,7 @@ def _plan(model: torch.nn.Module, shard_mesh) -> tuple[list, list]:
     placement, shard elements) per managed parameter, in FSDP's order)."""
     from torch.distributed.fsdp import FSDPModule
 
-    rank = MPI.COMM_WORLD.Get_rank()
+    rank = world().Get_rank()
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not found:
         raise ValueError(f"rank {rank}: adasum_replicas: the model has no module sharded with fully_shard")
@@ -181,7 +183,7 @@ def _shard_elements(p, name: str) -> int:
     (placement,) = p.placements
     n = p.device_mesh.size()
     if not isinstance(placement, Shard):
-        raise ValueError(f"rank {MPI.COMM_WORLD.Get_rank()}: adasum_replicas: parameter {name} has "
+        raise ValueError(f"rank {world().Get_rank()}: adasum_replicas: parameter {name} has "
                          f"placement {placement}, FSDP shards with Shard(dim)")
     shape = tuple(p.shape)
     if not shape:

@@ -11,7 +11,6 @@ so an error on one rank is an error on every rank. Every MPI call goes through t
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -21,18 +20,12 @@ from ..runtime.context import check_comm
 from ..runtime.launch import check_launch
 from .checks import check_agreement, check_arguments, buffers_problem
 from .options import Options
-from .overlap.engine import OverlapEngine
 from .state import optimizer_state as state_dicts
-from .window.accumulate import AccumulationWindow
-from .window.agreement import Layout, Ledger
 from .window.amp import LossScale
-from .window.boundary import Boundary
 from .window.compress import Wire
-from .window.local_steps import LocalSteps, OuterSGD
-from .window.module_buffers import BufferSync, buffers_of
-from .window.reduce import AdasumDeltas, GradientReduce, trained_params
-from .window.steps import Parts, Steps
-from .window.tensors import StartCopy
+from .window.module_buffers import buffers_of
+from .window.reduce import trained_params
+from .window.steps import Steps, assemble
 
 __all__ = ["DistributedOptimizer"]
 
@@ -146,7 +139,7 @@ class DistributedOptimizer(_Wrapping):
         overlap = self._agree(wire, kept, loss)
         self.local_steps, self.outer_lr, self.outer_momentum, self.delay = (
             int(opts.local_steps), float(opts.outer_lr), float(opts.outer_momentum), int(opts.delay))
-        self._parts = _assemble(self, module, kept, wire, loss, overlap)
+        self._parts = assemble(self, module, kept, wire, loss, overlap)
         self._steps = Steps(self._parts)
 
     def rejoin(self, comm: MPI.Intracomm | None = None) -> None:
@@ -165,7 +158,7 @@ class DistributedOptimizer(_Wrapping):
         wire, loss = Wire(self.options.compression), LossScale(self.grad_scaler)
         kept = [] if self.buffers is None else buffers_of(self._module)
         overlap = self._agree(wire, kept, loss)
-        self._parts = _assemble(self, self._module, kept, wire, loss, overlap)
+        self._parts = assemble(self, self._module, kept, wire, loss, overlap)
         self._steps = Steps(self._parts)
 
     def _agree(self, wire: Wire, kept: list[torch.Tensor], loss: LossScale) -> bool:
@@ -300,7 +293,7 @@ class DistributedOptimizer(_Wrapping):
         local = self._parts.local
         return local is not None and (local.taken > 0 or local.pending)
 
-    boundaries = property(lambda self: self._parts.ledger.combines,
+    boundaries = property(lambda self: self._parts.closing.combines,
                           doc="Windows closed with a combine so far (with ``local_steps``: combines).")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -371,30 +364,3 @@ class DistributedOptimizer(_Wrapping):
         return (f"DistributedOptimizer(op={self.op!r}, accumulation_steps={self.accumulation_steps}, "
                 f"overlap={self.overlap}, compression={self.compression!r}, size={self.comm.Get_size()}, "
                 f"optimizer={self.optimizer!r})")
-
-
-def _assemble(opt: DistributedOptimizer, module, kept: list[torch.Tensor], wire: Wire, loss: LossScale,
-              overlap: bool) -> Parts:
-    """The parts ``opt``'s settings ask for: the strategy, local steps, the buffers' sync, the overlap engine
-    (dropped, never waited for, once the optimizer is collected) and the boundary."""
-    optimizer, comm, opts = opt.optimizer, opt.comm, opt.options
-    window = AccumulationWindow(opts.accumulation_steps)
-    ledger, layout = Ledger(window), Layout(optimizer)
-    if opt.op == "adasum" and comm.Get_size() > 1:
-        strategy = AdasumDeltas(optimizer, StartCopy(opt.start_copy), wire, opt.hierarchical,
-                                opt.skip_nonfinite)
-    else:  # one rank: exactly the wrapped optimizer (the reduction is the identity)
-        strategy = GradientReduce(optimizer, opt.op, wire, opt.skip_nonfinite)
-    local = None
-    if opts.uses_local_steps:
-        local = ledger.local = LocalSteps(optimizer, comm, opt.op, opt.local_steps,
-                                          OuterSGD(opt.outer_lr, opt.outer_momentum), opt.start_copy, wire,
-                                          opt.hierarchical, opt.skip_nonfinite, loss, layout, opt.delay)
-    source = module if isinstance(module, torch.nn.Module) else None
-    buffers = None if opt.buffers is None else BufferSync(opt.buffers, kept, comm, source)
-    engine = None
-    if overlap:
-        engine = OverlapEngine(optimizer, strategy, window, loss, comm, opt.bucket_bytes, ledger, layout)
-        weakref.finalize(opt, engine.drop)  # never waits for a collective (OverlapEngine.drop)
-    boundary = Boundary(optimizer, comm, strategy, window, loss, engine, layout)
-    return Parts(optimizer, comm, window, ledger, layout, loss, strategy, boundary, local, engine, buffers)

@@ -180,7 +180,7 @@ def test_users_own_collectives_during_backward(comm):
 class FailingSGD(torch.optim.SGD):
     """SGD whose step raises on one rank at one boundary."""
 
-    def __init__(self, params, fail: bool):
+    def __init__(self, params, fail: bool = False):
         super().__init__(params, lr=0.1)
         self.fail = fail
         self.calls = 0

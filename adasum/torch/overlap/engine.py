@@ -42,7 +42,7 @@ from mpi4py import MPI
 
 from ...runtime import exchange
 from ...runtime.lane import Job, Lane
-from ..window.agreement import Layout, Ledger, agree
+from ..window.close import Ledger, WindowClose
 from ..window.reduce import Bucket, trained_params
 from .buckets import FIRST_BUCKET_BYTES, Backward, BucketPlan, plan_from  # noqa: F401 (importable here)
 
@@ -57,7 +57,7 @@ class OverlapEngine:
     """
 
     def __init__(self, optimizer, strategy, window, loss_scale, comm: MPI.Intracomm, bucket_bytes: int,
-                 ledger: Ledger, layout: Layout):
+                 ledger: Ledger, close: WindowClose):
         # the wire's thread and communicator, and a worker thread for the buckets' local parts
         self.lane = Lane(comm, "adasum-overlap", threaded=True, worker=True)
         self.comm = self.lane.comm
@@ -65,7 +65,7 @@ class OverlapEngine:
         self._strategy = strategy
         self._window = window
         self._loss_scale = loss_scale
-        self._ledger, self._layout = ledger, layout
+        self._ledger, self._close = ledger, close  # the window's procedure makes the lane's agreement
         self.bucket_bytes = bucket_bytes
         self._hooks: list = []
         self._hooked: list[int] = []
@@ -136,7 +136,7 @@ class OverlapEngine:
             self._strategy.prepare(params)
             # The lane's first job: the ranks agree on the window (its number, micro-batches, parameters)
             # before any bucket goes on the wire, so a rank whose windows are out of step raises everywhere.
-            self.lane.submit(_agreement_job(bw, self.comm, self._ledger.at(bw.count), self._layout),
+            self.lane.submit(_agreement_job(bw, self.comm, self._ledger.at(bw.count), self._close),
                              "the window's agreement")
             self._launch_ready(bw)
         return bw
@@ -232,7 +232,7 @@ class OverlapEngine:
             if refused is None:
                 # The other ranks' step() decides the boundary next (Boundary._decide): this rank meets that
                 # decision with its error, so every rank raises instead of waiting for it.
-                agree(self.comm, self._ledger.at(bw.count), self._layout, bw.params, text)
+                self._close.agree(self._ledger.at(bw.count), bw.params, text, comm=self.comm)
             self.replan()
             raise RuntimeError(text)
 
@@ -285,9 +285,9 @@ def _local_job(strategy, bucket: Bucket) -> Callable[[], None]:
     return job
 
 
-def _agreement_job(bw: Backward, comm: MPI.Intracomm, ledger: dict[str, int], layout: Layout) -> Callable[[], None]:
+def _agreement_job(bw: Backward, comm: MPI.Intracomm, ledger: dict[str, int], close: WindowClose) -> Callable[[], None]:
     def job() -> None:
-        decision = agree(comm, ledger, layout, bw.params, None)
+        decision = close.agree(ledger, bw.params, None, comm=comm)
         bw.refused = decision.failed
     return job
 

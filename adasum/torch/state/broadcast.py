@@ -15,7 +15,6 @@ from mpi4py import MPI
 from ...runtime import exchange
 from ...runtime.context import check_comm, check_root
 from ...runtime.exchange import raise_everywhere
-from ..optimizer import DistributedOptimizer
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state"]
 
@@ -56,11 +55,14 @@ def broadcast_optimizer_state(optimizer, *, root: int = 0, comm: MPI.Intracomm |
     """Load the root rank's optimizer state (hyperparameters of every param group and per-parameter state
     such as momentum or Adam moments) on every rank.
 
-    For a :class:`DistributedOptimizer` this is the wrapped optimizer's state; its own counters and any
-    accumulated gradients stay as they are on each rank. The state travels pickled, through host memory.
+    For a wrapper of an optimizer (:class:`~adasum.torch.DistributedOptimizer`, ``ReplicaDeltas``: an object
+    whose ``optimizer`` is a torch optimizer) this is the wrapped optimizer's state; the wrapper's own
+    counters and any accumulated gradients stay as they are on each rank. The state travels pickled,
+    through host memory.
     """
     comm, rank = _comm_and_rank(comm, root)
-    inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    inner = inner if isinstance(inner, torch.optim.Optimizer) else optimizer
     state = to_cpu(inner.state_dict()) if rank == root else None
     state = exchange.bcast(comm, state, root=root, what="broadcast_optimizer_state")
     mine = [len(g["params"]) for g in inner.param_groups]

@@ -16,7 +16,7 @@ __all__ = ["state_dict", "load_state_dict"]
 def state_dict(parts: Parts, steps: Steps) -> dict[str, Any]:
     """The wrapped optimizer's state dict plus ``"adasum"`` (see ``DistributedOptimizer.state_dict``)."""
     state = dict(parts.optimizer.state_dict())
-    own: dict[str, Any] = {**parts.window.state_dict(), "boundaries": parts.ledger.combines,
+    own: dict[str, Any] = {**parts.window.state_dict(), "boundaries": parts.closing.combines,
                            "skipped_updates": steps.skipped_updates, "scaler_good_steps": parts.loss.good_steps}
     if parts.local is not None:
         own.update(parts.local.state_dict())
@@ -46,10 +46,10 @@ def load_state_dict(parts: Parts, steps: Steps, state_dict: dict[str, Any]) -> N
         parts.buffers.check_state(own["module_buffers"])
     parts.optimizer.load_state_dict(state)
     parts.window.load_state_dict(own)
-    parts.ledger.combines = int(own.get("boundaries", 0))
-    steps.skipped_updates = int(own.get("skipped_updates", 0))
+    parts.closing.combines = int(own.get("boundaries", 0))
+    parts.closing.skipped = int(own.get("skipped_updates", 0))
     parts.loss.good_steps = int(own.get("scaler_good_steps", 0))
-    steps.is_boundary = steps.step_was_skipped = False
+    steps.is_boundary = parts.closing.step_was_skipped = False
     parts.boundary.reset()
     if parts.local is not None:
         parts.local.load_state_dict(own)

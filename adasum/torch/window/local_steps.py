@@ -41,8 +41,7 @@ from mpi4py import MPI
 
 from ...runtime import exchange
 from ...runtime.lane import Lane
-from .agreement import Layout, agree, log_skip
-from .amp import LossScale
+from .close import WindowClose
 from .compress import Wire
 from .outer import OuterSGD
 from .reduce import _describe, all_params, trained_params
@@ -57,11 +56,10 @@ class LocalSteps:
     the optimizer proxy."""
 
     def __init__(self, optimizer, comm: MPI.Intracomm, op: str, steps: int, outer: OuterSGD, where: str,
-                 wire: Wire, hierarchical: bool, skip_nonfinite: bool, loss: LossScale, layout: Layout,
-                 delay: int = 0):
+                 wire: Wire, hierarchical: bool, skip_nonfinite: bool, closing: WindowClose, delay: int = 0):
         self.optimizer, self.comm, self.op, self.steps, self.outer = optimizer, comm, op, steps, outer
-        self.wire, self.hierarchical, self.skip_nonfinite, self.loss = wire, hierarchical, skip_nonfinite, loss
-        self.delay, self.layout = delay, layout
+        self.wire, self.hierarchical, self.skip_nonfinite = wire, hierarchical, skip_nonfinite
+        self.delay, self.closing, self.loss = delay, closing, closing.loss
         self.settings = {"local_steps": steps, "delay": delay, "outer_lr": outer.lr, "outer_momentum": outer.momentum}
         self.start = Snapshot(where)   # each member's value at the window's start (or when it joined)
         self.members: list[torch.Tensor] = []  # the window's parameters, in the order they joined
@@ -123,45 +121,30 @@ class LocalSteps:
             self.lane.close()
 
     def combine(self, ledger: dict[str, int], drain: bool = False) -> bool:
-        """Collective at the end of a window: the ranks agree, then every member becomes the outer
-        optimizer's step from its start along the combined delta (delay=1: the previous window's combine is
-        merged and this window's sent; ``drain``: merged at once too). Where a combined delta is not finite
-        the parameters keep the last common point (False, on every rank alike). A local step that raised on
-        any rank, or windows that differ, raise here on every rank, the parameters back at that point."""
+        """Collective at the end of a window, through the window's procedure (:class:`WindowClose`): the
+        ranks agree, then every member becomes the outer optimizer's step from its start along the combined
+        delta (delay=1: the previous window's combine is merged and this window's sent; ``drain``: merged at
+        once too). Where a combined delta is not finite the parameters keep the last common point (False,
+        on every rank alike). A local step that raised on any rank, or windows that differ, raise here on
+        every rank, the parameters back at that point."""
         members, taken, error, overflowed = self.members, self.taken, self.error, self.overflowed
         self.members, self.taken, self.error, self.overflowed = [], 0, None, False
-        wire_error = self._wait()
-        decision = agree(self.comm, ledger, self.layout, members, error or wire_error, overflowed)
-        if decision.failed:
-            self._fall_back(members)
-            raise RuntimeError(f"(raised on rank {self.comm.Get_rank()}) a local step or combine failed in this "
-                               f"window of local steps; the parameters are back at the window's start: "
-                               f"{decision.failed}")
-        scale = self.loss.current()
+        error = error or self._wait()
+        close, scale = self.closing, self.loss.current()
+        undo = lambda: self._fall_back(members)  # noqa: E731
         if self.delay:
+            decision = close.decide(ledger, members, error, overflowed, undo=undo)
             ok = self._merge()
             if taken:
                 self._send(members)
             if drain:
                 ok = self._drain() and ok
-            self.loss.update(scale, not decision.overflowed)
-            return ok
-        ok = self._combine_now(members) if taken else True
-        self.loss.update(scale, ok and not decision.overflowed)
-        return ok
-
-    def _combine_now(self, members: list[torch.Tensor]) -> bool:
-        targets = [p.detach() for p in members]
-        with torch.no_grad():
-            self.start.apply(targets, members, "sub")  # the parameters hold this rank's deltas
-            amax = self._reduce(targets, self.comm, members)
-            ok = not self.skip_nonfinite or all_finite(targets)
-            if ok:
-                self.outer.apply_(targets, members, self.start)
-            else:
-                self.wire.explain(targets, amax, _names(members))
-                self.start.apply(targets, members, "copy")
-        return ok
+            # The loss scale follows this window's own local steps; the merged combine is the last one's.
+            return close.count(ok, scale, scale_ok=not decision.overflowed)
+        if not taken:
+            decision = close.decide(ledger, members, error, overflowed, undo=undo)
+            return close.count(True, scale, scale_ok=not decision.overflowed)
+        return close.close(_WindowDeltas(self, members), ledger, error=error, overflowed=overflowed)
 
     def _reduce(self, deltas: list[torch.Tensor], comm: MPI.Intracomm, members: list[torch.Tensor]):
         """The combine of ``deltas`` over ``comm``, in place; the 16-bit wire's largest magnitudes."""
@@ -220,7 +203,7 @@ class LocalSteps:
         if self.sent is None or not self.arrived:
             return True
         (params, combined), self.sent, self.arrived = self.sent, None, False
-        ok = not self.skip_nonfinite or all_finite(combined)
+        ok = not self.skip_nonfinite or self.closing.finite(combined)
         if ok:
             self.outer.apply_(combined, params, self.glob)  # combined now holds the new G
             self.glob.keep(params, combined)
@@ -237,10 +220,6 @@ class LocalSteps:
         common = self.glob.params()
         self.glob.apply([p.detach() for p in common], common, "copy")
         return ok
-
-    def log_skip(self, number: int, skipped: int) -> None:
-        log_skip(self.comm, "adasum: combine %d skipped on every rank: the combined weight deltas hold a NaN or "
-                 "Inf; parameters left at the window's start (%d skipped so far)", number, skipped)
 
     # --- state ---------------------------------------------------------------------------------------------
 
@@ -315,6 +294,46 @@ class LocalSteps:
         with torch.no_grad():
             for p, v in self._own:
                 p.copy_(v)
+
+
+class _WindowDeltas:
+    """A window's deltas as the window's procedure takes them (:class:`~adasum.torch.window.close.Update`):
+    formed in the parameters (new - start), combined, then the outer optimizer's step from the start."""
+
+    voted = False
+    skips_overflowed = False  # an overflowed local step was skipped; the window's other steps still count
+
+    def __init__(self, local: LocalSteps, members: list[torch.Tensor]):
+        self.local, self.params = local, members
+        self.targets = [p.detach() for p in members]
+        self.amax = None
+
+    def carries_companion(self, comm: MPI.Intracomm) -> bool:
+        return False
+
+    def combine(self, comm: MPI.Intracomm, companion) -> None:
+        with torch.no_grad():
+            self.local.start.apply(self.targets, self.params, "sub")  # the parameters hold this rank's deltas
+            self.amax = self.local._reduce(self.targets, comm, self.params)
+
+    def settle(self) -> None:
+        """Nothing: the combined deltas are in the parameters."""
+
+    def combined(self) -> list[torch.Tensor]:
+        return self.targets
+
+    def apply(self, ok: bool) -> None:
+        with torch.no_grad():
+            if ok:
+                self.local.outer.apply_(self.targets, self.params, self.local.start)
+            else:
+                self.local.start.apply(self.targets, self.params, "copy")
+
+    def explain(self) -> None:
+        self.local.wire.explain(self.targets, self.amax, _names(self.params))
+
+    def abandon(self) -> None:
+        self.local._fall_back(self.params)
 
 
 def _step_trained(optimizer) -> None:

@@ -30,6 +30,7 @@ import torch
 from mpi4py import MPI
 
 from ...call.allreduce import adasum_allreduce
+from ..state.broadcast import broadcast_parameters
 
 __all__ = ["BufferSync", "BUFFER_MODES"]
 
@@ -49,8 +50,6 @@ class BufferSync:
         self.module = module  # read again at each boundary: ``module.to(...)`` replaces buffer tensors
         self.kept: list[torch.Tensor] = []
         if mode == "average" and comm.Get_size() > 1:
-            from ..state.broadcast import broadcast_parameters  # it imports the optimizer, which imports this
-
             broadcast_parameters(self.buffers, root=0, comm=comm)
             self.kept = [b.detach().clone() for b in self.buffers]
 
@@ -62,8 +61,6 @@ class BufferSync:
         if not self.buffers:
             return
         if self.mode == "broadcast":
-            from ..state.broadcast import broadcast_parameters
-
             broadcast_parameters(self.buffers, root=0, comm=self.comm)
             return
         size = self.comm.Get_size()

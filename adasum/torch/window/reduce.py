@@ -5,15 +5,17 @@ A boundary is one or more :class:`Bucket` s. :meth:`reduce` runs once per bucket
 ``step()``, with the communicator to reduce on: :meth:`local` (this rank's part: averaging, the local step,
 the deltas) then :meth:`combine` (the wire). With overlap the two run on two threads during backward
 (``side=True``), so that one bucket's local part runs while the previous bucket's bytes are on the wire.
-After every rank has agreed that no bucket failed, :meth:`settle` and :meth:`update` run on the main thread.
+After every rank has agreed that no bucket failed, :meth:`settle` and :meth:`apply` run on the main thread,
+driven by the window's procedure (:class:`adasum.torch.window.close.WindowClose`, through
+:class:`BucketUpdate`).
 
 - :class:`AdasumDeltas` (``op="adasum"``): average the bucket's gradients, take the wrapped optimizer's
   step on the bucket's parameters only, take the deltas (new - start) and combine them with Adasum, one
   layer per parameter; ``update`` sets every parameter to start + combined delta. With ``side=True`` the
   step runs on shadows of the parameters (kept copies, which then hold the deltas), so that the parameters
-  are not written before ``update``. The optimizer's step hooks run once per update, around all buckets
+  are not written before ``apply``. The optimizer's step hooks run once per update, around all buckets
   (:meth:`AdasumDeltas.before_step`, :meth:`AdasumDeltas.after_step`), not around each local step.
-- :class:`GradientReduce` (``"sum"``/``"mean"``): average and reduce the bucket's gradients; ``update`` takes
+- :class:`GradientReduce` (``"sum"``/``"mean"``): average and reduce the bucket's gradients; ``apply`` takes
   the wrapped optimizer's step.
 
 ``reduce`` is the unit a DDP communication hook can reuse: it needs only the bucket's parameters, their
@@ -23,8 +25,6 @@ positions in the optimizer's parameter list, and a communicator.
 from __future__ import annotations
 
 import traceback
-from collections import OrderedDict
-from collections.abc import MutableMapping
 from typing import Callable
 
 import torch
@@ -32,11 +32,10 @@ from mpi4py import MPI
 
 from .compress import Wire
 from .tensors import StartCopy, all_finite, average_, grads_of, mark_nonfinite
-from ..internals import (STEP_HOOK_DICTS, foreach_add_, foreach_copy_, foreach_sub_, record_scheduled_step,
-                         step_hooks_of, unhooked_step)
+from .bucket_step import BucketSteps, step_hooks, whole_step
+from ..internals import foreach_add_, foreach_copy_, foreach_sub_
 
-__all__ = ["Bucket", "AdasumDeltas", "GradientReduce", "ShadowState", "all_params", "step_hooks", "step_on",
-           "trained_params"]
+__all__ = ["Bucket", "BucketUpdate", "AdasumDeltas", "GradientReduce", "all_params", "trained_params"]
 
 
 class Bucket:
@@ -60,6 +59,40 @@ class Bucket:
         return [f"parameter {i} (shape {tuple(p.shape)})" for i, p in zip(self.index, self.params)]
 
 
+class BucketUpdate:
+    """A boundary's buckets as the window's procedure takes them (:class:`~adasum.torch.window.close.Update`):
+    the strategy combines, applies and explains them; ``abandon`` is the owner's undo."""
+
+    voted = False             # every rank holds the whole combined values
+    skips_overflowed = False  # a rank's non-finite update reaches the others through the wire (NaN deltas)
+
+    def __init__(self, strategy, buckets: list[Bucket], params: list[torch.Tensor], abandon: Callable[[], None],
+                 companion: bool = False):
+        self.strategy, self.buckets, self.params, self.abandon = strategy, buckets, params, abandon
+        self._companion = companion  # the boundary allows the wire's agreement to carry the window's
+
+    def carries_companion(self, comm: MPI.Intracomm) -> bool:
+        return self._companion and self.strategy.carries_companion(self.buckets[0], comm)
+
+    def combine(self, comm: MPI.Intracomm, companion) -> None:
+        if companion is None:
+            self.strategy.combine(self.buckets[0], comm)
+        else:
+            self.strategy.combine(self.buckets[0], comm, companion=companion)
+
+    def settle(self) -> None:
+        self.strategy.settle(self.buckets)
+
+    def combined(self) -> list[torch.Tensor]:
+        return self.strategy.combined(self.buckets)
+
+    def apply(self, ok: bool) -> None:
+        self.strategy.apply(self.buckets, ok)
+
+    def explain(self) -> None:
+        self.strategy.explain(self.buckets)
+
+
 class AdasumDeltas:
     """Adasum of the weight deltas of each rank's own local step (the module docstring)."""
 
@@ -71,6 +104,7 @@ class AdasumDeltas:
         self.wire = wire
         self.hierarchical = hierarchical
         self.skip_nonfinite = skip_nonfinite
+        self.steps = BucketSteps(optimizer)  # the optimizer's step on a bucket or on shadows
 
     def prepare(self, params: list[torch.Tensor]) -> None:
         """Before a boundary's buckets: the start buffers for every trained parameter."""
@@ -109,7 +143,10 @@ class AdasumDeltas:
                 local_ok = not self.skip_nonfinite or all_finite(grads)
             # A rank whose gradients are not finite skips its own step, so its optimizer state stays finite.
             if local_ok and grads:
-                step_on(self.optimizer, params, everything, shadows)
+                if everything and shadows is None:
+                    whole_step(self.optimizer)
+                else:
+                    self.steps.step(params, shadows)
         except BaseException as e:  # noqa: BLE001 - kept, raised on every rank after the agreement
             bucket.error, local_ok = _describe(e), False
         with torch.no_grad():
@@ -144,11 +181,13 @@ class AdasumDeltas:
     def settle(self, buckets: list[Bucket]) -> None:
         """Nothing to hand over before the update: the deltas stay apart from the gradients."""
 
-    def update(self, buckets: list[Bucket]) -> bool:
-        """Start + combined delta for every parameter, or the start where any delta is not finite (then
-        False, on every rank alike)."""
+    def combined(self, buckets: list[Bucket]) -> list[torch.Tensor]:
+        """The combined deltas, which must all be finite for the update."""
+        return [d for b in buckets for d in b.result]
+
+    def apply(self, buckets: list[Bucket], ok: bool) -> None:
+        """Start + combined delta for every parameter (``ok``), or the start."""
         with torch.no_grad():
-            ok = not self.skip_nonfinite or all_finite([d for b in buckets for d in b.result])
             for b in buckets:
                 targets = [p.detach() for p in b.params]
                 if b.side:
@@ -156,9 +195,10 @@ class AdasumDeltas:
                         foreach_add_(targets, b.result)
                 else:
                     self.start.apply(targets, b.index, "add" if ok else "copy")
-                if not ok:
-                    self.wire.explain(b.result, b.amax, b.names())
-        return ok
+
+    def explain(self, buckets: list[Bucket]) -> None:
+        for b in buckets:
+            self.wire.explain(b.result, b.amax, b.names())
 
     def before_step(self) -> str | None:
         """Once per update, before its first local step (with overlap: in ``step()``, once the threads took
@@ -185,11 +225,10 @@ class AdasumDeltas:
 class GradientReduce:
     """Sum or mean of the gradients, then the wrapped optimizer's step (the module docstring)."""
 
-    def __init__(self, optimizer, op: str, wire: Wire, skip_nonfinite: bool):
+    def __init__(self, optimizer, op: str, wire: Wire):
         self.optimizer = optimizer
         self.op = op
         self.wire = wire
-        self.skip_nonfinite = skip_nonfinite
 
     def prepare(self, params: list[torch.Tensor]) -> None:
         """Nothing is kept between the buckets of a boundary."""
@@ -243,16 +282,18 @@ class GradientReduce:
                 p.grad = g
             b.result = []
 
-    def update(self, buckets: list[Bucket]) -> bool:
-        """The wrapped optimizer's step, unless a reduced gradient is not finite (then False everywhere)."""
-        grads = [g for b in buckets for g in grads_of(b.params)]
-        if self.skip_nonfinite and not all_finite(grads):
-            for b in buckets:
-                self.wire.explain([torch.zeros(0) if p.grad is None else p.grad for p in b.params], b.amax,
-                                  b.names())
-            return False
-        self.optimizer.step()
-        return True
+    def combined(self, buckets: list[Bucket]) -> list[torch.Tensor]:
+        """The reduced gradients, which must all be finite for the step."""
+        return [g for b in buckets for g in grads_of(b.params)]
+
+    def apply(self, buckets: list[Bucket], ok: bool) -> None:
+        """The wrapped optimizer's step (``ok``); otherwise the parameters stay as they are."""
+        if ok:
+            self.optimizer.step()
+
+    def explain(self, buckets: list[Bucket]) -> None:
+        for b in buckets:
+            self.wire.explain([torch.zeros(0) if p.grad is None else p.grad for p in b.params], b.amax, b.names())
 
     def before_step(self) -> str | None:
         """Nothing: ``update`` calls ``optimizer.step()``, which runs the step hooks itself."""
@@ -281,109 +322,6 @@ def trained_params(optimizer) -> list[torch.Tensor]:
                 seen.add(id(p))
                 out.append(p)
     return out
-
-
-def step_on(optimizer, params: list[torch.Tensor], everything: bool = False,
-            shadows: list[torch.Tensor] | None = None) -> None:
-    """The wrapped optimizer's own step on ``params`` only (``everything``: on all its parameters).
-
-    The step is the function of the optimizer's class, without the step hooks that ``optimizer.step()``
-    runs around it and without an instance-level replacement of ``step`` (an LR scheduler's, say): those
-    belong to the whole update (:func:`step_hooks`). On a bucket it runs on a shallow view of the optimizer
-    whose param groups hold only the bucket's tensors and share everything else (the hyperparameters,
-    ``state``): the user's ``param_groups`` are never changed, and group entries the step writes are written
-    back to them. With ``shadows`` (one per parameter, same dtype, device and shape) the view steps the
-    shadows instead, each with its parameter's gradient and its parameter's state (:class:`ShadowState`),
-    and the parameters keep their values.
-    """
-    step = _own_step(optimizer)
-    if everything and shadows is None:
-        step(optimizer)
-        return
-    stepped = params if shadows is None else shadows
-    where = {id(p): i for i, p in enumerate(params)}
-    view = object.__new__(type(optimizer))
-    view.__dict__.update(optimizer.__dict__)
-    view.__dict__.pop("step", None)
-    for hooks in STEP_HOOK_DICTS:
-        if hooks in view.__dict__:
-            view.__dict__[hooks] = OrderedDict()
-    pairs = []
-    for g in optimizer.param_groups:
-        sub = [stepped[where[id(p)]] for p in g["params"] if id(p) in where]
-        if sub:
-            pairs.append((g, dict(g, params=sub)))
-    view.param_groups = [v for _, v in pairs]
-    if shadows is not None:
-        view.state = ShadowState(optimizer.state, params, shadows)
-        for s, p in zip(shadows, params):
-            s.grad = p.grad
-    try:
-        step(view)
-    finally:
-        if shadows is not None:
-            for s in shadows:
-                s.grad = None
-    for g, v in pairs:
-        for key, value in v.items():
-            if key != "params" and g.get(key) is not value:
-                g[key] = value
-
-
-class ShadowState(MutableMapping):
-    """The wrapped optimizer's ``state`` as a step on shadows sees it: a shadow's entry is its parameter's
-    own (made in the optimizer's ``state`` where new), so the step updates the user's optimizer state as a
-    step on the parameters would."""
-
-    def __init__(self, state, params: list[torch.Tensor], shadows: list[torch.Tensor]):
-        self._state = state
-        self._param = {id(s): p for s, p in zip(shadows, params)}
-
-    def _key(self, key):
-        return self._param.get(id(key), key)
-
-    def __getitem__(self, key):
-        return self._state[self._key(key)]
-
-    def __setitem__(self, key, value) -> None:
-        self._state[self._key(key)] = value
-
-    def __delitem__(self, key) -> None:
-        del self._state[self._key(key)]
-
-    def __contains__(self, key) -> bool:
-        return self._key(key) in self._state
-
-    def __iter__(self):
-        return iter(self._state)
-
-    def __len__(self) -> int:
-        return len(self._state)
-
-    def get(self, key, default=None):
-        return self._state.get(self._key(key), default)
-
-    def setdefault(self, key, default=None):
-        return self._state.setdefault(self._key(key), default)
-
-
-def _own_step(optimizer) -> Callable:
-    """The step function of ``optimizer``'s class, unwrapped from torch's hook runner."""
-    fn = unhooked_step(type(optimizer))
-    if fn is None:  # a step set on the instance only: nothing else to call
-        return lambda opt: optimizer.step()
-    return fn
-
-
-def step_hooks(optimizer, which: str) -> None:
-    """The step hooks of ``optimizer``, once (``"pre"`` or ``"post"``, in ``optimizer.step()``'s order), each
-    with ``(optimizer, (optimizer,), {})`` as ``optimizer.step()`` calls them (what a pre-hook returns is not
-    used: no arguments reach the step). ``"pre"`` also records the step where an LR scheduler replaced
-    ``optimizer.step`` to watch for it, so the scheduler knows the optimizer stepped."""
-    if which == "pre":
-        record_scheduled_step(optimizer)
-    for hook in step_hooks_of(optimizer, which):
-        hook(optimizer, (optimizer,), {})
 
 
 def _describe(e: BaseException) -> str:

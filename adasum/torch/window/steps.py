@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -18,14 +19,17 @@ from mpi4py import MPI
 
 from ..overlap.engine import OverlapEngine
 from .accumulate import AccumulationWindow
-from .agreement import Layout, Ledger, agree
 from .amp import LossScale
-from .boundary import Boundary, log_skip
+from .boundary import Boundary
+from .close import Layout, Ledger, WindowClose
+from .compress import Wire
 from .local_steps import LocalSteps
 from .module_buffers import BufferSync
-from .reduce import trained_params
+from .outer import OuterSGD
+from .reduce import AdasumDeltas, GradientReduce, trained_params
+from .tensors import StartCopy
 
-__all__ = ["Parts", "Steps"]
+__all__ = ["Parts", "Steps", "assemble"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -36,7 +40,7 @@ class Parts:
     comm: MPI.Intracomm
     window: AccumulationWindow        # the micro-batches of the open window
     ledger: Ledger                    # what the ranks agree on at each combine
-    layout: Layout                    # how they compare their windows' parameters
+    closing: WindowClose              # the window's procedure: agreement, apply, counters
     loss: LossScale
     strategy: Any                     # AdasumDeltas or GradientReduce: what a boundary does with a bucket
     boundary: Boundary                # the boundary (no local steps)
@@ -52,8 +56,15 @@ class Steps:
         self.parts = parts
         self.is_boundary = False      # the last step() combined
         self.took_local_step = False  # the last step() closed an accumulation window
-        self.step_was_skipped = False  # that combine was skipped for non-finite values
-        self.skipped_updates = 0
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """The last step() combined, and that combine was skipped for non-finite values."""
+        return self.is_boundary and self.parts.closing.step_was_skipped
+
+    @property
+    def skipped_updates(self) -> int:
+        return self.parts.closing.skipped
 
     @property
     def vote_comm(self) -> MPI.Intracomm:
@@ -68,7 +79,7 @@ class Steps:
 
     def flush(self) -> bool:
         parts = self.parts
-        self.is_boundary = self.step_was_skipped = self.took_local_step = False
+        self.is_boundary = self.took_local_step = False
         if parts.window.seen:
             parts.window.force()  # with local steps: the combine follows this local step
             self.close_window(parts.window.seen)
@@ -76,10 +87,8 @@ class Steps:
         if parts.local is not None and (parts.local.taken or parts.local.pending):
             self._combine(drain=True)
             return True
-        decision = agree(self.vote_comm, parts.ledger.at(0), parts.layout, trained_params(parts.optimizer), None)
-        if decision.failed:
-            raise RuntimeError(f"(raised on rank {parts.comm.Get_rank()}) flush() found the ranks out of step; "
-                               f"nothing was changed: {decision.failed}")
+        parts.closing.decide(parts.ledger.at(0), trained_params(parts.optimizer), comm=self.vote_comm,
+                           context="flush() found the ranks out of step; nothing was changed")
         if parts.buffers is not None:  # forward passes since the last window changed them on each rank
             parts.buffers.sync()
         return False
@@ -125,7 +134,7 @@ class Steps:
 
     def step(self) -> None:
         """Record one micro-batch; where it closes a window, reduce and update."""
-        self.is_boundary = self.step_was_skipped = self.took_local_step = False
+        self.is_boundary = self.took_local_step = False
         if self.parts.window.record():
             self.close_window(self.parts.window.seen)
 
@@ -138,27 +147,50 @@ class Steps:
             if parts.local.local_step(count, forced):
                 self._combine(drain=forced)
             return
-        if not parts.boundary.run(count, parts.ledger.at(count)):
-            self._record_skip()
+        parts.boundary.run(count, parts.ledger.at(count))
         self._after_boundary()
 
     def _combine(self, drain: bool = False) -> None:
-        if not self.parts.local.combine(self.parts.ledger.at(0), drain):
-            self._record_skip()
+        self.parts.local.combine(self.parts.ledger.at(0), drain)
         self._after_boundary()
 
     def _after_boundary(self) -> None:
-        self.parts.ledger.combines += 1
+        """The module's buffers made alike (the procedure counted the combine)."""
         self.is_boundary = True
         if self.parts.buffers is not None:
             self.parts.buffers.sync()
 
-    def _record_skip(self) -> None:
-        parts = self.parts
-        self.skipped_updates += 1
-        self.step_was_skipped = True
-        number = parts.ledger.combines + 1
-        if parts.local is not None:
-            parts.local.log_skip(number, self.skipped_updates)
-        else:
-            log_skip(parts.comm, parts.strategy, number, self.skipped_updates)
+
+def assemble(opt, module, kept: list[torch.Tensor], wire: Wire, loss: LossScale,
+              overlap: bool) -> Parts:
+    """The parts the settings of ``opt`` (a :class:`~adasum.torch.DistributedOptimizer`) ask for: the strategy, local steps, the buffers' sync, the overlap engine
+    (dropped, never waited for, once the optimizer is collected) and the boundary."""
+    optimizer, comm, opts = opt.optimizer, opt.comm, opt.options
+    window, layout = AccumulationWindow(opts.accumulation_steps), Layout(optimizer)
+    if opts.uses_local_steps:
+        close = WindowClose(comm, layout, loss, name="DistributedOptimizer", unit="combine",
+                            skip_nonfinite=opt.skip_nonfinite, failed="a local step or combine failed in this "
+                            "window of local steps; the parameters are back at the window's start")
+    else:
+        close = WindowClose(comm, layout, loss, name="DistributedOptimizer", skip_nonfinite=opt.skip_nonfinite,
+                            failed="a local step or reduction failed at this boundary; the parameters keep the "
+                            "window's start")
+    ledger = Ledger(window, close)
+    if opt.op == "adasum" and comm.Get_size() > 1:
+        strategy = AdasumDeltas(optimizer, StartCopy(opt.start_copy), wire, opt.hierarchical,
+                                opt.skip_nonfinite)
+    else:  # one rank: exactly the wrapped optimizer (the reduction is the identity)
+        strategy = GradientReduce(optimizer, opt.op, wire)
+    local = None
+    if opts.uses_local_steps:
+        local = ledger.local = LocalSteps(optimizer, comm, opt.op, opt.local_steps,
+                                          OuterSGD(opt.outer_lr, opt.outer_momentum), opt.start_copy, wire,
+                                          opt.hierarchical, opt.skip_nonfinite, close, opt.delay)
+    source = module if isinstance(module, torch.nn.Module) else None
+    buffers = None if opt.buffers is None else BufferSync(opt.buffers, kept, comm, source)
+    engine = None
+    if overlap:
+        engine = OverlapEngine(optimizer, strategy, window, loss, comm, opt.bucket_bytes, ledger, close)
+        weakref.finalize(opt, engine.drop)  # never waits for a collective (OverlapEngine.drop)
+    boundary = Boundary(optimizer, comm, strategy, window, loss, engine, close)
+    return Parts(optimizer, comm, window, ledger, close, loss, strategy, boundary, local, engine, buffers)
