@@ -1,6 +1,6 @@
 """The Horovod façade as a package: ``adasum.horovod`` is the code (``adasum/horovod/``), its imports form no
-cycle and none hides inside a function, importing it calls no MPI, and the old names are gone. Serial: no
-test here needs more than one rank."""
+cycle and none hides inside a function, importing it calls no MPI, and the old names are gone. Nothing here
+depends on the world size: one size under mpiexec."""
 
 from __future__ import annotations
 
