@@ -23,7 +23,7 @@ from ..runtime.context import Call, Context, context_for
 from ..schedules import small_call
 from ..schedules.doubling import adasum_reduce_doubling
 from ..schedules.fusion import Operand, Placement, TensorLayout
-from ..schedules.halving import adasum_reduce
+from ..schedules.halving import adasum_reduce, partials_summed_over
 from ..schedules.hierarchical import hierarchical_reduce
 from ..runtime.launch import check_launch
 from ..kernels.native import use_isa
@@ -86,11 +86,21 @@ def adasum_allreduce_inplace(tensors, *, op: str | Op = "adasum", comm: MPI.Intr
 
 
 def allreduce_inplace_with(tensors, op: str, comm: MPI.Intracomm, companion: Companion):
-    """:func:`adasum_allreduce_inplace` whose agreement also carries ``companion``: the caller's own
-    agreement (:class:`~adasum.runtime.agreement.Companion`), so one small collective does for both. Where
-    the companions differ or one has an error, every rank raises as in any other difference, before any
-    data moves."""
+    """:func:`adasum_allreduce_inplace` (not hierarchical) whose agreement also carries ``companion``: the
+    caller's own agreement (:class:`~adasum.runtime.agreement.Companion`), so one small collective does for
+    both. Where the companions differ or one has an error, every rank raises as in any other difference,
+    before any data moves."""
     return _allreduce(tensors, op, comm, False, inplace=True, companion=companion)
+
+
+def allreduce_sharded_inplace(tensors, comm: MPI.Intracomm, shard: MPI.Intracomm):
+    """Adasum over ``comm``, in place, of tensors that are pieces of larger layers: each tensor is one
+    layer's piece, and the ranks of ``shard`` (this rank among them) hold the other pieces of the same
+    layers, in the same order, each reducing them over its own ``comm`` at the same time (the replicas of
+    a sharded model: ``comm`` this rank's replicate group, ``shard`` its shard group). The dot products of
+    every layer are summed over ``shard`` before the coefficients are taken, so the result is the Adasum
+    of the whole layers, bitwise alike on every rank of ``shard``. Collective over both communicators."""
+    return _allreduce(tensors, "adasum", comm, False, inplace=True, shard=shard)
 
 
 def _as_list(tensors) -> tuple[bool, list]:
@@ -114,9 +124,10 @@ def _parse_op(op) -> str:
         raise ValueError(f"op must be one of 'adasum', 'sum', 'mean', got {op!r}") from None
 
 
-def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool, companion: Companion | None = None):
+def _allreduce(tensors, op, comm, hierarchical: bool, inplace: bool, companion: Companion | None = None,
+               shard: MPI.Intracomm | None = None):
     what = "adasum_allreduce_inplace" if inplace else "adasum_allreduce"
-    with context_for(comm).call(what, companion=companion) as call:
+    with context_for(comm).call(what, companion=companion, shard=shard) as call:
         use_isa(call.settings.kernels_isa)
         extras = agreed_extras(call)
         if call.ctx.size > 1:
@@ -152,7 +163,7 @@ def _on_host(call: Call, extras: dict, tensors, op, hierarchical: bool, inplace:
         if done is not _NOT_TAKEN:
             return done
     if op == "adasum" and not hierarchical and type(tensors) is list and call.ctx.size > 1 \
-            and call.companion is None and small_call.allowed(call.settings):
+            and call.shard is None and small_call.allowed(call.settings):
         known = kept_plan(call.ctx, tensors, extras["adasum"])
         if known is not None and known.small is not None:
             done = small_call.run_small(call, known, tensors, inplace, extras)
@@ -241,7 +252,7 @@ def _prepare(call: Call, extras: dict, state: _State, tensors, op, hierarchical:
     state.op = _parse_op(op)
     if hierarchical and state.op != "adasum":
         raise ValueError(f"hierarchical=True needs op 'adasum', got '{state.op}'")
-    extra = extras["hierarchical" if hierarchical else state.op]
+    extra = extras["hierarchical" if hierarchical else "sharded" if call.shard is not None else state.op]
     if known is not None:
         plan = state.plan = known
     else:
@@ -302,7 +313,8 @@ _OP_NAMES = frozenset(o.value for o in Op)
 
 
 def _halving(call: Call, plan: Plan, operands: Sequence[Operand], split: int) -> None:
-    adasum_reduce(call, call.lcomm, operands, plan.transports(call, operands), split=split)
+    adasum_reduce(call, call.lcomm, operands, plan.transports(call, operands), split=split,
+                  local_sum=None if call.shard is None else partials_summed_over(call, call.shard))
 
 
 def _doubling(call: Call, plan: Plan, operands: Sequence[Operand], split: int) -> None:

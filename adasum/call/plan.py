@@ -37,17 +37,22 @@ class Schedule(enum.Enum):
     MEAN = "mean"                  # MPI's own allreduce, divided by P
 
 
-def choose(op: str, hierarchical: bool, size: int, nbytes: int, s: Settings, across_hosts: bool = False) -> Schedule:
+def choose(op: str, hierarchical: bool, size: int, nbytes: int, s: Settings, across_hosts: bool = False,
+           sharded: bool = False) -> Schedule:
     """The schedule of a call of ``nbytes`` over ``size`` ranks under the settings ``s``. Across hosts
     (``across_hosts``) and under the automatic threshold, doubling is taken only where it puts no more
     bytes on a link than halving: after the fold to 2^k ranks, doubling sends k·N bytes per rank and
-    halving 2·N·(2^k - 1)/2^k, so only for 2^k = 2. A set ``small_message_bytes`` overrides this."""
+    halving 2·N·(2^k - 1)/2^k, so only for 2^k = 2. A set ``small_message_bytes`` overrides this.
+    ``sharded`` (layers cut across another group of ranks): halving, whose partial dot products the other
+    group's ranks add to theirs."""
     if size == 1:
         return Schedule.NONE
     if op != "adasum":
         return Schedule(op)
     if hierarchical:
         return Schedule.HIERARCHICAL
+    if sharded:
+        return Schedule.HALVING
     if across_hosts and s.small_message_bytes is None and size.bit_length() - 1 > 1:
         return Schedule.HALVING
     return Schedule.HALVING if nbytes > s.small_message_limit(size) else Schedule.DOUBLING
@@ -63,6 +68,7 @@ def agreed_extras(call) -> dict:
         agreed = (*s.agreed(), ("host kernels", int(compiled is not None and s.kernels == "c")))
         plain = (("hierarchical", False), ("plain direct bytes", s.plain_direct_bytes))
         extras = {"adasum": (("hierarchical", False), *agreed), "hierarchical": (("hierarchical", True), *agreed),
+                  "sharded": (("hierarchical", False), ("sharded", 1), *agreed),
                   "sum": plain, "mean": plain,
                   # and what these settings make of this communicator's calls
                   "patience": stall.patience(s, ctx)}
@@ -94,7 +100,8 @@ class Plan:
         # one group holding every tensor in order: the call's list is the group's members
         self.one_group = len(self.groups) == 1 and self.groups[0].indices == list(range(len(items)))
         # the agreed settings are part of the plan's key, so the schedule is the plan's
-        self.schedule = choose(op, dict(extra)["hierarchical"], ctx.size, self.nbytes, s, ctx.across_hosts)
+        self.schedule = choose(op, dict(extra)["hierarchical"], ctx.size, self.nbytes, s, ctx.across_hosts,
+                               bool(dict(extra).get("sharded")))
         # the compiled small call (Adasum) or small plain call (sum, mean), where the plan's calls may take it
         self.small = small_call_for(call, self.schedule is Schedule.DOUBLING, self.one_group, self.groups,
                                     len(items)) or \

@@ -93,29 +93,11 @@ class SmallPlain:
     def __call__(self, call, items: list, single: bool, inplace: bool, patience: float):
         """The call ``call`` of ``items`` (the plan's tensors), whole, or None (before any communication)
         where its tensors cannot take it: not contiguous, read-only or overlapping in place."""
-        digest, extra, companion = self.digest, self.extra, call.companion
-        if companion is not None:  # a caller's agreement rides along (adasum.runtime.agreement.Companion)
-            if companion.error is not None:
-                return None  # the general path fails the call on every rank
-            digest, _, extra = with_companion(call, digest, None, extra)
-        live = items if self.all_live else [items[i] for i in self.layers]
-        torch, out = self.torch, None
-        if torch is not None:  # the tensors' addresses: a fraction of what numpy views of them cost
-            parts = self.group.adapter.addresses(live)
-            if parts is None:
-                return None
-            if not inplace:
-                out = torch.empty(self.n, dtype=self.torch_dtype)
-                buf = out.data_ptr()
-        else:
-            parts = live
-            if not inplace:
-                buf = out = np.empty(self.n, self.group.dtype)
-        if inplace:
-            kept = self._kept
-            buf = kept[1]() if kept[0] == self.ctx.buffers.generation else None
-            if buf is None:
-                buf = self._buffer()
+        found = self._operands(call, items, inplace)
+        if found is None:
+            return None
+        digest, extra, parts, buf, out = found
+        torch = self.torch
         how = self._wait
         if how[0] != call.waiting:
             how = self._wait = (call.waiting, policy(call.waiting))
@@ -158,6 +140,34 @@ class SmallPlain:
         else:
             views = self.group.adapter.views(out, self.group.bounds, self.group.shapes)
         return views[0] if single else views
+
+    def _operands(self, call, items: list, inplace: bool):
+        """The digest (the companion's folded in), the extra settings, the tensors' addresses (or arrays), the
+        buffer and the result's tensor (out of place) of one call; None where the call cannot take them."""
+        digest, extra, companion = self.digest, self.extra, call.companion
+        if companion is not None:  # a caller's agreement rides along (adasum.runtime.agreement.Companion)
+            if companion.error is not None:
+                return None  # the general path fails the call on every rank
+            digest, _, extra = with_companion(call, digest, None, extra)
+        live = items if self.all_live else [items[i] for i in self.layers]
+        torch, out, buf = self.torch, None, None
+        if torch is not None:  # the tensors' addresses: a fraction of what numpy views of them cost
+            parts = self.group.adapter.addresses(live)
+            if parts is None:
+                return None
+            if not inplace:
+                out = torch.empty(self.n, dtype=self.torch_dtype)
+                buf = out.data_ptr()
+        else:
+            parts = live
+            if not inplace:
+                buf = out = np.empty(self.n, self.group.dtype)
+        if inplace:
+            kept = self._kept
+            buf = kept[1]() if kept[0] == self.ctx.buffers.generation else None
+            if buf is None:
+                buf = self._buffer()
+        return digest, extra, parts, buf, out
 
     def _resume_allreduce(self, call, waited: float) -> None:
         """Go on waiting, through the stall inspector, for the allreduce the compiled call left waiting

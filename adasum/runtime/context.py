@@ -80,6 +80,7 @@ class Call(NamedTuple):
     number: int  # the call's number on this communicator, this rank (the stall inspector's call #N)
     what: str  # what the call is, as errors name it
     companion: Any = None  # a caller's own agreement folded into the call's (adasum.runtime.agreement.Companion)
+    shard: Any = None  # the ranks that hold the other pieces of the same layers (their dot products summed)
 
     def record(self, field: str, nbytes: int, messages: int = 0) -> None:
         """Count ``nbytes`` (and ``messages``) in ``field`` of the active traffic counters."""
@@ -165,15 +166,17 @@ class Context:
         return self._agree_handles
 
     # --- calls ---------------------------------------------------------------------------------------------
-    def call(self, what: str, settings: Settings | None = None, companion=None) -> Call:
+    def call(self, what: str, settings: Settings | None = None, companion=None, shard=None) -> Call:
         """A call on this communicator, for a ``with`` statement (``with ctx.call(what, settings) as call:``,
         which ends it): numbered, the library's duplicate made on the first one (collectively,
         stall-watched), and returned as the immutable :class:`Call` that the call path takes. RuntimeError
         at once if another thread has a call in flight here (two calls on one communicator would mix their
         messages). ``settings`` (default: the current ones, read here) are the call's snapshot: nothing the
         call runs reads the live settings again. ``companion``: what the caller's own agreement adds to the
-        call's (:class:`~adasum.runtime.agreement.Companion`). Every 64th call first drops the stall
-        inspector's messages of earlier calls."""
+        call's (:class:`~adasum.runtime.agreement.Companion`). ``shard``: an Adasum call on shards of larger
+        layers, the other pieces held by the ranks of that communicator (:func:`adasum.call.allreduce.
+        allreduce_sharded_inplace`). Every 64th call first drops the stall inspector's messages of earlier
+        calls."""
         if self.broken is not None:
             if self._freed:  # abandoned after a failure: not a new failure, a stale communicator
                 raise AdasumCollectiveError(f"{what} on {self.name}: {self.broken}; use the survivors' world "
@@ -195,7 +198,7 @@ class Context:
                 lcomm = self._duplicate(s)
             how = s.waiting
             call = _new_call(Call, (self, s, ("nap" if self.beside_compute else "spin") if how == "auto" else how,
-                                    lcomm, number, what, companion))
+                                    lcomm, number, what, companion, shard))
             if number % 64 == 0:
                 stall.drain(call)
         except BaseException:

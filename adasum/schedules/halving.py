@@ -27,7 +27,7 @@ from .fusion import Operand, Placement, group_pieces
 from ..runtime.collectives import Collectives
 from ..runtime.transport import Transport
 
-__all__ = ["adasum_reduce", "fold_out"]
+__all__ = ["adasum_reduce", "fold_out", "partials_summed_over"]
 
 
 class _Cursor:
@@ -267,3 +267,23 @@ def _allgather(groups, transports, ranges, levels, split: int) -> None:
             olo, ohi = (plo, lo) if level.upper else (hi, phi)
             sc, rc = exchange_chunks(g, lo, hi, olo, ohi, split)
             t.exchange([own(g, a, b) for a, b in sc], level.partner, [own(g, a, b) for a, b in rc], level.partner)
+
+
+def partials_summed_over(call, comm: MPI.Intracomm) -> Callable[[np.ndarray, list], np.ndarray] | None:
+    """The ``local_sum`` of :func:`adasum_reduce` over ``comm``: a partial-dot-product vector summed over the
+    ranks of ``comm`` that hold the other pieces of the same layers (a node's slice holders in the
+    hierarchical mode, a shard group for the replicas of a sharded model), bitwise alike on each of them;
+    None where ``comm`` has one rank."""
+    if comm.Get_size() == 1:
+        return None
+    t = Collectives(call, Transport(call, comm, call.ctx.adapters.numpy, "cpu", staged=False))
+
+    def local_sum(vec: np.ndarray, widths) -> np.ndarray:
+        rows = t.allgather_scalars(vec)
+        # Added in the order of comm's ranks, the same order on every holder.
+        total = rows[0].copy()
+        for row in rows[1:]:
+            total = merge_partials(total, row, widths)
+        return total
+
+    return local_sum

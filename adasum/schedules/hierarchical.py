@@ -27,17 +27,16 @@ about ``(N-1)/N`` of its slice in each phase, so the bytes between nodes are tho
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 from mpi4py import MPI
 
-from ..rule.combine import merge_partials
 from .fusion import Group, Operand
 from ..runtime.topology import NodeLayout, node_layout
 from ..runtime.collectives import Collectives
-from ..runtime.transport import Transport, transport_for
-from .halving import adasum_reduce
+from ..runtime.transport import transport_for
+from .halving import adasum_reduce, partials_summed_over
 
 __all__ = ["hierarchical_reduce"]
 
@@ -93,23 +92,6 @@ class _NodeCollectives:
         self.transport.broadcast_slices(self.g.buffer, bounds)
 
 
-def _slice_sum(call, comm: MPI.Intracomm) -> Callable[[np.ndarray, list], np.ndarray] | None:
-    """Sums a partial-dot-product vector over the node's slice holders, bitwise alike on each of them."""
-    if comm.Get_size() == 1:
-        return None
-    t = Collectives(call, Transport(call, comm, call.ctx.adapters.numpy, "cpu", staged=False))
-
-    def local_sum(vec: np.ndarray, widths) -> np.ndarray:
-        rows = t.allgather_scalars(vec)
-        # Added in local-rank order, the same order on every holder.
-        total = rows[0].copy()
-        for row in rows[1:]:
-            total = merge_partials(total, row, widths)
-        return total
-
-    return local_sum
-
-
 def hierarchical_reduce(call, groups: Sequence[Operand]) -> None:
     """Replace every group's buffer, in place and on every rank of the communicator of ``call``, by the
     hierarchical Adasum of all ranks' buffers: the mean inside each node, then the Adasum tree over the
@@ -133,7 +115,7 @@ def hierarchical_reduce(call, groups: Sequence[Operand]) -> None:
         transports = [transport_for(call, layout.cross_comm, s.adapter, s.device, g.buffer)
                       for s, g in zip(slices, groups)]
         adasum_reduce(call, layout.cross_comm, slices, transports, counts=layout.counts,
-                      local_sum=_slice_sum(call, layout.slice_comm))
+                      local_sum=partials_summed_over(call, layout.slice_comm))
 
     for c in local:
         c.allgather()

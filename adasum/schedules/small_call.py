@@ -24,7 +24,7 @@ from ..rule.dtypes import itemsize
 from .fusion import TensorLayout, layer_spans
 from ..adapters.base import host_numpy
 from ..runtime.transport import TAG
-from ..runtime.agreement import AGREE_BYTES, explain, resume
+from ..runtime.agreement import AGREE_BYTES, explain, resume, with_companion
 from ..kernels.native import compiled as _kernels  # None without a C compiler: SmallCall is then never made
 from ..kernels.native import handle, mpi_bound
 
@@ -75,13 +75,18 @@ def run_small(call, plan, items: list, inplace: bool, extras: dict):
             return None
         if where == TensorLayout.OVERLAPPING:
             return None  # the general path writes each result back in turn
+    digest, extra, companion = plan.signature, extras["adasum"], call.companion
+    if companion is not None:  # a caller's agreement rides along (adasum.runtime.agreement.Companion)
+        if companion.error is not None:
+            return None  # the general path fails the call on every rank
+        digest, _, extra = with_companion(call, digest, None, extra)
     out = None if inplace else g.adapter.empty(g.size, g.dtype, g.device)
     dst = host if inplace else host_numpy(out)
-    rc = small(call, host, dst, plan.signature, plan.descs, extras["patience"])
+    rc = small(call, host, dst, digest, plan.descs, extras["patience"])
     if rc == -4:
         return None  # in place on overlapping torch tensors (found in the compiled call, before any message)
     if rc == -1:
-        raise explain(call, "adasum", plan.descs, None, extras["adasum"])
+        raise explain(call, "adasum", plan.descs, None, extra)
     if rc:
         raise mpi_error(rc, call.what)
     if inplace:

@@ -120,7 +120,7 @@ def test_bf16_reduce_dtype(pg, comm):
 def test_schedule_whole_layer_dots(comm):
     """The schedule alone, on a 2×2 layout: two layers of 7 elements cut 4 + 3 (+ 1 of padding) over each
     replica's two ranks give the whole-layer Adasum of the replicas' vectors; the padding stays zero."""
-    from adasum.torch.replicas import ReplicaTree
+    from adasum.torch.fsdp.tree import ReplicaTree
 
     g, i = divmod(comm.Get_rank(), 2)
     shard, replicate = comm.Split(g, i), comm.Split(i, g)
@@ -131,7 +131,7 @@ def test_schedule_whole_layer_dots(comm):
         return v[:4] if i == 0 else np.concatenate([v[4:], [0.0]])
 
     mine = torch.tensor(np.concatenate([cut(whole[g][0]), cut(whole[g][1])]))
-    ReplicaTree(replicate, shard, "adasum").reduce_(mine, (4, 4), "test")
+    ReplicaTree(replicate, shard, "adasum").reduce_(mine, (4, 4))
     pieces = comm.allgather(mine.numpy())
     for layer in range(2):
         want = tree_combine([whole[0][layer], whole[1][layer]])
@@ -184,7 +184,7 @@ def test_absent_rank_named(comm):
     """Rank 3 never enters the reduction: the ranks that wait for it raise AdasumStallError (after the
     setting ``stall_timeout``) instead of hanging; its replica partner names it."""
     import adasum
-    from adasum.torch.replicas import ReplicaTree
+    from adasum.torch.fsdp.tree import ReplicaTree
 
     g, i = divmod(comm.Get_rank(), 2)
     replicate, shard = replica_comms(comm, [[0, 1], [2, 3]], g, i)
@@ -192,7 +192,7 @@ def test_absent_rank_named(comm):
     try:
         if comm.Get_rank() != 3:
             with pytest.raises(adasum.AdasumStallError) as info:
-                ReplicaTree(replicate, shard, "adasum").reduce_(torch.ones(4), (4,), "test")
+                ReplicaTree(replicate, shard, "adasum").reduce_(torch.ones(4), (4,))
             if comm.Get_rank() == 1:
                 assert "communicator 'replicate group 1, world ranks [1, 3]'" in str(info.value)
                 assert "for rank 1, which has not entered it" in str(info.value)
@@ -204,15 +204,15 @@ def test_absent_rank_named(comm):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_schedule_on_cuda_tensors_is_the_host_result(comm):
     """CUDA shards travel through host memory: the result on the device is the host schedule's, bitwise."""
-    from adasum.torch.replicas import ReplicaTree
+    from adasum.torch.fsdp.tree import ReplicaTree
 
     g, i = divmod(comm.Get_rank(), 2)
     replicate, shard = replica_comms(comm, [[0, 1], [2, 3]], g, i)
     x = torch.randn(10, generator=torch.Generator().manual_seed(comm.Get_rank()))
     on_host, on_device = x.clone(), x.cuda()
     tree = ReplicaTree(replicate, shard, "adasum")
-    tree.reduce_(on_host, (6, 4), "host")
-    tree.reduce_(on_device, (6, 4), "device")
+    tree.reduce_(on_host, (6, 4))
+    tree.reduce_(on_device, (6, 4))
     assert torch.equal(on_device.cpu(), on_host)
     replicate.Free()
     shard.Free()
@@ -223,7 +223,7 @@ def test_schedule_three_replicas(comm):
     subtrees, every replica the serial tree's result, bitwise alike."""
     from mpi4py import MPI
 
-    from adasum.torch.replicas import ReplicaTree
+    from adasum.torch.fsdp.tree import ReplicaTree
 
     rank = comm.Get_rank()
     replicate = comm.Split(0 if rank < 3 else MPI.UNDEFINED, rank)
@@ -231,7 +231,7 @@ def test_schedule_three_replicas(comm):
     vectors = rng.standard_normal((3, 9))
     if replicate != MPI.COMM_NULL:
         mine = torch.tensor(vectors[rank], dtype=torch.float32)
-        ReplicaTree(replicate, MPI.COMM_SELF, "adasum").reduce_(mine, (5, 4), "test")
+        ReplicaTree(replicate, MPI.COMM_SELF, "adasum").reduce_(mine, (5, 4))
         rounded = [v.astype(np.float32).astype(np.float64) for v in vectors]
         want = np.concatenate([tree_combine([v[:5] for v in rounded], dtype="float32"),
                                tree_combine([v[5:] for v in rounded], dtype="float32")])

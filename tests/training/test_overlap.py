@@ -337,3 +337,59 @@ def test_the_timeline_shows_each_bucket_and_the_first_leaves_early(comm):
         assert tl[0]["ready"] <= tl[1]["ready"] <= tl[1]["step"] and tl[0]["ended"] <= tl[1]["began"]
     finally:
         opt.close()
+
+
+class CountingAdam(torch.optim.Adam):
+    """Adam that counts its steps in an attribute and scales its learning rate by a flag the user sets on
+    the instance after construction."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.calls = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.calls += 1
+        halve = getattr(self, "halve", False)
+        if halve:
+            for g in self.param_groups:
+                g["lr"] /= 2
+        try:
+            return super().step(closure)
+        finally:
+            if halve:
+                for g in self.param_groups:
+                    g["lr"] *= 2
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@TRAINING_SIZES
+def test_bucket_steps_follow_the_users_optimizer(comm):
+    """Overlap steps the optimizer one bucket at a time through a copy of it: the copy sees the user's
+    instance attributes as they are at each step (a flag set after construction), what its step rebinds
+    goes back (a counter: one step per bucket), and an optimizer state loaded between windows
+    (``load_state_dict`` rebinds ``state``) is the one the next buckets step with: bitwise the plain run's."""
+    rank = comm.Get_rank()
+    runs = {}
+    for overlap in (False, True):
+        model = model_for()
+        inner_opt = CountingAdam(model.parameters(), lr=0.01)
+        opt = DistributedOptimizer(inner_opt, overlap=overlap, bucket_bytes=1)
+        g = torch.Generator().manual_seed(rank)
+        saved = None
+        for window in range(5):
+            if window == 2:
+                saved = opt.state_dict()
+                inner_opt.halve = True
+            if window == 4:
+                opt.load_state_dict(saved)
+            torch.nn.functional.mse_loss(model(torch.randn(4, 8, generator=g)), torch.zeros(4, 4)).backward()
+            opt.step()
+            opt.zero_grad()
+        runs[overlap] = ([raw_bytes(p) for p in model.parameters()], inner_opt.calls, opt.overlapped_boundaries)
+    (plain, plain_calls, _), (over, over_calls, overlapped) = runs[False], runs[True]
+    assert overlapped >= 3  # the windows after the first (observed) one ran on the thread, bucket by bucket
+    assert over == plain
+    assert plain_calls == 5 and over_calls > 5  # one step per window; per bucket with overlap
+    assert_identical_across_ranks(comm, list(model.parameters()))

@@ -113,17 +113,7 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
     payload, problem = None, None
     if rank == root:
         try:
-            payload = _read(os.fspath(path))
-            if optimizer is not None and payload["optimizer"] is None:
-                raise ValueError("it holds no optimizer state")
-            if optimizer is None and model is not None and not payload.get("combined", True):
-                raise ValueError(f"the ranks' parameters differed when it was saved (inside a window of local "
-                                 f"steps, say), so its model is rank {root}'s own and not the combined one; load "
-                                 f"it with the optimizer on {payload['world_size']} ranks, call flush(), and save "
-                                 "again")
-            if optimizer is not None and payload["world_size"] != size:
-                raise ValueError(f"it was written by {payload['world_size']} ranks and this job has {size}; "
-                                 "resume with as many ranks, or load the model alone (optimizer=None)")
+            payload = _read_for(os.fspath(path), model, optimizer, size, root)
         except Exception as exc:
             problem = f"rank {rank}: cannot load checkpoint {os.fspath(path)!r}: {exc}"
     raise_everywhere(comm, problem)
@@ -137,25 +127,47 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module | None = 
     problem = None if model is None else _model_misfit(model, header["model"], rank, os.fspath(path))
     raise_everywhere(comm, problem)
     if optimizer is not None:
-        before = optimizer.state_dict()
-        grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
-        try:
-            optimizer.load_state_dict(states)
-        except Exception as exc:
-            problem = f"rank {rank}: cannot load checkpoint {os.fspath(path)!r} into the optimizer: {exc}"
-        try:
-            raise_everywhere(comm, problem)
-        except ValueError:  # failed here or elsewhere: back to how it was
-            optimizer.load_state_dict(before)
-            for p, g in grads:
-                p.grad = g
-            raise
+        _load_optimizer(comm, optimizer, states, rank, os.fspath(path))
     if model is not None:
         model.load_state_dict(header["model"])
         restore = getattr(optimizer, "_restore_window", None)
         if callable(restore):  # mid-window of local steps: each rank's own parameters, not the root's
             restore()
     return header["extra"]
+
+
+def _read_for(path: str, model, optimizer, size: int, root: int) -> dict[str, Any]:
+    """The root's read of ``path``, refused where it cannot load into what was asked (ValueError)."""
+    payload = _read(path)
+    if optimizer is not None and payload["optimizer"] is None:
+        raise ValueError("it holds no optimizer state")
+    if optimizer is None and model is not None and not payload.get("combined", True):
+        raise ValueError(f"the ranks' parameters differed when it was saved (inside a window of local steps, "
+                         f"say), so its model is rank {root}'s own and not the combined one; load it with the "
+                         f"optimizer on {payload['world_size']} ranks, call flush(), and save again")
+    if optimizer is not None and payload["world_size"] != size:
+        raise ValueError(f"it was written by {payload['world_size']} ranks and this job has {size}; resume with "
+                         "as many ranks, or load the model alone (optimizer=None)")
+    return payload
+
+
+def _load_optimizer(comm: MPI.Intracomm, optimizer, states, rank: int, path: str) -> None:
+    """Load this rank's optimizer state; where it fails on any rank, every rank's optimizer (and gradients)
+    goes back to how it was, and every rank raises."""
+    before = optimizer.state_dict()
+    grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
+    problem = None
+    try:
+        optimizer.load_state_dict(states)
+    except Exception as exc:
+        problem = f"rank {rank}: cannot load checkpoint {path!r} into the optimizer: {exc}"
+    try:
+        raise_everywhere(comm, problem)
+    except ValueError:  # failed here or elsewhere: back to how it was
+        optimizer.load_state_dict(before)
+        for p, g in grads:
+            p.grad = g
+        raise
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

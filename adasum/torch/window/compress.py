@@ -41,10 +41,12 @@ WIRE_DTYPES = {None: None, "none": None, "fp16": torch.float16, "float16": torch
                "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
-def _reduce(tensors: list, op: str, comm: MPI.Intracomm, companion: Companion | None) -> None:
-    """``op`` ("sum" or "mean") of ``tensors`` over ``comm``, in place, the companion on its agreement."""
+def _reduce(tensors: list, op: str, comm: MPI.Intracomm, companion: Companion | None,
+            hierarchical: bool = False) -> None:
+    """``op`` of ``tensors`` over ``comm``, in place, the companion (never with ``hierarchical``) on its
+    agreement."""
     if companion is None:
-        adasum_allreduce_inplace(tensors, op=op, comm=comm)
+        adasum_allreduce_inplace(tensors, op=op, comm=comm, hierarchical=hierarchical)
     else:
         allreduce_inplace_with(tensors, op, comm, companion)
 
@@ -72,20 +74,21 @@ class Wire:
         self._kept = Kept()  # the 16-bit buffer: one reduction at a time runs on a wire
 
     def adasum_(self, tensors: list[torch.Tensor], comm: MPI.Intracomm, hierarchical: bool = False,
-                names: list[str] | None = None):
+                names: list[str] | None = None, companion: Companion | None = None):
         """Adasum of ``tensors`` (one layer each, named by ``names`` in what is logged) over ``comm``, in
-        place."""
+        place. ``companion`` (where :attr:`carries_companion`, not hierarchical) rides on the reduction's
+        agreement."""
         if self.dtype is None:
-            adasum_allreduce_inplace(tensors, op="adasum", comm=comm, hierarchical=hierarchical)
+            _reduce(tensors, "adasum", comm, companion, hierarchical)
             return None
         scales, amax = self._scales(tensors, comm, names)
-        self._reduce16(tensors, scales, "adasum", comm, hierarchical)
+        self._reduce16(tensors, scales, "adasum", comm, hierarchical, companion)
         return amax
 
     @property
     def carries_companion(self) -> bool:
-        """Whether :meth:`sum_` starts with the reduction's own agreement (no exchange of scales before it),
-        which can then carry the caller's (a :class:`~adasum.runtime.agreement.Companion`)."""
+        """Whether :meth:`sum_` and :meth:`adasum_` start with the reduction's own agreement (no exchange of
+        scales before it), which can then carry the caller's (a :class:`~adasum.runtime.agreement.Companion`)."""
         return self.dtype is not torch.float16
 
     def sum_(self, tensors: list[torch.Tensor], comm: MPI.Intracomm, mean: bool, names: list[str] | None = None,
@@ -111,7 +114,7 @@ class Wire:
         views = _views(flat, tensors)
         _pack(tensors, views, scales)
         if op == "adasum":
-            adasum_allreduce_inplace(views, op=op, comm=comm, hierarchical=hierarchical)
+            _reduce(views, op, comm, companion, hierarchical)
         else:  # a sum is element-wise: the buffer goes whole
             _reduce([flat], op, comm, companion)
         _unpack(views, tensors, scales)

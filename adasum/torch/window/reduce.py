@@ -163,20 +163,23 @@ class AdasumDeltas:
                 mark_nonfinite(deltas)
         bucket.result = deltas
 
-    def combine(self, bucket: Bucket, comm: MPI.Intracomm) -> None:
+    def combine(self, bucket: Bucket, comm: MPI.Intracomm, companion=None) -> None:
         """Adasum of the bucket's deltas over ``comm``, in place. Where :meth:`local` failed before it formed
-        them, the bucket takes part with NaN deltas (every rank then skips the update)."""
+        them, the bucket takes part with NaN deltas (every rank then skips the update). ``companion``: the
+        window's agreement, carried by the call's (:meth:`carries_companion`)."""
         params = bucket.params
         with torch.no_grad():
             if len(bucket.result) != len(params):
                 bucket.result = [torch.zeros_like(p) for p in params]
                 mark_nonfinite(bucket.result)
             bucket.amax = self.wire.adasum_(bucket.result, comm, self.hierarchical,
-                                            bucket.names() if self.wire.dtype else None)
+                                            bucket.names() if self.wire.dtype else None, companion=companion)
 
     def carries_companion(self, bucket: Bucket, comm: MPI.Intracomm) -> bool:
-        """No: the window's agreement comes first, the deltas' votes with it."""
-        return False
+        """Whether :meth:`combine` of ``bucket`` starts with one agreement that can carry the window's (not
+        in hierarchical mode, whose agreements run on the node groups)."""
+        return bool(bucket.params) and comm.Get_size() > 1 and self.wire.carries_companion \
+            and not self.hierarchical
 
     def settle(self, buckets: list[Bucket]) -> None:
         """Nothing to hand over before the update: the deltas stay apart from the gradients."""

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from ..call.allreduce import Op
-from ..runtime import exchange
-from ..runtime.faults import world
-from .internals import fsdp_group
-from .replicas import ReplicaTree
+from ...call.allreduce import Op
+from ...runtime import exchange
+from ...runtime.faults import world
+from ..internals import fsdp_group
+from .tree import ReplicaTree
 
 __all__ = ["installed", "replica_comms", "setup"]
 
