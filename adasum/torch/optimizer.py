@@ -24,6 +24,7 @@ from .state import optimizer_state as state_dicts
 from .window.amp import LossScale
 from .window.compress import Wire
 from .window.module_buffers import buffers_of
+from .window.outer import describe_outer, outer_problem
 from .window.reduce import trained_params
 from .window.steps import Steps, assemble
 
@@ -92,6 +93,9 @@ class DistributedOptimizer(_Wrapping):
         module: the model (its ``buffers()``) or an iterable of buffer tensors to keep alike on every rank
             at each boundary, as the ``buffers`` setting says; None (the default): the buffers are left alone
             (each rank's BatchNorm statistics then follow its own batches).
+        outer_optimizer: with local steps, any torch optimizer built on the same parameters, stepped at each
+            combine from the window's start on the pseudo-gradient ``-(combined delta)`` (DiLoCo; default:
+            the built-in outer SGD of ``outer_lr``/``outer_momentum``).
         options: an :class:`~adasum.torch.Options`; keywords replace its fields.
         **settings: the fields of :class:`~adasum.torch.Options` (``op``, ``accumulation_steps``,
             ``overlap``, ``compression``, ``local_steps``, ``delay`` …), which says what each one does.
@@ -116,17 +120,19 @@ class DistributedOptimizer(_Wrapping):
     _step_supports_amp_scaling = True
 
     def __init__(self, optimizer, *, comm: MPI.Intracomm | None = None, grad_scaler=None, module=None,
-                 options: Options | None = None, **settings):
+                 outer_optimizer: torch.optim.Optimizer | None = None, options: Options | None = None, **settings):
         # torch.optim.Optimizer.__init__ is not called: the wrapped optimizer owns groups, state, defaults.
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer; wrap the torch optimizer only once")
         check_arguments(optimizer)
         opts = self.options = Options.of(options, settings, "DistributedOptimizer")
         comm = check_comm(comm)
-        opts.raise_problems(comm, "DistributedOptimizer", buffers_problem(module, opts.buffers))
+        mine = [p for p in (buffers_problem(module, opts.buffers), outer_problem(outer_optimizer, optimizer, opts)) if p]
+        opts.raise_problems(comm, "DistributedOptimizer", "; ".join(mine) or None)
         check_launch()  # a job whose processes MPI does not see raises here
         self.optimizer, self.comm, self.grad_scaler = optimizer, comm, grad_scaler
         self._module = module  # kept for rejoin()
+        self.outer_optimizer = outer_optimizer  # local steps' outer optimizer, where the user gave one
         wire = Wire(opts.compression)
         self.op, self.compression, self.bucket_bytes, self.start_copy = (
             opts.op, wire.name, opts.bucket_bytes, opts.start_copy)
@@ -169,7 +175,8 @@ class DistributedOptimizer(_Wrapping):
         overlap = opts.overlap and comm.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
         mine = dict(opts.as_dict(), skip_nonfinite=self.skip_nonfinite, hierarchical=self.hierarchical,
                     grad_scaler=loss.enabled, overlap=overlap, compression=str(wire.dtype), buffers=self.buffers,
-                    buffer_count=len(kept), overlap_requested=self.overlap_requested)
+                    buffer_count=len(kept), overlap_requested=self.overlap_requested,
+                    outer_optimizer=describe_outer(self.outer_optimizer))
         check_agreement(comm, mine, trained_params(self.optimizer), [(tuple(b.shape), str(b.dtype)) for b in kept])
         return overlap
 

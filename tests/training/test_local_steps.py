@@ -401,3 +401,93 @@ def test_delay_flush_after_a_full_window_merges_the_combine_in_flight(comm):
     want = by_hand_delayed(comm, "adasum", 3, 2)
     assert [raw_bytes(p) for p in model.parameters()] == [raw_bytes(p) for p in want.parameters()]
     opt.close()
+
+
+OUTERS = {"nesterov": lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True),
+          "adam": lambda ps: torch.optim.Adam(ps, lr=0.05)}
+
+
+def by_hand_outer(comm, op: str, windows: int, h: int, make_outer):
+    """DiLoCo written out: ``h`` plain SGD steps, this rank's delta, its reduction, then the outer torch
+    optimizer stepped from the window's start on the pseudo-gradient -(combined delta)."""
+    model = tiny_model()
+    params = list(model.parameters())
+    opt, outer = inner("sgd", params), make_outer(params)
+    for w in range(windows):
+        start = [p.detach().clone() for p in params]
+        for s in range(w * h, (w + 1) * h):
+            loss_of(model, *batch(comm.Get_rank(), s, 0)).backward()
+            opt.step()
+            opt.zero_grad()
+        deltas = adasum.adasum_allreduce([p.detach() - s0 for p, s0 in zip(params, start)], op=op)
+        with torch.no_grad():
+            for p, s0, d in zip(params, start, deltas):
+                p.copy_(s0)
+                p.grad = -d
+        outer.step()
+        opt.zero_grad()
+    return model
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["adasum", "mean"])
+@pytest.mark.parametrize("outer", sorted(OUTERS))
+@TRAINING_SIZES
+def test_any_torch_optimizer_is_the_outer_optimizer(comm, op, outer):
+    """``outer_optimizer=``: at each combine the user's torch optimizer steps from the window's start on the
+    pseudo-gradient, bitwise DiLoCo written out; its state travels in the state dict; Nesterov SGD as the
+    outer optimizer is the built-in outer SGD's formula."""
+    h, windows = 2, 3
+    model = tiny_model()
+    outer_opt = OUTERS[outer](model.parameters())
+    opt = DistributedOptimizer(inner("sgd", model.parameters()), op=op, local_steps=h, outer_optimizer=outer_opt)
+    train(model, opt, comm.Get_rank(), range(windows * h), 1)
+    want = by_hand_outer(comm, op, windows, h, OUTERS[outer])
+    assert [raw_bytes(p) for p in model.parameters()] == [raw_bytes(p) for p in want.parameters()]
+    assert_identical_across_ranks(comm, list(model.parameters()))
+    saved = opt.state_dict()["adasum"]["outer_momentum_buffer"]["outer_optimizer"]
+    assert len(saved["state"]) == len(list(model.parameters()))
+    assert all(p.grad is None for p in model.parameters())  # the pseudo-gradients are not left behind
+    if outer == "nesterov":
+        builtin = tiny_model()
+        ref = DistributedOptimizer(inner("sgd", builtin.parameters()), op=op, local_steps=h, outer_lr=0.7,
+                                   outer_momentum=0.9)
+        train(builtin, ref, comm.Get_rank(), range(windows * h), 1)
+        for a, b in zip(model.parameters(), builtin.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.mpi(min_size=2)
+@TRAINING_SIZES
+def test_outer_optimizer_with_delay_is_the_builtin_where_they_agree(comm):
+    """``delay=1`` with ``outer_optimizer=SGD(lr=1)``: each merge steps the common point G, not the parameters,
+    and leaves the parameters where the window left them: bitwise the built-in plain outer step."""
+    runs = []
+    for outer in (True, False):
+        model = tiny_model()
+        extra = {"outer_optimizer": torch.optim.SGD(model.parameters(), lr=1.0)} if outer else {}
+        opt = DistributedOptimizer(inner("adam", model.parameters()), local_steps=2, delay=1, **extra)
+        train(model, opt, comm.Get_rank(), range(7), 1)
+        mid = [raw_bytes(p) for p in model.parameters()]  # inside a window: G + this rank's own delta
+        opt.flush()
+        runs.append((mid, [raw_bytes(p) for p in model.parameters()]))
+    assert runs[0] == runs[1]
+    assert_identical_across_ranks(comm, list(model.parameters()))
+
+
+@pytest.mark.mpi(min_size=2)
+@ONE_SIZE
+def test_outer_optimizer_refusals_on_every_rank(comm):
+    model = tiny_model()
+    other = tiny_model()
+    last = comm.Get_size() - 1
+    cases = [dict(outer_lr=0.5), dict(outer_on=other), dict(not_an_optimizer=True)]
+    for case in cases:
+        outer = torch.optim.SGD((case.get("outer_on") or model).parameters(), lr=0.5)
+        if case.get("not_an_optimizer"):
+            outer = object()
+        settings = {k: v for k, v in case.items() if k == "outer_lr"}
+        mine = outer if comm.Get_rank() == last else torch.optim.SGD(model.parameters(), lr=0.5)
+        with pytest.raises(ValueError, match=f"rank {last}: .*outer"):
+            DistributedOptimizer(inner("sgd", model.parameters()), local_steps=2, outer_optimizer=mine,
+                                 **(settings if comm.Get_rank() == last else {}))

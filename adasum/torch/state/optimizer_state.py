@@ -70,6 +70,8 @@ def load_problem(own: dict[str, Any], settings: dict[str, Any] | None) -> str | 
     saved = own.get("local_settings")
     if saved is None and settings is not None:
         return None  # a state from before the settings were saved: its shape is checked on loading
+    if saved is not None:
+        saved = {"outer_optimizer": None, **saved}  # a state from before outer optimizers: the built-in one
     if saved == settings:
         return None
     here = "no local steps (local_steps=1, delay=0, no outer optimizer)" if settings is None else str(settings)

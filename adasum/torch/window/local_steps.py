@@ -60,7 +60,9 @@ class LocalSteps:
         self.optimizer, self.comm, self.op, self.steps, self.outer = optimizer, comm, op, steps, outer
         self.wire, self.hierarchical, self.skip_nonfinite = wire, hierarchical, skip_nonfinite
         self.delay, self.closing, self.loss = delay, closing, closing.loss
-        self.settings = {"local_steps": steps, "delay": delay, "outer_lr": outer.lr, "outer_momentum": outer.momentum}
+        self.settings = {"local_steps": steps, "delay": delay, "outer_lr": outer.lr, "outer_momentum": outer.momentum,
+                         "outer_optimizer": type(getattr(outer, "optimizer", None)).__name__
+                         if hasattr(outer, "optimizer") else None}
         self.start = Snapshot(where)   # each member's value at the window's start (or when it joined)
         self.members: list[torch.Tensor] = []  # the window's parameters, in the order they joined
         self.taken = 0             # local steps in the open window (skipped ones included)

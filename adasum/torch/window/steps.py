@@ -25,7 +25,7 @@ from .close import Layout, Ledger, WindowClose
 from .compress import Wire
 from .local_steps import LocalSteps
 from .module_buffers import BufferSync
-from .outer import OuterSGD
+from .outer import OuterSGD, TorchOuter
 from .reduce import AdasumDeltas, GradientReduce, trained_params
 from .tensors import StartCopy
 
@@ -167,7 +167,8 @@ def assemble(opt, module, kept: list[torch.Tensor], wire: Wire, loss: LossScale,
     (dropped, never waited for, once the optimizer is collected) and the boundary."""
     optimizer, comm, opts = opt.optimizer, opt.comm, opt.options
     window, layout = AccumulationWindow(opts.accumulation_steps), Layout(optimizer)
-    if opts.uses_local_steps:
+    local_steps = opts.uses_local_steps or opt.outer_optimizer is not None
+    if local_steps:
         close = WindowClose(comm, layout, loss, name="DistributedOptimizer", unit="combine",
                             skip_nonfinite=opt.skip_nonfinite, failed="a local step or combine failed in this "
                             "window of local steps; the parameters are back at the window's start")
@@ -182,9 +183,11 @@ def assemble(opt, module, kept: list[torch.Tensor], wire: Wire, loss: LossScale,
     else:  # one rank: exactly the wrapped optimizer (the reduction is the identity)
         strategy = GradientReduce(optimizer, opt.op, wire)
     local = None
-    if opts.uses_local_steps:
+    if local_steps:
+        outer = OuterSGD(opt.outer_lr, opt.outer_momentum) if opt.outer_optimizer is None else \
+            TorchOuter(opt.outer_optimizer)
         local = ledger.local = LocalSteps(optimizer, comm, opt.op, opt.local_steps,
-                                          OuterSGD(opt.outer_lr, opt.outer_momentum), opt.start_copy, wire,
+                                          outer, opt.start_copy, wire,
                                           opt.hierarchical, opt.skip_nonfinite, close, opt.delay)
     source = module if isinstance(module, torch.nn.Module) else None
     buffers = None if opt.buffers is None else BufferSync(opt.buffers, kept, comm, source)
