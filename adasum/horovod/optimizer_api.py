@@ -13,7 +13,7 @@ from ..runtime import exchange, world
 from ..torch import DistributedOptimizer as _DistributedOptimizer
 from ..torch import broadcast_optimizer_state as _broadcast_optimizer_state
 from ..torch import broadcast_parameters as _broadcast_parameters
-from ..torch.window.reduce import trained_params
+from ..torch.window.tensors import trained_params
 from .basics import Average, Compression, wire_of
 from .process_sets import resolve
 from .sparse import SparseGradients, hidden

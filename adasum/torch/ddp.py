@@ -49,7 +49,8 @@ from .options import Options
 from .window.close import Layout, WindowClose
 from .window.amp import LossScale
 from .window.compress import Wire
-from .window.reduce import AdasumDeltas, Bucket, BucketUpdate, trained_params
+from .window.strategies import AdasumDeltas, Bucket, BucketUpdate
+from .window.tensors import trained_params
 from .window.tensors import StartCopy
 
 __all__ = ["AdasumState", "adasum_hook", "DeltaState", "adasum_delta_hook"]

@@ -2,7 +2,7 @@
 (docs/design.md), or with a plain sum/mean of the gradients, with local micro-batch accumulation.
 
 This is the object users see, and it is small: it counts micro-batches (:mod:`.window.accumulate`), and at a
-boundary hands buckets of parameters to a reduce strategy (:mod:`.window.reduce`: Adasum of weight deltas, or
+boundary hands buckets of parameters to a reduce strategy (:mod:`.window.strategies`: Adasum of weight deltas, or
 sum/mean of gradients), in ``step()`` or, with ``overlap=True``, on the overlap engine's thread during
 backward (:mod:`.overlap`). Before anything is applied the ranks vote on whether a bucket failed anywhere,
 so an error on one rank is an error on every rank. Every MPI call goes through the collective or
@@ -25,8 +25,8 @@ from .window.amp import LossScale
 from .window.compress import Wire
 from .window.module_buffers import buffers_of
 from .window.outer import describe_outer, outer_problem
-from .window.reduce import trained_params
-from .window.steps import Steps, assemble
+from .window.tensors import trained_params
+from .window.training_loop import Steps, assemble
 
 __all__ = ["DistributedOptimizer"]
 

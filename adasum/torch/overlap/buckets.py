@@ -13,7 +13,7 @@ import time
 import torch
 
 from ...runtime.lane import Job
-from ..window.reduce import Bucket
+from ..window.strategies import Bucket
 
 __all__ = ["FIRST_BUCKET_BYTES", "Backward", "BucketPlan"]
 

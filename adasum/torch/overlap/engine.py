@@ -43,7 +43,8 @@ from mpi4py import MPI
 from ...runtime import exchange
 from ...runtime.lane import Job, Lane
 from ..window.close import Ledger, WindowClose
-from ..window.reduce import Bucket, trained_params
+from ..window.strategies import Bucket
+from ..window.tensors import trained_params
 from .buckets import FIRST_BUCKET_BYTES, Backward, BucketPlan, plan_from  # noqa: F401 (importable here)
 
 __all__ = ["BucketPlan", "OverlapEngine"]

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..checks import check_accumulated
-from ..window.reduce import trained_params
-from ..window.steps import Parts, Steps
+from ..window.tensors import trained_params
+from ..window.training_loop import Parts, Steps
 
 __all__ = ["state_dict", "load_state_dict"]
 

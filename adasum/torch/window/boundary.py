@@ -21,7 +21,8 @@ from ..overlap.engine import OverlapEngine
 from .accumulate import AccumulationWindow
 from .amp import LossScale
 from .close import WindowClose
-from .reduce import AdasumDeltas, Bucket, BucketUpdate, GradientReduce, trained_params
+from .strategies import AdasumDeltas, Bucket, BucketUpdate, GradientReduce
+from .tensors import trained_params
 from .tensors import average_, grads_of
 
 __all__ = ["Boundary"]

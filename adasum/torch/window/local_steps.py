@@ -44,7 +44,8 @@ from ...runtime.lane import Lane
 from .close import WindowClose
 from .compress import Wire
 from .outer import OuterSGD
-from .reduce import _describe, all_params, trained_params
+from .strategies import _describe
+from .tensors import all_params, trained_params
 from .tensors import Snapshot, all_finite, average_, grads_of
 from ..internals import foreach_copy_
 

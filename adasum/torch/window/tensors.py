@@ -9,7 +9,8 @@ import torch
 from ..internals import (foreach_add_, foreach_copy_, foreach_div_, foreach_sub_, non_finite_check_and_unscale_,
                          sparse_values)
 
-__all__ = ["Snapshot", "StartCopy", "all_finite", "average_", "grads_of", "mark_nonfinite"]
+__all__ = ["Snapshot", "StartCopy", "all_finite", "all_params", "average_", "grads_of", "mark_nonfinite",
+           "trained_params"]
 
 
 def grads_of(params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -185,3 +186,21 @@ class Snapshot:
         with the kept values of ``params``."""
         if targets:
             apply_kept(self.where, targets, self.values(params), how)
+
+
+def all_params(optimizer) -> list[torch.Tensor]:
+    """Every parameter of ``optimizer``, trained or frozen, each once, in the order of its param groups."""
+    return list({id(p): p for group in optimizer.param_groups for p in group["params"]}.values())
+
+
+def trained_params(optimizer) -> list[torch.Tensor]:
+    """The parameters of ``optimizer`` that train, each once, in the order of its param groups (the same on
+    every rank)."""
+    seen: set[int] = set()
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out

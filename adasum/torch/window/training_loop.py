@@ -26,7 +26,8 @@ from .compress import Wire
 from .local_steps import LocalSteps
 from .module_buffers import BufferSync
 from .outer import OuterSGD, TorchOuter
-from .reduce import AdasumDeltas, GradientReduce, trained_params
+from .strategies import AdasumDeltas, GradientReduce
+from .tensors import trained_params
 from .tensors import StartCopy
 
 __all__ = ["Parts", "Steps", "assemble"]

@@ -35,7 +35,7 @@ from .tensors import StartCopy, all_finite, average_, grads_of, mark_nonfinite
 from .bucket_step import BucketSteps, step_hooks, whole_step
 from ..internals import foreach_add_, foreach_copy_, foreach_sub_
 
-__all__ = ["Bucket", "BucketUpdate", "AdasumDeltas", "GradientReduce", "all_params", "trained_params"]
+__all__ = ["Bucket", "BucketUpdate", "AdasumDeltas", "GradientReduce"]
 
 
 class Bucket:
@@ -307,24 +307,6 @@ class GradientReduce:
 
     def abandon(self, buckets: list[Bucket]) -> None:
         """Nothing to undo: the parameters have not changed."""
-
-
-def all_params(optimizer) -> list[torch.Tensor]:
-    """Every parameter of ``optimizer``, trained or frozen, each once, in the order of its param groups."""
-    return list({id(p): p for group in optimizer.param_groups for p in group["params"]}.values())
-
-
-def trained_params(optimizer) -> list[torch.Tensor]:
-    """The parameters of ``optimizer`` that train, each once, in the order of its param groups (the same on
-    every rank)."""
-    seen: set[int] = set()
-    out = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
 
 
 def _describe(e: BaseException) -> str:
