@@ -18,10 +18,14 @@ Environment variables (read at import, never again):
 ``ADASUM_STALL_WARNING``       ``stall_warning``: seconds (default 60; ``off`` disables)
 ``ADASUM_STALL_TIMEOUT``       ``stall_timeout``: seconds (default ``off``)
 ``ADASUM_WAITING``             ``waiting``: ``auto`` (default), ``nap`` or ``spin``
+``ADASUM_ELASTIC_REPLACE``     ``elastic_replace``: ``1`` or ``0`` (default)
+``ADASUM_ELASTIC_REPLACE_``    ``elastic_replace_attempts`` (``…_ATTEMPTS``, default 3) and
+                               ``elastic_replace_timeout`` (``…_TIMEOUT``, seconds, default 120)
 =============================  ==========================================================================
 
 The environment of other launchers (torchrun's ``WORLD_SIZE``, Slurm's ``SLURM_NTASKS``, …) is kept as it
-was at import in :func:`launch_environment`.
+was at import in :func:`launch_environment`; the working directory at import, where elastic training starts
+processes in place of dead ranks, in :func:`start_directory`.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 __all__ = ["Settings", "configure", "current", "get_small_message_bytes", "launch_environment",
-           "set_small_message_bytes"]
+           "set_small_message_bytes", "start_directory"]
 
 _GPU_TRANSPORTS = ("auto", "direct", "staged")
 _KERNELS = ("c", "numpy")
@@ -94,6 +98,12 @@ class Settings:
             ``"spin"`` polls without pause, as MPI's blocking calls do (the fastest where nothing else needs
             the core: shared-memory transfers of megabytes took 1.6× as long napping); ``"auto"``: nap on
             the communicators of the overlap thread, which waits while backward runs, spin elsewhere.
+        elastic_replace: elastic training under ULFM starts as many processes as died, at the first commit
+            after a shrink, so that the world grows back to its launch size (:mod:`adasum.torch.elastic`).
+        elastic_replace_attempts: failed attempts at growing back (one per commit) after which the survivors
+            stop trying and go on at their size, until another rank dies.
+        elastic_replace_timeout: seconds the survivors wait for the processes they started to reach
+            ``elastic.run``; past it that attempt has failed.
     """
 
     small_message_bytes: int | None = None
@@ -110,6 +120,9 @@ class Settings:
     stall_warning: float | None = 60.0
     stall_timeout: float | None = None
     waiting: str = "auto"
+    elastic_replace: bool = False
+    elastic_replace_attempts: int = 3
+    elastic_replace_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         for name in ("direct_min_bytes", "split_min_bytes", "chunk_bytes", "plain_direct_bytes"):
@@ -131,6 +144,13 @@ class Settings:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+        if not isinstance(self.elastic_replace, bool):
+            raise ValueError(f"elastic_replace must be True or False, got {self.elastic_replace!r}")
+        if isinstance(self.elastic_replace_attempts, bool) or int(self.elastic_replace_attempts) < 1:
+            raise ValueError(f"elastic_replace_attempts must be at least 1, got {self.elastic_replace_attempts!r}")
+        if not float(self.elastic_replace_timeout) > 0:
+            raise ValueError(f"elastic_replace_timeout must be a positive number of seconds, got "
+                             f"{self.elastic_replace_timeout!r}")
 
     def small_message_limit(self, size: int) -> int:
         """The schedule threshold in effect for a communicator of ``size`` ranks."""
@@ -182,6 +202,9 @@ def from_environment(env: Mapping[str, str]) -> Settings:
         stall_warning=_seconds(env.get("ADASUM_STALL_WARNING"), 60.0),
         stall_timeout=_seconds(env.get("ADASUM_STALL_TIMEOUT"), None),
         waiting=env.get("ADASUM_WAITING", "auto").strip().lower() or "auto",
+        elastic_replace=_flag(env.get("ADASUM_ELASTIC_REPLACE")) is True,
+        elastic_replace_attempts=int(env.get("ADASUM_ELASTIC_REPLACE_ATTEMPTS", "").strip() or 3),
+        elastic_replace_timeout=_seconds(env.get("ADASUM_ELASTIC_REPLACE_TIMEOUT"), 120.0) or 120.0,
     )
 
 
@@ -193,6 +216,10 @@ class _Holder:
         # triton's own switch: its interpreter runs kernels on CPU tensors (device_kernels="triton" there)
         self.triton_interpret = _flag(env.get("TRITON_INTERPRET")) is True
         self.launch = {k: v for k, v in env.items() if k.startswith(_LAUNCH_PREFIXES)}
+        try:
+            self.directory = os.getcwd()
+        except OSError:
+            self.directory = None
         self.launch_verified = False  # the launch check passed (adasum.runtime.launch.check_launch)
         self.lock = threading.Lock()
 
@@ -250,6 +277,11 @@ def export_environment(env: Mapping[str, object]) -> None:
 def launch_environment() -> dict[str, str]:
     """The launcher-related environment variables (torchrun, Slurm, MPI process managers) at import."""
     return dict(_holder.launch)
+
+
+def start_directory() -> str | None:
+    """The working directory at import (None where it could not be read)."""
+    return _holder.directory
 
 
 def set_small_message_bytes(nbytes: int | None) -> None:

@@ -32,8 +32,8 @@ from typing import Any, Callable, NamedTuple
 from mpi4py import MPI
 
 from ..runtime import world
-from ..runtime.elastic import when_shrunk
-from ..runtime.elastic import world as world_comm
+from ..runtime.membership import when_shrunk
+from ..runtime.membership import world as world_comm
 from ..runtime.lane import Lane
 from ..torch.window.compress import Wire
 

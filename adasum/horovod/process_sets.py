@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from ..runtime import world
 from ..runtime.context import library_comm
-from ..runtime.elastic import world as world_comm
+from ..runtime.membership import world as world_comm
 from .facade import Registered, current, install, started, uninstall
 from .negotiate import RankCall, execute
 

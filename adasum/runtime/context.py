@@ -33,8 +33,8 @@ from ..adapters import Adapters
 from .buffers import Buffers
 from ..kernels.native import handle
 from . import stall
-from .errors import AdasumCollectiveError, AdasumStallError
-from .faults import is_revoked, revoke_also, world
+from .errors import NOT_JOINED, AdasumCollectiveError, AdasumNotJoinedError, AdasumStallError
+from .faults import is_revoked, pending, revoke_also, world
 from ..settings import Settings, current
 
 __all__ = ["Call", "Context", "Traffic", "check_comm", "check_root", "context_for", "count_traffic", "library_comm",
@@ -119,7 +119,7 @@ class Context:
         self.agree_scratch = np.zeros(9, dtype=np.int64)
         self._agree_handles: tuple | None = None
         self.stall_sends: list = []  # the stall inspector's messages in flight
-        self.broken: str | None = None  # why the library's communicator cannot be used any more
+        self.broken: str | None = NOT_JOINED if comm == pending() else None  # why it cannot be used (any more)
         self.counters: list[Traffic] = []
         self.calls = 0  # calls started on this communicator, this rank
         self.extras = None  # (settings, what the ranks agree on besides the tensors), made from those settings
@@ -178,6 +178,8 @@ class Context:
         allreduce_sharded_inplace`). Every 64th call first drops the stall inspector's messages of earlier
         calls."""
         if self.broken is not None:
+            if self.broken is NOT_JOINED:
+                raise AdasumNotJoinedError(f"{what}: {self.broken}")
             if self._freed:  # abandoned after a failure: not a new failure, a stale communicator
                 raise AdasumCollectiveError(f"{what} on {self.name}: {self.broken}; use the survivors' world "
                                             "(comm=None, or rebuild in a reset callback)")
@@ -276,8 +278,8 @@ class Context:
         return [self._comm, self._lcomm, *layout]
 
     def abandon(self, why: str) -> None:
-        """After a failure (:mod:`adasum.runtime.elastic`): every later call raises, saying ``why``; nothing
-        is freed (the communicators were revoked)."""
+        """After the world changed (:mod:`adasum.runtime.membership`): every later call raises, saying ``why``;
+        nothing is freed (the communicators were revoked, or hold a process that never joined)."""
         self.broken = why
         self._freed = True
         self.release()

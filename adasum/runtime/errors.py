@@ -4,7 +4,7 @@ that the lowest floors of the runtime (the waits) may raise them."""
 
 from __future__ import annotations
 
-__all__ = ["AdasumCollectiveError", "AdasumStallError"]
+__all__ = ["AdasumCollectiveError", "AdasumStallError", "AdasumNotJoinedError", "NOT_JOINED"]
 
 
 class AdasumCollectiveError(RuntimeError):
@@ -27,3 +27,16 @@ class AdasumStallError(AdasumCollectiveError):
         super().__init__(*args)
         self.silent = silent
         self.comm = comm
+
+
+class AdasumNotJoinedError(RuntimeError):
+    """A collective of the library in a process that elastic training started in place of a rank that died,
+    before it joined the job in ``adasum.torch.elastic.run``: the others wait for it there, and would never
+    meet it in this call (:mod:`adasum.runtime.newcomer`)."""
+
+
+# What a newcomer's collectives before it joined say (adasum.runtime.context refuses them).
+NOT_JOINED = ("this process was started in place of a rank that died and has not joined the job yet: it joins "
+              "in adasum.torch.elastic.run, where the others wait for it, so no collective can meet it before; "
+              "communicate inside the elastic training function (State.sync() there brings rank 0's state), or "
+              "skip it where adasum.torch.elastic.is_newcomer()")

@@ -6,14 +6,14 @@ rank ends with ``MPI_ERR_PROC_FAILED`` on the ranks that noticed, and ``MPI_ERR_
 communicator was revoked. Every wait of the library (:func:`adasum.runtime.waiting.wait_all`,
 :func:`adasum.runtime.stall.wait`, the compiled waits' error codes through :func:`mpi_error`) passes such an
 error to :func:`failed`, which revokes the current world and every communicator the library holds
-(:func:`revoke_all`) and returns the :class:`WorldChanged` to raise. :mod:`adasum.runtime.elastic` then
+(:func:`revoke_all`) and returns the :class:`WorldChanged` to raise. :mod:`adasum.runtime.membership` then
 shrinks the world.
 
 The current world is ``MPI.COMM_WORLD`` until a failure, then the survivors' communicator: like
 ``MPI.COMM_WORLD`` it is one per process, the default of every call that takes ``comm=None``.
 
-A leaf of the runtime (it imports only the settings and the errors), so that the waits at the bottom can
-use it; what lies above registers the communicators it holds with :func:`revoke_also`.
+A leaf of the runtime (it imports only the settings, the errors and :mod:`~adasum.runtime.newcomer`), so
+that the waits at the bottom can use it; what lies above registers the communicators it holds with :func:`revoke_also`.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from mpi4py import MPI
 
 from ..settings import launch_environment
 from .errors import AdasumCollectiveError
+from .newcomer import first_world, pending
 
 __all__ = ["WorldChanged", "world", "replace_world", "ulfm_problem", "is_failure", "failed", "mpi_error",
-           "is_revoked", "revoke", "revoke_all", "revoke_also"]
+           "is_revoked", "revoke", "revoke_all", "revoke_also", "pending"]
 
 
 class WorldChanged(AdasumCollectiveError):
@@ -37,7 +38,7 @@ class WorldChanged(AdasumCollectiveError):
     Horovod's elastic scripts expect."""
 
 
-_current: list[MPI.Intracomm] = [MPI.COMM_WORLD]
+_current: list[MPI.Intracomm] = [first_world()]  # MPI.COMM_WORLD, or a newcomer's own until it joins
 # Handles of the communicators revoked in this process: never freed (freeing one may wait for dead ranks),
 # so a handle in this set is never reused for another communicator.
 _revoked: set[int] = set()
@@ -47,7 +48,9 @@ _FAILURE_NAMES = ("MPI_ERR_PROC_FAILED", "MPI_ERR_REVOKED", "MPIX_ERR_PROC_FAILE
 
 
 def world() -> MPI.Intracomm:
-    """The current world: ``MPI.COMM_WORLD``, or the communicator of the survivors after a failure."""
+    """The current world: ``MPI.COMM_WORLD``, or the communicator of the survivors after a failure (and of
+    the survivors and the processes started in place of the dead once the world grew back; a newcomer's own
+    world of one rank until it joins: :mod:`adasum.runtime.newcomer`)."""
     return _current[0]
 
 

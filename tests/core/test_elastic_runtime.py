@@ -1,4 +1,4 @@
-"""adasum.runtime.faults and adasum.runtime.elastic without a failure: what counts as a rank's death, the ULFM check, the current
+"""adasum.runtime.faults and adasum.runtime.membership without a failure: what counts as a rank's death, the ULFM check, the current
 world, and adasum.torch.elastic.State's commit and restore on one rank (the jobs that kill ranks are in
 tests/elastic/, under Open MPI with ULFM)."""
 
@@ -8,7 +8,7 @@ import pytest
 from helpers import torch  # imported at first use: the numpy tests run without torch
 from mpi4py import MPI
 
-from adasum.runtime import elastic
+from adasum.runtime import membership as elastic
 from adasum.runtime.context import check_comm
 
 

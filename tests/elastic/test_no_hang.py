@@ -144,7 +144,7 @@ def test_elastic_sampler_reshards_what_is_left(monkeypatch):
     """Of 40 samples, 4 ranks process 3 batches of 2 (24 samples); after a reset to 3 ranks the 16 left are
     sharded over the 3 without overlap (padded to 18), and a new epoch starts from the whole set."""
     pytest.importorskip("torch")
-    import adasum.torch.elastic as elastic
+    import adasum.torch.elastic.sampler as elastic
 
     def samplers(size: int, state: dict | None = None) -> list:
         out = []

@@ -42,7 +42,7 @@ from mpi4py import MPI
 import adasum
 import adasum.horovod as hvd
 from adasum.runtime import exchange
-from adasum.runtime.elastic import world
+from adasum.runtime.membership import world
 from adasum.torch import elastic
 
 EPOCHS, BATCHES, COMMIT_EVERY, DIM = 4, 8, 4, 16

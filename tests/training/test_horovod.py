@@ -319,7 +319,7 @@ def test_what_is_not_provided_raises(name):
 def test_elastic_without_ulfm_says_so_and_lets_errors_through(caplog):
     """Under an MPI without ULFM (this suite's MPICH) elastic.run warns once, naming what to install, and an
     error inside the function propagates as it would without it."""
-    from adasum.runtime.elastic import ulfm_problem
+    from adasum.runtime.membership import ulfm_problem
     from adasum.torch import elastic
 
     if ulfm_problem() is None:

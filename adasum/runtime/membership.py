@@ -1,12 +1,14 @@
-"""Surviving a rank that dies: the survivors' world made and made current.
+"""Who is in the world: the survivors' world after a rank died, and the world grown back with newcomers.
 
 A wait that meets a dead rank revokes every communicator of the library and raises
 :class:`~adasum.runtime.faults.WorldChanged` on every survivor (:mod:`adasum.runtime.faults`).
 :func:`shrink` then makes the smaller world (``MPI_Comm_shrink`` of the current one) and makes it the
 *current world*: the default communicator of every call that takes ``comm=None`` (:func:`world`). The
 contexts of the old communicators are abandoned, never freed (freeing a revoked communicator may wait for
-dead ranks); their next call raises at once. State of the library that is one per process (the Horovod
-façade's process sets) follows through :func:`when_shrunk`. :func:`note_whereabouts` keeps every rank's host
+dead ranks); their next call raises at once. Where elastic training starts processes in place of the dead
+(:mod:`adasum.runtime.growth`), :func:`adopt` makes the world they joined current in the same way, on the
+survivors and on the newcomers. State of the library that is one per process (the Horovod façade's lane and
+process sets) follows through :func:`when_world_changes`. :func:`note_whereabouts` keeps every rank's host
 and process id, so that after a stall timeout :func:`kill_silent` can end a rank that stopped answering
 (a stopped process never takes part in a shrink, and is reported dead only once it is killed).
 
@@ -28,19 +30,24 @@ from .faults import (WorldChanged, is_failure, is_revoked, replace_world, revoke
                      world)
 
 __all__ = ["WorldChanged", "world", "replace_world", "ulfm_problem", "is_failure", "is_revoked", "revoke_all",
-           "shrink", "when_shrunk", "note_whereabouts", "kill_silent"]
+           "shrink", "adopt", "when_world_changes", "when_shrunk", "note_whereabouts", "kill_silent"]
 
 # Seconds MPI_Finalize may take at exit once ranks died before this process ends without it.
 FINALIZE_PATIENCE = 10.0
-_listeners: list = []  # called, in order, after the world shrank (when_shrunk)
+_listeners: list = []  # called, in order, after the world shrank or grew (when_world_changes)
 # (the world they were gathered on, [(host, pid) of each of its ranks]): note_whereabouts
 _whereabouts: list = [None, []]
+_watched: list = []  # the world this process started with, once _finalize_or_leave is registered
 
 
-def when_shrunk(fn) -> None:
-    """Call ``fn()`` after every :func:`shrink`, once the new world is current (collective there): for
-    state of the library that is one per process, such as :mod:`adasum.horovod`'s process sets."""
+def when_world_changes(fn) -> None:
+    """Call ``fn()`` after every :func:`shrink` and :func:`adopt`, once the new world is current
+    (collective there, newcomers included): for state of the library that is one per process, such as
+    :mod:`adasum.horovod`'s lane and process sets."""
     _listeners.append(fn)
+
+
+when_shrunk = when_world_changes  # its first name, from when the world could only shrink
 
 
 def _finalize_or_leave() -> None:
@@ -70,12 +77,36 @@ def shrink() -> MPI.Intracomm:
         if is_revoked(ctx.user_comm):
             ctx.abandon("a rank died and the world shrank; this communicator is revoked")
     new.Set_name(f"the survivors' world ({new.Get_size()} ranks)")
-    if old == MPI.COMM_WORLD:
-        atexit.register(_finalize_or_leave)
+    _finalize_watched(old)
     replace_world(new)
     for fn in _listeners:
         fn()
     return new
+
+
+def adopt(new: MPI.Intracomm, why: str) -> None:
+    """Make ``new`` (the survivors' world merged with the processes started in place of the dead, on every
+    one of them) the current world: the contexts on the old one abandoned (``why`` is what their next call
+    says; the old world is neither revoked nor freed: a process started in place of a dead one may have
+    failed to join, and freeing may wait for it), then the functions of :func:`when_world_changes`
+    (collective over ``new``)."""
+    old = world()
+    for ctx in live_contexts():
+        if ctx.user_comm == old:
+            ctx.abandon(why)
+    new.Set_name(f"the world grown back ({new.Get_size()} ranks)")
+    _finalize_watched(old)
+    replace_world(new)
+    for fn in _listeners:
+        fn()
+
+
+def _finalize_watched(old: MPI.Intracomm) -> None:
+    """The first time the world changes in this process (``old`` is the world it started with): finalize
+    under a watchdog at exit (:func:`_finalize_or_leave`)."""
+    if not _watched:
+        _watched.append(old)
+        atexit.register(_finalize_or_leave)
 
 
 def note_whereabouts(gather) -> None:
