@@ -391,3 +391,33 @@ def test_a_skipped_sum_or_mean_step_raises_on_every_rank_naming_the_counts(comm,
                                            r"rank 0 has \{'combine': \d+, 'micro-batches': \d+"):
         skipping_loop(comm, opt, model, 8, 2)
     assert_identical_across_ranks(comm, list(model.parameters()))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["adasum", "mean", "sum"])
+@pytest.mark.parametrize("local_steps", [1, 2])
+@ONE_SIZE
+def test_a_combining_step_costs_the_librarys_own_call(comm, op, local_steps):
+    """A step that combines makes the collectives of the library's own call on the same tensors and
+    nothing more: the window's agreement rides on the call's (one small agreement besides the data)."""
+    from torch_helpers import batch, inner, loss_of, tiny_model
+
+    model = tiny_model()
+    opt = DistributedOptimizer(inner("sgd", model.parameters()), comm=comm, op=op, local_steps=local_steps)
+    rank = comm.Get_rank()
+    for s in range(3 * local_steps):
+        loss_of(model, *batch(rank, s, 0)).backward()
+        if s == 3 * local_steps - 1:
+            with adasum.count_traffic(comm) as step:
+                opt.step()
+            assert opt.is_boundary
+        else:
+            opt.step()
+        opt.zero_grad()
+    tensors = [p.detach().clone() for p in model.parameters()]
+    with adasum.count_traffic(comm) as call:
+        adasum.adasum_allreduce_inplace(tensors, op=op, comm=comm)
+    assert (step.collectives, step.scalar_bytes) == (call.collectives, call.scalar_bytes)
+    # sum/mean (without local steps) carry one more element per parameter: which ranks had its gradient
+    have = len(tensors) * tensors[0].element_size() if op != "adasum" and local_steps == 1 else 0
+    assert step.allreduce_bytes + step.sent_bytes == call.allreduce_bytes + call.sent_bytes + have

@@ -149,14 +149,16 @@ class LocalSteps:
             return close.count(True, scale, scale_ok=not decision.overflowed)
         return close.close(_WindowDeltas(self, members), ledger, error=error, overflowed=overflowed)
 
-    def _reduce(self, deltas: list[torch.Tensor], comm: MPI.Intracomm, members: list[torch.Tensor]):
-        """The combine of ``deltas`` over ``comm``, in place; the 16-bit wire's largest magnitudes."""
+    def _reduce(self, deltas: list[torch.Tensor], comm: MPI.Intracomm, members: list[torch.Tensor],
+                companion=None):
+        """The combine of ``deltas`` over ``comm``, in place (``companion``: the window's agreement, riding
+        on the call's); the 16-bit wire's largest magnitudes."""
         if comm.Get_size() == 1 or not deltas:
             return None
         names = _names(members) if self.wire.dtype else None
         if self.op == "adasum":
-            return self.wire.adasum_(deltas, comm, self.hierarchical, names)
-        return self.wire.sum_(deltas, comm, self.op == "mean", names)
+            return self.wire.adasum_(deltas, comm, self.hierarchical, names, companion=companion)
+        return self.wire.sum_(deltas, comm, self.op == "mean", names, companion=companion)
 
     def _fall_back(self, members: list[torch.Tensor]) -> None:
         """Every parameter of the window (and, delay=1, every one with a common point) back at the last point
@@ -312,12 +314,17 @@ class _WindowDeltas:
         self.amax = None
 
     def carries_companion(self, comm: MPI.Intracomm) -> bool:
-        return False
+        """Whether the window's agreement can ride on the combine's own: not where a loss scale needs the
+        ranks' overflow votes, nor in hierarchical mode or through the fp16 wire (their first collectives
+        are others)."""
+        local = self.local
+        return bool(self.params) and comm.Get_size() > 1 and not local.loss.enabled \
+            and local.wire.carries_companion and not (local.hierarchical and local.op == "adasum")
 
     def combine(self, comm: MPI.Intracomm, companion) -> None:
         with torch.no_grad():
             self.local.start.apply(self.targets, self.params, "sub")  # the parameters hold this rank's deltas
-            self.amax = self.local._reduce(self.targets, comm, self.params)
+            self.amax = self.local._reduce(self.targets, comm, self.params, companion)
 
     def settle(self) -> None:
         """Nothing: the combined deltas are in the parameters."""
