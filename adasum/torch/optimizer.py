@@ -293,12 +293,10 @@ class DistributedOptimizer(_Wrapping):
     took_local_step = property(lambda self: self._steps.took_local_step)
     step_was_skipped = property(lambda self: self._steps.step_was_skipped)
     skipped_updates = property(lambda self: self._steps.skipped_updates)
-    @property
-    def holds_own_parameters(self) -> bool:
-        """Whether this rank's parameters are its own, not yet combined (a window of local steps is open, or
-        with ``delay=1`` a combine is on its way): :meth:`flush` combines them."""
-        local = self._parts.local
-        return local is not None and (local.taken > 0 or local.pending)
+    holds_own_parameters = property(lambda self: self._parts.local is not None and (
+        self._parts.local.taken > 0 or self._parts.local.pending), doc="Whether this rank's parameters are "
+        "its own, not yet combined (a window of local steps is open, or with ``delay=1`` a combine is on its "
+        "way): :meth:`flush` combines them.")
 
     boundaries = property(lambda self: self._parts.closing.combines,
                           doc="Windows closed with a combine so far (with ``local_steps``: combines).")
@@ -312,10 +310,8 @@ class DistributedOptimizer(_Wrapping):
         if self._parts.engine is not None:
             self._parts.engine.install()
 
-    @property
-    def overlap(self) -> bool:
-        """Whether boundaries may be reduced during backward (False once closed)."""
-        return self._parts.engine is not None and not self._parts.engine.closed
+    overlap = property(lambda self: self._parts.engine is not None and not self._parts.engine.closed,
+                       doc="Whether boundaries may be reduced during backward (False once closed).")
 
     @property
     def overlap_comm(self) -> MPI.Intracomm | None:
@@ -323,17 +319,9 @@ class DistributedOptimizer(_Wrapping):
         ``adasum.count_traffic(opt.overlap_comm)`` counts what the overlapped buckets send."""
         return self._parts.engine.comm if self.overlap else None
 
-    @property
-    def overlapped_boundaries(self) -> int:
-        return 0 if self._parts.engine is None else self._parts.engine.overlapped_boundaries
-
-    @property
-    def buckets_started_in_backward(self) -> int:
-        return 0 if self._parts.engine is None else self._parts.engine.buckets_started_in_backward
-
-    @property
-    def timeline(self) -> list[dict]:
-        return [] if self._parts.engine is None else list(self._parts.engine.timeline)
+    overlapped_boundaries = property(lambda self: _engine_attr(self, "overlapped_boundaries", 0))
+    buckets_started_in_backward = property(lambda self: _engine_attr(self, "buckets_started_in_backward", 0))
+    timeline = property(lambda self: list(_engine_attr(self, "timeline", [])))
 
     def close(self, *, combine: bool = True) -> None:
         """End the optimizer: with local steps, first combine what is open (``flush()``, collective; pass
@@ -371,3 +359,9 @@ class DistributedOptimizer(_Wrapping):
         return (f"DistributedOptimizer(op={self.op!r}, accumulation_steps={self.accumulation_steps}, "
                 f"overlap={self.overlap}, compression={self.compression!r}, size={self.comm.Get_size()}, "
                 f"optimizer={self.optimizer!r})")
+
+
+def _engine_attr(opt: DistributedOptimizer, name: str, default):
+    """An attribute of ``opt``'s overlap engine, or ``default`` without one."""
+    engine = opt._parts.engine
+    return default if engine is None else getattr(engine, name)
