@@ -13,13 +13,14 @@ nothing here calls MPI before ``init()``. It holds:
   reduction at a time runs on a wire: the calling thread's and the lane's never meet).
 
 Without ``init()`` the synchronous calls keep nothing: they run on the current world
-(:func:`adasum.runtime.elastic.world`) and make a wire per call.
+(:func:`adasum.runtime.membership.world`) and make a wire per call.
 
-After the world shrank (:func:`adasum.runtime.elastic.when_shrunk`, collective over the survivors) the state's
-parts of the old world go (:meth:`FacadeState.drop_world`: the lane, the process sets, ``join()``'s count) and
-the lane is made again on the new world (:meth:`FacadeState.start`). A rank that dies meanwhile leaves the
-state without a lane (``is_initialized()`` is False); the next shrink starts it again. The pending handles
-stay: each holds its call's error (the lane was dropped), which ``synchronize()`` raises.
+After the world changed (it shrank, or grew back: :func:`adasum.runtime.membership.when_world_changes`,
+collective over the new world) the state's parts of the old world go (:meth:`FacadeState.drop_world`: the
+lane, the process sets, ``join()``'s count) and the lane is made again on the new world
+(:meth:`FacadeState.start`). A rank that dies meanwhile leaves the state without a lane
+(``is_initialized()`` is False); the next change starts it again. The pending handles stay: each holds its
+call's error (the lane was dropped), which ``synchronize()`` raises.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, Callable, NamedTuple
 from mpi4py import MPI
 
 from ..runtime import world
-from ..runtime.membership import when_shrunk
+from ..runtime.membership import when_world_changes
 from ..runtime.membership import world as world_comm
 from ..runtime.lane import Lane
 from ..torch.window.compress import Wire
@@ -123,9 +124,9 @@ class FacadeState:
         atexit.unregister(self.close_lane)
 
     def drop_world(self, why: str) -> None:
-        """The parts of the world that shrank: the registered sets (their communicators were revoked, and are
-        abandoned, never freed), the lane (dropped: its pending jobs end with an error) and ``join()``'s
-        count on its communicator. The pending handles stay."""
+        """The parts of the old world: the registered sets (their communicators are abandoned, never freed:
+        after a shrink they were revoked), the lane (dropped: its pending jobs end with an error) and
+        ``join()``'s count on its communicator. The pending handles stay."""
         for entry in self.sets.values():
             entry.ps.process_set_id = None
         self.sets.clear()
@@ -175,11 +176,11 @@ def wire(name: str) -> Wire:
 
 
 def _rejoin() -> None:
-    """After the world shrank (collective over the survivors): the state's old world dropped and its lane
+    """After the world changed (collective over the new world): the state's old world dropped and its lane
     made again on the new one (nothing where ``init()`` was not called)."""
     if _state is not None:
-        _state.drop_world("the world shrank")
+        _state.drop_world("the world changed")
         _state.start()
 
 
-when_shrunk(_rejoin)
+when_world_changes(_rejoin)

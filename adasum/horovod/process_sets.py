@@ -32,7 +32,7 @@ class ProcessSet:
     """A subset of the world's ranks on which collectives run (Horovod's ``hvd.ProcessSet``): pass it as
     ``process_set=`` to a collective or to ``DistributedOptimizer``. ``ranks`` are world ranks, sorted;
     ``process_set_id`` is set once it is registered by :func:`add_process_set` (0: the whole world), and
-    None again once it is removed (or the world shrank)."""
+    None again once it is removed (or the world changed)."""
 
     def __init__(self, ranks: Iterable[int]):
         self.ranks = sorted(int(r) for r in ranks)
