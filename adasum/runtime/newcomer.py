@@ -45,7 +45,7 @@ class _Newcomer:
         self.placeholder: MPI.Intracomm | None = None
         self.timer: threading.Timer | None = None
         self.seconds = 0.0
-        self.sent: list = []  # the announcement's requests and buffer, never waited for
+        self.sent: list = []  # the announcement's buffer, once sent
         value = os.environ.get(ENV)
         if not value or not MPI.Is_initialized():
             return
@@ -133,7 +133,10 @@ def announce() -> None:
     buf[:8] = np.array([os.getpid()], dtype=np.int64).view(np.uint8)
     host = MPI.Get_processor_name().encode()[:HOST_BYTES]
     buf[8:8 + len(host)] = np.frombuffer(host, dtype=np.uint8)
-    _me.sent = [buf] + [parent.Isend(buf, dest=r, tag=TAG_ALIVE) for r in range(parent.Get_remote_size())]
+    _me.sent = [buf]
+    # Waited for: nothing else makes progress in MPI here before run, and until it does, the first message to
+    # a process of another job (a connection to make) may never leave. The survivors are receiving.
+    MPI.Request.Waitall([parent.Isend(buf, dest=r, tag=TAG_ALIVE) for r in range(parent.Get_remote_size())])
 
 
 arm()

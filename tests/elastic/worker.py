@@ -13,14 +13,21 @@ must end it), ``raise`` (a RuntimeError raised by the training function there: t
 ``--on-error leave`` that rank leaves it, a death for the reference run) or ``mpierror`` (half a second
 into the batch, an ``MPI.Exception`` of class ``ERR_OTHER`` raised in place of the step, as Open MPI's
 nonblocking collectives give when a round meets a rank that just died: not a death of this rank).
-``--no-reference`` skips the reference run (for jobs that must end). ``--api hvd``
+``--no-reference`` skips the reference run (for jobs that must end). With ``ADASUM_ELASTIC_REPLACE=1``
+the world grows back: a process started in place of the dead (a newcomer) takes the place of the lowest
+missing original rank (its data, and the ``--kill`` of that rank after it joined), and the reference has
+that rank come back at the commit after the one the death rolled back to (``--rejoin later``: one commit
+later still, ``--rejoin never``: not at all); ``--newcomer-dies-once`` has the first newcomer SIGKILL itself
+just before ``elastic.run``, before it joined. ``--api hvd``
 trains through ``adasum.horovod``; ``--local-steps 4`` with ``DistributedOptimizer(local_steps=4)`` (and ``--delay 1``),
 ``--overlap`` with ``overlap=True``; ``--plain`` also trains the same model without elastic first and
 records whether both end bitwise alike.
 
 Every job first trains a reference without elastic and without a failure (:func:`train_reference`): the
 world changes where the elastic run's resets say it does, at the commit each death rolls back to, the ranks
-that die there simply leaving. The elastic run must end bitwise where the reference ends.
+that die there simply leaving (and, where the world grows back, coming back at the next commit with rank
+0's state). The elastic run must end bitwise where the reference ends. A newcomer runs neither the plain
+run nor the reference.
 
 Rank 0 of the final world writes ``--out``: the world's size, the resets of each survivor, whether the
 survivors' parameters are bitwise equal, and equal to the reference's, the evaluation loss after each epoch
@@ -46,6 +53,9 @@ from adasum.runtime.membership import world
 from adasum.torch import elastic
 
 EPOCHS, BATCHES, COMMIT_EVERY, DIM = 4, 8, 4, 16
+REPLACE = adasum.current_settings().elastic_replace  # ADASUM_ELASTIC_REPLACE=1: the world grows back
+# This process's original rank: MPI.COMM_WORLD's, or for a newcomer the one it stands in for once it joined.
+IDENT: list = [None if elastic.is_newcomer() else MPI.COMM_WORLD.Get_rank()]
 
 
 def parse() -> argparse.Namespace:
@@ -59,6 +69,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--stall-timeout", type=float, default=60.0)
     p.add_argument("--on-error", choices=["end", "leave"], default="end", help="run(on_error=...)")
     p.add_argument("--no-reference", action="store_true")
+    p.add_argument("--rejoin", choices=["at", "later", "never"], default="at",
+                   help="with ADASUM_ELASTIC_REPLACE=1: when the reference has a dead rank come back")
+    p.add_argument("--newcomer-dies-once", action="store_true")
     p.add_argument("--out", required=True)
     return p.parse_args()
 
@@ -75,9 +88,17 @@ def deaths(args) -> list[tuple[int, int, int, str]]:
 
 
 def kills(args) -> dict:
-    """{(epoch, batch): where} of this rank's death, from ``--kill``."""
-    me = MPI.COMM_WORLD.Get_rank()
-    return {(epoch, batch): where for who, epoch, batch, where in deaths(args) if who == me}
+    """{(epoch, batch): where} of this rank's death, from ``--kill`` (none for a newcomer not yet joined)."""
+    return {(epoch, batch): where for who, epoch, batch, where in deaths(args) if who == IDENT[0]}
+
+
+def take_identity() -> None:
+    """A reset callback: a newcomer takes the lowest original rank that no process of the world holds
+    (in the order of the newcomers' ranks), as the reference's rank that comes back does."""
+    ids = exchange.allgather(world(), IDENT[0], what="the worker's identities")
+    if IDENT[0] is None:
+        missing = sorted(set(range(len(ids))) - set(ids))
+        IDENT[0] = missing[[r for r, i in enumerate(ids) if i is None].index(world().Get_rank())]
 
 
 def data(rank: int, epoch: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +136,7 @@ def evaluate(model) -> float:
 
 def die(how: signal.Signals = signal.SIGKILL) -> None:
     """SIGKILL (or SIGSTOP) this process, its time written beside the result first."""
-    with open(f"{OUT[0]}.killed.{MPI.COMM_WORLD.Get_rank()}", "w") as f:
+    with open(f"{OUT[0]}.killed.{IDENT[0]}", "w") as f:
         f.write(repr(time.time()))
     os.kill(os.getpid(), how)
 
@@ -134,11 +155,11 @@ def one_batch(model, opt, epoch: int, batch: int, die_here: str | None) -> None:
         time.sleep(0.5)  # the rank that dies at this batch is dead by now
         raise MPI.Exception(MPI.ERR_OTHER)
     if die_here == "raise":
-        with open(f"{OUT[0]}.killed.{MPI.COMM_WORLD.Get_rank()}", "w") as f:
+        with open(f"{OUT[0]}.killed.{IDENT[0]}", "w") as f:
             f.write(repr(time.time()))
-        raise RuntimeError(f"rank {MPI.COMM_WORLD.Get_rank()}: a bug in the training function at epoch {epoch} "
+        raise RuntimeError(f"rank {IDENT[0]}: a bug in the training function at epoch {epoch} "
                            f"batch {batch}")
-    x, y = data(MPI.COMM_WORLD.Get_rank(), epoch, batch)
+    x, y = data(IDENT[0], epoch, batch)
     opt.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
     if die_here == "step":
@@ -147,19 +168,20 @@ def one_batch(model, opt, epoch: int, batch: int, die_here: str | None) -> None:
     opt.step()
 
 
-def train_elastic(args, model, opt, losses: list) -> elastic.State:
-    die_at = kills(args)
+def train_elastic(args, model, opt) -> elastic.State:
     make_state = hvd.elastic.TorchState if args.api == "hvd" else elastic.State
-    state = make_state(model, opt, epoch=0, batch=0)
+    state = make_state(model, opt, epoch=0, batch=0, losses=[])
     sizes = []
+    state.register_reset_callbacks([take_identity] if REPLACE else [])
     state.register_reset_callbacks([lambda: sizes.append(hvd.size() if args.api == "hvd" else adasum.size())])
-    if "reset" in die_at.values():  # this rank dies inside the first recovery's callbacks
+    if "reset" in kills(args).values():  # this rank dies inside the first recovery's callbacks
         state.register_reset_callbacks([lambda: (time.sleep(0.2), die())])
     runner = hvd.elastic.run if args.api == "hvd" else elastic.run
     runner = runner(on_error=args.on_error)
 
     @runner
     def train(state):
+        die_at = kills(args)  # a newcomer's, once it joined
         while state.epoch < EPOCHS:
             while state.batch < BATCHES:
                 one_batch(model, opt, state.epoch, state.batch, die_at.get((state.epoch, state.batch)))
@@ -170,57 +192,97 @@ def train_elastic(args, model, opt, losses: list) -> elastic.State:
                     state.commit()
             state.batch = 0
             state.epoch += 1
-            if len(losses) < state.epoch:
-                losses.append(evaluate(model))
+            if len(state.losses) < state.epoch:
+                state.losses.append(evaluate(model))
             state.commit()
 
+    if args.newcomer_dies_once and elastic.is_newcomer() and not os.path.exists(f"{args.out}.newcomer"):
+        open(f"{args.out}.newcomer", "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)  # before it joined, the survivors waiting in run
     train(state)
     state.sizes_at_reset = sizes
     return state
 
 
 def sync(model, opt, comm) -> None:
-    """What ``State.sync()`` does at the start of every attempt: rank 0's model and optimizer everywhere."""
+    """What ``State.sync()`` does at the start of every attempt: rank 0's model and optimizer (its whole
+    state dict) everywhere."""
     adasum.torch.broadcast_parameters(model.state_dict(), root=0, comm=comm)
-    adasum.torch.broadcast_optimizer_state(opt, root=0, comm=comm)
+    root = comm.Get_rank() == 0
+    state = exchange.bcast(comm, opt.state_dict() if root else None, root=0, what="the reference's optimizer")
+    if not root:
+        opt.load_state_dict(state)
+
+
+def changes(args) -> dict:
+    """{(epoch, batch) of a commit: (the ranks that leave there, the ranks that come back there)}: a death
+    rolls back to the last commit before it; where the world grows back, the rank comes back at the commit
+    after that one (``--rejoin``)."""
+    out: dict = {}
+    later = {"at": 1, "later": 2, "never": None}[args.rejoin] if REPLACE else None
+    for who, epoch, batch, where in deaths(args):
+        if where == "mpierror":
+            continue
+        at = (epoch, batch - batch % COMMIT_EVERY)
+        out.setdefault(at, (set(), set()))[0].add(who)
+        if later is not None:
+            back = at[1] + later * COMMIT_EVERY
+            out.setdefault((at[0] + back // BATCHES, back % BATCHES), (set(), set()))[1].add(who)
+    return out
 
 
 def train_reference(args) -> tuple[bytes | None, list[float]]:
     """The elastic run's training with nobody dying: at the commit that a death rolls back to (the last
-    one before it), the ranks that die leave and the others go on over a communicator of their own, with a
-    new optimizer of the same settings loaded with the state of that point and synced from its rank 0, as
-    a reset does. Returns this rank's final parameters (None where it left) and the losses after each
-    epoch."""
+    one before it), the ranks that die leave and the others go on over a communicator of their own, in
+    their order, with a new optimizer of the same settings loaded with the state of that point and synced
+    from its rank 0, as a reset does; a rank that comes back (the world grown back) joins after them with
+    rank 0's state. Returns this rank's final parameters (None where it is out at the end) and the losses
+    after each epoch while it was in."""
     me = MPI.COMM_WORLD.Get_rank()
-    leave = {}  # (epoch, batch) of a commit: the ranks that leave there
-    for who, epoch, batch, where in deaths(args):
-        if where == "mpierror":
-            continue
-        leave.setdefault((epoch, batch - batch % COMMIT_EVERY), set()).add(who)
+    plan, order = changes(args), list(range(MPI.COMM_WORLD.Get_size()))
     comm = MPI.COMM_WORLD.Dup()
     model, opt = make(args, api="native", comm=comm)
+    inner = opt.optimizer
     sync(model, opt, comm)
     losses = []
     for epoch in range(EPOCHS):
         for batch in range(BATCHES):
-            gone = leave.get((epoch, batch), set())
-            if gone:
-                saved = opt.state_dict()
-                opt.close(combine=False)  # nothing is open at a commit
-                old, comm = comm, comm.Split(MPI.UNDEFINED if me in gone else 0, me)
-                old.Free()
-                if comm == MPI.COMM_NULL:
-                    return None, losses
-                opt = wrap(args, opt.optimizer, comm)
-                opt.load_state_dict(saved)
-                sync(model, opt, comm)
+            if (epoch, batch) in plan:
+                gone, back = plan[(epoch, batch)]
+                comm, opt, order = regroup(args, model, inner, comm, opt, [i for i in order if i not in gone]
+                                           + sorted(back))
+            if comm is None:
+                continue
             one_batch(model, opt, epoch, batch, None)
             if (batch + 1) % COMMIT_EVERY == 0:
                 opt.flush()
-        losses.append(evaluate(model))
+        if comm is not None:
+            losses.append(evaluate(model))
+    if comm is None:
+        return None, losses
     opt.close()
     comm.Free()
     return params_bytes(model), losses
+
+
+def regroup(args, model, inner, comm, opt, order: list[int]):
+    """The reference's world becomes the ranks of ``order``, in that order (collective over
+    MPI.COMM_WORLD): (its communicator or None, the optimizer on it or None, ``order``)."""
+    me = MPI.COMM_WORLD.Get_rank()
+    saved = None
+    if opt is not None:
+        saved = opt.state_dict()
+        opt.close(combine=False)  # nothing is open at a commit
+    new = MPI.COMM_WORLD.Split(0 if me in order else MPI.UNDEFINED, order.index(me) if me in order else 0)
+    if comm is not None:
+        comm.Free()
+    if new == MPI.COMM_NULL:
+        return None, None, order
+    opt = wrap(args, inner, new)
+    if saved is not None:
+        opt.load_state_dict(saved)
+    sync(model, opt, new)
+    return new, opt, order
 
 
 def train_plain(args) -> bytes:
@@ -243,30 +305,41 @@ def main() -> None:
     adasum.configure(stall_timeout=args.stall_timeout)
     if args.api == "hvd":
         hvd.init()
-    plain = train_plain(args) if args.plain else None
-    reference, reference_losses = (None, []) if args.no_reference else train_reference(args)
+    newcomer = elastic.is_newcomer()  # it runs neither the plain run nor the reference
+    plain = train_plain(args) if args.plain and not newcomer else None
+    reference, reference_losses = (None, []) if args.no_reference or newcomer else train_reference(args)
     model, opt = make(args)
-    losses: list = []
     start = time.time()
-    state = train_elastic(args, model, opt, losses)
-    mine = {"rank": MPI.COMM_WORLD.Get_rank(), "resets": state.resets, "params": params_bytes(model),
-            "recovery_s": state.last_recovery_seconds, "seen_at": state.last_failure_seen_at,
-            "sizes_at_reset": state.sizes_at_reset, "losses": losses,
+    state = train_elastic(args, model, opt)
+    mine = {"rank": IDENT[0], "newcomer": newcomer, "resets": state.resets, "grows": state.grows,
+            "params": params_bytes(model), "recovery_s": state.last_recovery_seconds,
+            "seen_at": state.last_failure_seen_at, "grown_at": state.last_grown_at,
+            "sizes_at_reset": state.sizes_at_reset, "losses": state.losses,
             "object": hvd.allgather_object(hvd.rank()) if args.api == "hvd" else None,
-            "reference_equal": reference == params_bytes(model), "reference_losses": reference_losses}
+            "reference": reference, "reference_losses": reference_losses}
     everyone = exchange.allgather(world(), mine)
     if world().Get_rank() == 0:
-        result = {"size": world().Get_size(), "survivors": [m["rank"] for m in everyone],
-                  "resets": [m["resets"] for m in everyone],
-                  "equal": all(m["params"] == mine["params"] for m in everyone),
-                  "plain_equal": None if plain is None else plain == mine["params"],
-                  "reference_equal": [m["reference_equal"] for m in everyone],
-                  "reference_losses": [m["reference_losses"] for m in everyone],
-                  "losses": [m["losses"] for m in everyone], "recovery_s": [m["recovery_s"] for m in everyone],
-                  "seen_at": [m["seen_at"] for m in everyone], "sizes_at_reset": everyone[0]["sizes_at_reset"],
-                  "objects": everyone[0]["object"], "hvd_size": hvd.size(), "seconds": time.time() - start}
-        with open(args.out, "w") as f:
-            json.dump(result, f)
+        write_result(args, everyone, plain, start)
+
+
+def write_result(args, everyone: list[dict], plain: bytes | None, start: float) -> None:
+    """Rank 0 of the final world writes what the tests check (the module docstring): each process's
+    parameters are compared with its own reference's and with rank 0's reference."""
+    first = everyone[0]
+    result = {"size": world().Get_size(), "survivors": [m["rank"] for m in everyone],
+              "newcomers": sum(m["newcomer"] for m in everyone), "resets": [m["resets"] for m in everyone],
+              "grows": [m["grows"] for m in everyone],
+              "equal": all(m["params"] == first["params"] for m in everyone),
+              "plain_equal": None if plain is None else plain == first["params"],
+              "reference_equal": [m["params"] == first["reference"] and m["reference"] in (None, m["params"])
+                                  for m in everyone],
+              "reference_losses": [m["reference_losses"] for m in everyone if not m["newcomer"]],
+              "losses": [m["losses"] for m in everyone], "recovery_s": [m["recovery_s"] for m in everyone],
+              "seen_at": [m["seen_at"] for m in everyone], "grown_at": [m["grown_at"] for m in everyone],
+              "sizes_at_reset": first["sizes_at_reset"], "objects": first["object"], "hvd_size": hvd.size(),
+              "seconds": time.time() - start}
+    with open(args.out, "w") as f:
+        json.dump(result, f)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,90 @@
+"""Growing back under Open MPI with ULFM (``ADASUM_ELASTIC_REPLACE=1``): ranks SIGKILLed, the survivors
+start as many processes as died at the next commit, and the job ends at its launch size.
+
+Each test launches tests/elastic/worker.py (tests/elastic/jobs.py) and checks what rank 0 of the final
+world wrote: the world back at its launch size with the newcomers in it, every rank bitwise equal, and
+equal to the reference run in which the dead ranks left at the commit their death rolled back to and came
+back at the next one with rank 0's state; where growing back fails, the smaller world's end, equal to the
+reference in which they never came back. Without Open MPI (the main suite's MPICH) they are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobs import LAUNCH_TIMEOUT, MPIEXEC, OPEN_MPI, launch, run_job
+
+pytestmark = [
+    pytest.mark.skipif(not OPEN_MPI or not MPIEXEC.exists(),
+                       reason="needs Open MPI with ULFM (scripts/run-elastic-tests.sh makes the environment)"),
+    pytest.mark.timeout(LAUNCH_TIMEOUT + 30),
+]
+REPLACE = {"ADASUM_ELASTIC_REPLACE": "1", "ADASUM_ELASTIC_REPLACE_TIMEOUT": "90"}
+
+
+def check_grown(result: dict, ranks: int, deaths: int, grows: int) -> None:
+    """Back at ``ranks`` ranks after ``deaths`` deaths, every rank equal, and equal to the reference."""
+    assert result["size"] == ranks and sorted(result["survivors"]) == list(range(ranks)), result["survivors"]
+    assert result["newcomers"] >= 1
+    assert result["resets"] == [deaths] * ranks and result["grows"] == [grows] * ranks
+    assert result["equal"], "the ranks' parameters differ"
+    assert all(result["reference_equal"]), result["reference_equal"]  # bitwise the reference run
+    losses = result["losses"][0]
+    assert len(losses) == 4 and losses[-1] < 0.5 * losses[0] and all(r == losses for r in result["losses"])
+    assert all(r == losses for r in result["reference_losses"]), (losses, result["reference_losses"])
+
+
+def report(name: str, result: dict, killed: list[float]) -> None:
+    """One line for the log: from the last kill to the world back at its launch size."""
+    back = max(t for t in result["grown_at"] if t is not None)
+    print(f"{name}: back at {result['size']} ranks {back - max(killed):.1f} s after the last kill, "
+          f"job {result['seconds']:.1f} s")
+
+
+@pytest.mark.parametrize("name, ranks, args, deaths", [
+    ("one-death", 4, ["--kill", "2@1.2"], 1),
+    ("local-steps", 4, ["--local-steps", "4", "--kill", "2@1.6"], 1),
+    ("two-in-turn", 4, ["--kill", "1@1.1", "--kill", "1@2.6"], 2),  # the second: the newcomer that replaced 1
+])
+def test_the_world_grows_back(tmp_path, name, ranks, args, deaths):
+    result, killed = launch(tmp_path, ranks, *args, env=REPLACE)
+    check_grown(result, ranks, deaths, deaths)
+    report(f"np={ranks} grows back: {name}", result, killed)
+
+
+def test_the_world_grows_back_after_the_roots_death_through_horovod(tmp_path):
+    """Rank 0 dies; the survivors renumber from 0, the newcomer joins as rank 3 through ``hvd.elastic.run``
+    and ``hvd.size()``/``hvd.rank()`` say so."""
+    result, killed = launch(tmp_path, 4, "--api", "hvd", "--kill", "0@2.1", env=REPLACE)
+    check_grown(result, 4, 1, 1)
+    assert result["survivors"] == [1, 2, 3, 0] and result["hvd_size"] == 4 and result["objects"] == [0, 1, 2, 3]
+    report("np=4 grows back after rank 0's death (hvd)", result, killed)
+
+
+def test_a_newcomer_that_dies_before_it_joined(tmp_path):
+    """The first newcomer dies just before ``run``: the survivors (on its host) see it gone, warn, go on at
+    3 ranks and start another at the next commit, which joins: bitwise the reference whose rank comes back
+    one commit later."""
+    result, killed = launch(tmp_path, 4, "--newcomer-dies-once", "--rejoin", "later", "--kill", "2@1.1",
+                            env=REPLACE)
+    check_grown(result, 4, 1, 1)
+    report("np=4 a newcomer dies before it joined", result, killed)
+
+
+def test_a_spawn_without_a_free_slot_leaves_the_smaller_world(tmp_path):
+    """Launched on 4 slots without --oversubscribe, the dead rank's slot stays taken: every spawn fails at
+    once; the survivors warn once per attempt, with the reason, and end at 3 ranks after 2 attempts,
+    bitwise the reference in which rank 2 never comes back."""
+    proc = run_job(tmp_path, 4, "--rejoin", "never", "--kill", "2@1.2", slots=4,
+                   env=dict(REPLACE, ADASUM_ELASTIC_REPLACE_ATTEMPTS="2"))
+    output = proc.stdout + proc.stderr
+    assert (tmp_path / "result.json").exists(), f"no result (exit {proc.returncode}):\n{output[-4000:]}"
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["size"] == 3 and result["newcomers"] == 0 and result["grows"] == [0] * 3
+    assert result["equal"] and all(result["reference_equal"]), result
+    warned = [line for line in output.splitlines() if "growing back from 3 to 4 ranks failed" in line]
+    assert len(warned) == 2, output[-4000:]
+    assert "attempt 1 of 2" in warned[0] and "no free slot" in warned[0] and "trying again" in warned[0]
+    assert "no more attempts" in warned[1]
