@@ -45,7 +45,8 @@ Where the meaning differs from Horovod's:
   combines them in float32: half the bytes of float32 on the wire.
 - Elastic training (``hvd.elastic.run``, ``TorchState``, ``ObjectState``, ``ElasticSampler``; :mod:`.elastic_api`)
   needs an MPI with ULFM (Open MPI 5, ``mpiexec --with-ft ulfm``): ranks that die are dropped and the
-  survivors go on from the last commit; the world never grows. The world is then the survivors'
+  survivors go on from the last commit; with ``ADASUM_ELASTIC_REPLACE=1`` the world grows back to its launch
+  size at the next commit (``HostsUpdatedInterrupt``, as Horovod's). The world is then the new
   communicator. An exception on one rank ends the job unless ``hvd.elastic.run(on_error="leave")``.
 - Not provided (``NotImplementedError`` naming what to use): Gloo, the timeline and ``SyncBatchNorm``.
 """

@@ -21,6 +21,7 @@ from mpi4py import MPI
 from ..runtime import world
 from ..runtime.context import library_comm
 from ..runtime.membership import world as world_comm
+from ..runtime.newcomer import pending
 from .facade import Registered, current, install, started, uninstall
 from .negotiate import RankCall, execute
 
@@ -96,12 +97,14 @@ def init(comm=None, process_sets=None) -> None:
     """Collective over the world: find the node layout (so that ``local_rank()``, ``local_size()``,
     ``cross_rank()`` and ``cross_size()`` are local calls after it, as in Horovod), make the façade's state
     with the handles' communicator and thread (once), then register ``process_sets`` (a list of
-    :class:`ProcessSet`), as Horovod's ``init(process_sets=...)``."""
+    :class:`ProcessSet`), as Horovod's ``init(process_sets=...)``. In a process that elastic training started
+    in place of a dead rank (:mod:`adasum.runtime.newcomer`) only the state is made: the rest follows when it
+    joins the job in ``hvd.elastic.run``, and ``local_rank()`` or a process set before that raises."""
     if comm is not None:
         raise ValueError("adasum.horovod.init supports only the whole world (comm=None); use "
                          "process_sets= or add_process_set() for subsets, or pass comm= to adasum's own API")
     state = install()
-    if not state.started:
+    if not state.started and pending() is None:  # a newcomer's lane is made once it joined (facade._rejoin)
         state.start()
     for ps in process_sets or ():
         add_process_set(ps)
