@@ -18,6 +18,7 @@ A leaf of the runtime: it imports only numpy and mpi4py, so that :mod:`adasum.ru
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -123,6 +124,13 @@ def leave(why: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _exit_unjoined() -> None:
+    """At exit, a newcomer that never joined (its script failed before ``run``) ends at once: its
+    MPI_Finalize would wait for the survivors, who are connected to it."""
+    if _me.placeholder is not None:
+        leave("its script ended before it joined the job")
+
+
 def announce() -> None:
     """Tell every survivor that this newcomer is alive, with its process id and host (a survivor on its
     host can then see it die before it joins: :mod:`adasum.runtime.growth`)."""
@@ -141,3 +149,5 @@ def announce() -> None:
 
 arm()
 announce()
+if _me.parent is not None:
+    atexit.register(_exit_unjoined)

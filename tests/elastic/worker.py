@@ -17,8 +17,8 @@ nonblocking collectives give when a round meets a rank that just died: not a dea
 the world grows back: a process started in place of the dead (a newcomer) takes the place of the lowest
 missing original rank (its data, and the ``--kill`` of that rank after it joined), and the reference has
 that rank come back at the commit after the one the death rolled back to (``--rejoin later``: one commit
-later still, ``--rejoin never``: not at all); ``--newcomer-dies-once`` has the first newcomer SIGKILL itself
-just before ``elastic.run``, before it joined. ``--api hvd``
+later still, ``--rejoin never``: not at all); ``--newcomer-fails-once`` has the first newcomer call a
+collective before ``elastic.run`` (refused: it raises, and that newcomer ends before it joined). ``--api hvd``
 trains through ``adasum.horovod``; ``--local-steps 4`` with ``DistributedOptimizer(local_steps=4)`` (and ``--delay 1``),
 ``--overlap`` with ``overlap=True``; ``--plain`` also trains the same model without elastic first and
 records whether both end bitwise alike.
@@ -71,7 +71,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--rejoin", choices=["at", "later", "never"], default="at",
                    help="with ADASUM_ELASTIC_REPLACE=1: when the reference has a dead rank come back")
-    p.add_argument("--newcomer-dies-once", action="store_true")
+    p.add_argument("--newcomer-fails-once", action="store_true")
     p.add_argument("--out", required=True)
     return p.parse_args()
 
@@ -196,9 +196,9 @@ def train_elastic(args, model, opt) -> elastic.State:
                 state.losses.append(evaluate(model))
             state.commit()
 
-    if args.newcomer_dies_once and elastic.is_newcomer() and not os.path.exists(f"{args.out}.newcomer"):
-        open(f"{args.out}.newcomer", "w").close()
-        os.kill(os.getpid(), signal.SIGKILL)  # before it joined, the survivors waiting in run
+    if args.newcomer_fails_once and elastic.is_newcomer() and not os.path.exists(f"{args.out}.newcomer"):
+        open(f"{args.out}.newcomer", "w").close()  # the first newcomer: a collective before run is refused
+        adasum.torch.broadcast_parameters(model.state_dict())  # raises; the process ends, not joined
     train(state)
     state.sizes_at_reset = sizes
     return state
