@@ -20,7 +20,7 @@ Environment variables (read at import, never again):
 ``ADASUM_WAITING``             ``waiting``: ``auto`` (default), ``nap`` or ``spin``
 ``ADASUM_ELASTIC_REPLACE``     ``elastic_replace``: ``1`` or ``0`` (default)
 ``ADASUM_ELASTIC_REPLACE_``    ``elastic_replace_attempts`` (``…_ATTEMPTS``, default 3) and
-                               ``elastic_replace_timeout`` (``…_TIMEOUT``, seconds, default 120)
+                               ``elastic_replace_timeout`` (``…_TIMEOUT``, seconds, default 300)
 =============================  ==========================================================================
 
 The environment of other launchers (torchrun's ``WORLD_SIZE``, Slurm's ``SLURM_NTASKS``, …) is kept as it
@@ -122,7 +122,7 @@ class Settings:
     waiting: str = "auto"
     elastic_replace: bool = False
     elastic_replace_attempts: int = 3
-    elastic_replace_timeout: float = 120.0
+    elastic_replace_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         for name in ("direct_min_bytes", "split_min_bytes", "chunk_bytes", "plain_direct_bytes"):
@@ -204,7 +204,7 @@ def from_environment(env: Mapping[str, str]) -> Settings:
         waiting=env.get("ADASUM_WAITING", "auto").strip().lower() or "auto",
         elastic_replace=_flag(env.get("ADASUM_ELASTIC_REPLACE")) is True,
         elastic_replace_attempts=int(env.get("ADASUM_ELASTIC_REPLACE_ATTEMPTS", "").strip() or 3),
-        elastic_replace_timeout=_seconds(env.get("ADASUM_ELASTIC_REPLACE_TIMEOUT"), 120.0) or 120.0,
+        elastic_replace_timeout=_seconds(env.get("ADASUM_ELASTIC_REPLACE_TIMEOUT"), 300.0) or 300.0,
     )
 
 

