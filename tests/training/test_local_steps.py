@@ -491,3 +491,28 @@ def test_outer_optimizer_refusals_on_every_rank(comm):
         with pytest.raises(ValueError, match=f"rank {last}: .*outer"):
             DistributedOptimizer(inner("sgd", model.parameters()), local_steps=2, outer_optimizer=mine,
                                  **(settings if comm.Get_rank() == last else {}))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("delay", [0, 1])
+@TRAINING_SIZES
+def test_one_nonfinite_delta_skips_one_combine(comm, delay):
+    """One rank's delta of one window is not finite (its learning rate is NaN for one local step, its
+    gradients finite): that one combine is skipped on every rank and training goes on; with ``delay=1``
+    that rank does not carry the NaN into its next window (it continues from the common point)."""
+    model = tiny_model()
+    opt = DistributedOptimizer(inner("sgd", model.parameters()), local_steps=2, delay=delay)
+    skipped = []
+    for s in range(16):
+        loss_of(model, *batch(comm.Get_rank(), s, 0)).backward()
+        bad = s == 5 and comm.Get_rank() == comm.Get_size() - 1
+        for g in opt.param_groups:
+            g["lr"] = float("nan") if bad else 0.1
+        opt.step()
+        opt.zero_grad()
+        if opt.is_boundary:
+            skipped.append(opt.step_was_skipped)
+    opt.flush()
+    assert opt.skipped_updates == 1 and skipped.count(True) == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert_identical_across_ranks(comm, list(model.parameters()))

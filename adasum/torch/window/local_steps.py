@@ -174,18 +174,26 @@ class LocalSteps:
 
     def _send(self, members: list[torch.Tensor]) -> None:
         """This window's own deltas go to the lane; each member continues from G + its own delta (a member
-        new to G has G = its start); a parameter with a G that left the windows lands on G."""
+        new to G has G = its start); a parameter with a G that left the windows lands on G. A delta that is
+        not finite is no stand-in: this rank continues from G itself (the combine it joins is skipped on
+        every rank when it arrives)."""
         targets = [p.detach() for p in members]
         with torch.no_grad():
             deltas = [t.clone(memory_format=torch.contiguous_format) for t in targets]
             self.start.apply(deltas, members, "sub")  # this window's own delta d
+            usable = not self.skip_nonfinite or all_finite(deltas)
             known = [i for i, p in enumerate(members) if p in self.glob]
             fresh = [members[i] for i in range(len(members)) if members[i] not in self.glob]
             self.glob.keep(fresh, self.start.values(fresh))  # G is their start; they hold start + d already
+            if not usable:
+                self.start.apply([p.detach() for p in fresh], fresh, "copy")
             if known:
                 moved = [targets[i] for i in known]
-                foreach_copy_(moved, [deltas[i] for i in known])
-                self.glob.apply(moved, [members[i] for i in known], "add")  # G + d
+                if usable:
+                    foreach_copy_(moved, [deltas[i] for i in known])
+                    self.glob.apply(moved, [members[i] for i in known], "add")  # G + d
+                else:
+                    self.glob.apply(moved, [members[i] for i in known], "copy")  # G
             inside = {id(p) for p in members}
             left = [p for p in self.glob.params() if id(p) not in inside]
             self.glob.apply([p.detach() for p in left], left, "copy")
