@@ -30,6 +30,7 @@ RECIPES = [
     ("ddp_hook.py", None),
     ("ddp_delta_hook.py", None),
     ("ddp_local_steps.py", None),
+    ("diloco.py", None),
     ("fsdp_hsdp.py", None),
     ("fsdp_deltas.py", None),
     ("horovod_style.py", None),

@@ -183,10 +183,8 @@ class FailingSGD(torch.optim.SGD):
     def __init__(self, params, fail: bool = False):
         super().__init__(params, lr=0.1)
         self.fail = fail
-        self.calls = 0
 
     def step(self, closure=None):
-        self.calls += 1
         if self.fail:
             raise ValueError("injected failure in the local step")
         return super().step(closure)
@@ -339,17 +337,11 @@ def test_the_timeline_shows_each_bucket_and_the_first_leaves_early(comm):
         opt.close()
 
 
-class CountingAdam(torch.optim.Adam):
-    """Adam that counts its steps in an attribute and scales its learning rate by a flag the user sets on
-    the instance after construction."""
-
-    def __init__(self, params, **kw):
-        super().__init__(params, **kw)
-        self.calls = 0
+class FlagAdam(torch.optim.Adam):
+    """Adam that halves its learning rate while a flag the user sets on the instance is on."""
 
     @torch.no_grad()
     def step(self, closure=None):
-        self.calls += 1
         halve = getattr(self, "halve", False)
         if halve:
             for g in self.param_groups:
@@ -362,19 +354,31 @@ class CountingAdam(torch.optim.Adam):
                     g["lr"] *= 2
 
 
+class CountingSGD(torch.optim.SGD):
+    """SGD that counts its steps in an instance attribute (state kept outside ``self.state``)."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.calls = 0
+
+    def step(self, closure=None):
+        self.calls += 1
+        return super().step(closure)
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @TRAINING_SIZES
 def test_bucket_steps_follow_the_users_optimizer(comm):
     """Overlap steps the optimizer one bucket at a time through a copy of it: the copy sees the user's
-    instance attributes as they are at each step (a flag set after construction), what its step rebinds
-    goes back (a counter: one step per bucket), and an optimizer state loaded between windows
-    (``load_state_dict`` rebinds ``state``) is the one the next buckets step with: bitwise the plain run's."""
+    instance attributes as they are at each step (a flag set after construction), and an optimizer state
+    loaded between windows (``load_state_dict`` rebinds ``state``) is the one the next buckets step with:
+    bitwise the plain run's."""
     rank = comm.Get_rank()
     runs = {}
     for overlap in (False, True):
         model = model_for()
-        inner_opt = CountingAdam(model.parameters(), lr=0.01)
+        inner_opt = FlagAdam(model.parameters(), lr=0.01)
         opt = DistributedOptimizer(inner_opt, overlap=overlap, bucket_bytes=1)
         g = torch.Generator().manual_seed(rank)
         saved = None
@@ -387,9 +391,43 @@ def test_bucket_steps_follow_the_users_optimizer(comm):
             torch.nn.functional.mse_loss(model(torch.randn(4, 8, generator=g)), torch.zeros(4, 4)).backward()
             opt.step()
             opt.zero_grad()
-        runs[overlap] = ([raw_bytes(p) for p in model.parameters()], inner_opt.calls, opt.overlapped_boundaries)
-    (plain, plain_calls, _), (over, over_calls, overlapped) = runs[False], runs[True]
+        runs[overlap] = ([raw_bytes(p) for p in model.parameters()], opt.overlapped_boundaries)
+    (plain, _), (over, overlapped) = runs[False], runs[True]
     assert overlapped >= 3  # the windows after the first (observed) one ran on the thread, bucket by bucket
     assert over == plain
-    assert plain_calls == 5 and over_calls > 5  # one step per window; per bucket with overlap
+    assert_identical_across_ranks(comm, list(model.parameters()))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@ONE_SIZE
+def test_an_optimizer_that_counts_in_its_attributes_is_refused_bucket_by_bucket(comm):
+    """A step that changes the optimizer's own instance attributes would count one step per bucket: the
+    first overlapped boundary raises on every rank, saying what to do, the parameters at the window's start;
+    without overlap it trains, one step per window."""
+    rank = comm.Get_rank()
+    model = model_for()
+    opt = DistributedOptimizer(CountingSGD(model.parameters(), lr=0.1), overlap=True, bucket_bytes=1)
+    g = torch.Generator().manual_seed(rank)
+
+    def micro():
+        torch.nn.functional.mse_loss(model(torch.randn(4, 8, generator=g)), torch.zeros(4, 4)).backward()
+
+    micro()
+    opt.step()  # observed: the whole optimizer's own step
+    opt.zero_grad()
+    before = [raw_bytes(p) for p in model.parameters()]
+    micro()
+    with pytest.raises(RuntimeError, match=r"CountingSGD's step changes its instance attributes \['calls'\].*"
+                                           r"overlap=False"):
+        opt.step()
+    assert [raw_bytes(p) for p in model.parameters()] == before
+    opt.close()
+    inner_opt = CountingSGD(model.parameters(), lr=0.1)
+    plain = DistributedOptimizer(inner_opt, overlap=False)
+    for _ in range(3):
+        micro()
+        plain.step()
+        plain.zero_grad()
+    assert inner_opt.calls == 3
     assert_identical_across_ranks(comm, list(model.parameters()))

@@ -8,8 +8,11 @@ goes through a *bucket optimizer*: a copy of the user's optimizer made by the co
 tensors with the user's hyperparameters. Its ``state`` is the user's optimizer state (shared, not copied:
 a bucket's step updates the user's moments in place). Before each step the copy takes the user's
 hyperparameters (an LR scheduler's changes reach it) and the user's other instance attributes (a flag the
-user set, a counter); after it, group entries and attributes its step rebound are written back to the
-user's optimizer. The global step hooks (``torch.optim.optimizer.register_optimizer_step_pre_hook``) run at
+user set between steps); group entries its step writes are written back to the user's optimizer. An
+optimizer whose step changes its own instance attributes (a step counter, momentum kept in a dict of its
+own) would count one step per bucket or key state by the shadows: its first bucket step raises
+``TypeError`` (on every rank, at that boundary), saying to keep such state in ``self.state`` or to use
+``overlap=False``. The global step hooks (``torch.optim.optimizer.register_optimizer_step_pre_hook``) run at
 each bucket's step.
 """
 
@@ -52,7 +55,9 @@ class BucketSteps:
             kept = self._kept[key] = self._make(groups, members, stepped)
         bucket, pairs, own = kept
         user, mine = vars(self.optimizer), vars(bucket)
-        mine.update({k: v for k, v in user.items() if k not in own and k != _WRAPPER})  # flags, counters
+        shared = {k: v for k, v in user.items() if k not in own and k != _WRAPPER}
+        sizes = {k: len(v) for k, v in shared.items() if isinstance(v, (dict, list, set))}
+        mine.update(shared)  # the user's state, flags and settings as they are now
         for g, b in pairs:   # the user's hyperparameters, as they are now
             for k, v in g.items():
                 if k != "params" and b.get(k) is not v:
@@ -68,9 +73,13 @@ class BucketSteps:
                 bucket.state = self.optimizer.state
                 for s in shadows:
                     s.grad = None
-            for k, v in mine.items():  # what the step rebound goes back to the user's optimizer
-                if k not in own and user.get(k, _MISSING) is not v:
-                    setattr(self.optimizer, k, v)
+        changed = _changed(shared, sizes, {k: v for k, v in mine.items() if k not in own and k != "state"})
+        if changed:
+            raise TypeError(f"{type(self.optimizer).__name__}'s step changes its instance attributes {changed}, "
+                            "outside `self.state` and the param groups: adasum steps the optimizer one bucket at "
+                            "a time (overlap=True, adasum_delta_hook), where that would count one step per "
+                            "bucket or key state by the wrong tensors. Keep per-step state in `self.state` (per "
+                            "parameter), or construct the optimizer with overlap=False")
         for g, b in pairs:
             for k, v in b.items():
                 if k != "params" and g.get(k) is not v:
@@ -95,6 +104,22 @@ class BucketSteps:
 
 
 _MISSING = object()
+# Attributes torch's own optimizers set in a step for their bookkeeping (warnings once, a scheduler's record).
+_BOOKKEEPING = frozenset({"_warned_capturable_if_run_uncaptured", "_opt_called", "_step_count"})
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _changed(before: dict, sizes: dict, after: dict) -> list[str]:
+    """The user's instance attributes that a bucket's step rebound, added or resized."""
+    out = []
+    for k, v in after.items():
+        if k in _BOOKKEEPING:
+            continue
+        old = before.get(k, _MISSING)
+        same = old is v or (type(v) in _PLAIN and type(old) is type(v) and old == v)
+        if not same or (k in sizes and len(v) != sizes[k]):
+            out.append(k)
+    return sorted(out)
 
 
 class ShadowState(MutableMapping):
