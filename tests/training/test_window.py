@@ -421,3 +421,53 @@ def test_a_combining_step_costs_the_librarys_own_call(comm, op, local_steps):
     # sum/mean (without local steps) carry one more element per parameter: which ranks had its gradient
     have = len(tensors) * tensors[0].element_size() if op != "adasum" and local_steps == 1 else 0
     assert step.allreduce_bytes + step.sent_bytes == call.allreduce_bytes + call.sent_bytes + have
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["mean", "sum"])
+@ONE_SIZE
+def test_a_step_that_fails_after_the_reduction_is_named_on_every_rank_until_a_state_is_loaded(comm, op):
+    """sum/mean: the wrapped step runs after the reduction, so a step that raises on one rank raises there
+    alone while the others apply the update. Every later step raises on every rank naming that rank and why
+    the models differ (not a mismatch of counts), until every rank loads a state; then training goes on."""
+    from torch_helpers import batch, loss_of, tiny_model
+
+    class Flaky(torch.optim.SGD):
+        fail = False
+
+        def step(self, closure=None):
+            if self.fail:
+                raise FloatingPointError("injected")
+            return super().step(closure)
+
+    rank, last = comm.Get_rank(), comm.Get_size() - 1
+    model = tiny_model()
+    inner_opt = Flaky(model.parameters(), lr=0.1)
+    opt = DistributedOptimizer(inner_opt, comm=comm, op=op)
+    loss_of(model, *batch(rank, 0, 0)).backward()
+    opt.step()
+    opt.zero_grad()
+    saved, weights = opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+    loss_of(model, *batch(rank, 1, 0)).backward()
+    inner_opt.fail = rank == last
+    if rank == last:
+        with pytest.raises(FloatingPointError):
+            opt.step()
+    else:
+        opt.step()
+    inner_opt.fail = False
+    opt.zero_grad()
+    for s in (2, 3):
+        loss_of(model, *batch(rank, s, 0)).backward()
+        with pytest.raises(RuntimeError, match=f"rank {last}: its update 2 failed after the reduction "
+                                               r"\(FloatingPointError: injected\).*load a state"):
+            opt.step()
+        opt.zero_grad()
+    model.load_state_dict(weights)
+    opt.load_state_dict(saved)
+    for s in (4, 5):
+        loss_of(model, *batch(rank, s, 0)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.boundaries == 3
+    assert_identical_across_ranks(comm, list(model.parameters()))

@@ -50,6 +50,7 @@ def load_state_dict(parts: Parts, steps: Steps, state_dict: dict[str, Any]) -> N
     parts.closing.skipped = int(own.get("skipped_updates", 0))
     parts.loss.good_steps = int(own.get("scaler_good_steps", 0))
     steps.is_boundary = parts.closing.step_was_skipped = False
+    parts.closing.diverged = None  # a loaded state: the ranks' models are alike again
     parts.boundary.reset()
     if parts.local is not None:
         parts.local.load_state_dict(own)

@@ -223,6 +223,10 @@ class WindowClose:
         self.combines = 0               # windows closed with a combine, skipped ones included
         self.skipped = 0                # of them, skipped for values that were not finite
         self.step_was_skipped = False   # the last one was
+        # This rank's update failed after the others applied theirs (the wrapped step raised after a sum or
+        # mean): the ranks' models differ, and every later agreement fails on every rank, saying so, until
+        # a state is loaded (load_state_dict clears it).
+        self.diverged: str | None = None
 
     # --- 1. agree -------------------------------------------------------------------------------------------
 
@@ -230,7 +234,7 @@ class WindowClose:
               overflowed: bool = False, comm: MPI.Intracomm | None = None) -> Decision:
         """The window's agreement over ``comm`` (default: the path's), without raising: for a lane's job,
         which hands the decision to the calling thread."""
-        return _agree(comm or self.comm, ledger, self.layout, params, error, overflowed)
+        return _agree(comm or self.comm, ledger, self.layout, params, error or self.diverged, overflowed)
 
     def decide(self, ledger: dict[str, int], params: list[torch.Tensor], error: str | None = None,
                overflowed: bool = False, *, undo=None, comm: MPI.Intracomm | None = None,
@@ -265,7 +269,7 @@ class WindowClose:
         companion = None
         if update.carries_companion(comm):
             extra = _companion_extra(ledger, self.layout, update.params)
-            companion = Companion(exchange_digest(_WHAT, extra), extra, error)
+            companion = Companion(exchange_digest(_WHAT, extra), extra, error or self.diverged)
             decision = Decision(None, False)
         else:
             decision = self.decide(ledger, update.params, error, overflowed, undo=update.abandon, comm=vote_comm)
@@ -305,7 +309,17 @@ class WindowClose:
         ok = not (decision.overflowed and update.skips_overflowed)
         if ok and self.skip_nonfinite:
             ok = self.finite(update.combined(), update.voted)
-        update.apply(ok)
+        try:
+            update.apply(ok)
+        except BaseException as e:
+            # The others apply this update: the ranks' models now differ. This rank counts the combine as
+            # they do (the ledgers stay in step) and brings the cause to every later agreement.
+            self.count(ok, scale, scale_ok=ok and not decision.overflowed)
+            self.diverged = (f"rank {self.comm.Get_rank()}: its update {self.combines} failed after the "
+                             f"reduction ({type(e).__name__}: {e}), so its parameters and optimizer state "
+                             "differ from the other ranks' since; load a state on every rank "
+                             "(load_state_dict, or load_checkpoint with the optimizer) to go on")
+            raise
         if not ok:
             update.explain()
         return self.count(ok, scale, scale_ok=ok and not decision.overflowed)
