@@ -15,24 +15,24 @@ __all__ = ["check_agreement", "check_arguments", "buffers_problem", "check_accum
 
 
 def check_agreement(comm: MPI.Intracomm, mine: dict[str, Any], params: list[torch.Tensor],
-                     buffers: list[tuple[tuple[int, ...], str]] = ()) -> None:
+                     buffers: list[tuple[tuple[int, ...], str]] = (), who: str = "DistributedOptimizer") -> None:
     """Every rank must use the same settings, parameter shapes and buffer shapes; raise on every rank if
-    not (each rank's settings were checked before: :meth:`~adasum.torch.Options.raise_problems`).
-    ``overlap_requested`` is not agreed."""
+    not (each rank's settings were checked before: :meth:`~adasum.torch.Options.raise_problems`), naming
+    ``who`` made them. ``overlap_requested`` is not agreed."""
     rank = comm.Get_rank()
     if comm.Get_size() == 1:
         return
     mine = dict(mine, parameters=len(params))
     shapes = hashlib.blake2b(repr(([(tuple(p.shape), str(p.dtype)) for p in params], list(buffers))).encode(),
                              digest_size=8).hexdigest()
-    everyone = exchange.allgather(comm, (mine, shapes), what="DistributedOptimizer's settings")
+    everyone = exchange.allgather(comm, (mine, shapes), what=f"{who}'s settings")
     first, first_shapes = everyone[0]
     for key in first:
         if key == "overlap_requested":
             continue
         odd = [r for r, (s, _) in enumerate(everyone) if s[key] != first[key]]
         if odd:
-            raise ValueError(f"(raised on rank {rank}) ranks disagree on {key} of DistributedOptimizer: "
+            raise ValueError(f"(raised on rank {rank}) ranks disagree on {key} of {who}: "
                              + ", ".join(f"rank {r} has {everyone[r][0][key]!r}" for r in odd)
                              + f", rank 0 has {first[key]!r}")
     odd = [r for r, (_, h) in enumerate(everyone) if h != first_shapes]

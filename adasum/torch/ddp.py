@@ -226,7 +226,8 @@ class DeltaState(_CommState):
             opts.compression, opts.start_copy, opts.accumulation_steps, opts.skip_nonfinite, opts.overlap)
         _check_unclaimed(optimizer)
         # every rank the same settings and parameters (a difference raises on every rank)
-        check_agreement(comm, {k: getattr(opts, k) for k in sorted(_DELTA_SETTINGS)}, trained_params(optimizer))
+        check_agreement(comm, {k: getattr(opts, k) for k in sorted(_DELTA_SETTINGS)}, trained_params(optimizer),
+                        who="DeltaState")
         super().__init__(comm, overlap)
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps

@@ -82,7 +82,7 @@ def test_delta_state_refuses_options_it_does_not_take_and_ranks_that_differ(comm
                                          r"local_steps=4"):
         DeltaState(torch.optim.SGD(params(), lr=0.1), comm, options=Options(op="mean", local_steps=4))
     k = 2 if comm.Get_rank() == comm.Get_size() - 1 else 1
-    with pytest.raises(ValueError, match=r"ranks disagree on accumulation_steps of DistributedOptimizer"):
+    with pytest.raises(ValueError, match=r"ranks disagree on accumulation_steps of DeltaState"):
         DeltaState(torch.optim.SGD(params(), lr=0.1), comm, accumulation_steps=k)
 
 
