@@ -41,6 +41,7 @@ PATHS = {
     "mean-local-steps": ({"op": "mean", "local_steps": 2}, 2),
     "outer": ({"local_steps": 2, "outer_lr": 0.7, "outer_momentum": 0.5}, 2),
     "delay": ({"local_steps": 2, "delay": 1}, 2),
+    "outer-optimizer": ({"local_steps": 2, "outer_optimizer": "nesterov"}, 2),
     "horovod-adasum": ({"horovod": hvd.Adasum}, 1),
     "horovod-average": ({"horovod": hvd.Average}, 1),
 }
@@ -71,6 +72,9 @@ def make(path: str, model: torch.nn.Module, comm):
             hvd.init()
         opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), op=settings["horovod"])
     else:
+        if settings.get("outer_optimizer") == "nesterov":  # the user's torch optimizer as the outer one
+            outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.5, nesterov=True)
+            settings = dict(settings, outer_optimizer=outer)
         opt = DistributedOptimizer(inner, comm=comm, **settings)
     return opt, inner, per_window
 
