@@ -58,12 +58,12 @@ def command() -> tuple[str, list[str]]:
 def _info(timeout: float) -> MPI.Info:
     """Where and with what the newcomers start: in the working directory of this process at import, with
     the environment the launcher gives every rank (Open MPI's spawn hands a newcomer mpiexec's, as to the
-    ranks it started, and this process's ``OMPI_MCA_*``), and with two more variables: the newcomer's mark
-    (its time to join) and a bound on Open MPI's connect in its MPI_Init (an info value holds 255
-    characters: this environment does not fit)."""
-    env = {newcomer.ENV: f"{timeout:g}", "OMPI_MCA_mpi_pmix_connect_timeout": str(int(timeout) + 1)}
+    ranks it started, and this process's ``OMPI_MCA_*``) and the newcomer's mark, its time to join (an info
+    value holds 255 characters: no whole environment fits). No bound on Open MPI's connect inside the
+    newcomer's MPI_Init (``mpi_pmix_connect_timeout``): with one, prterun's own finalize never ended after a
+    spawn of two processes."""
     info = MPI.Info.Create()
-    info.Set("PMIX_ENVAR", "\n".join(f"{k}={v}" for k, v in env.items()))
+    info.Set("PMIX_ENVAR", f"{newcomer.ENV}={timeout:g}")
     where = settings.start_directory()
     if where:
         info.Set("wdir", where)
