@@ -46,7 +46,6 @@ def report(name: str, result: dict, killed: list[float]) -> None:
 
 
 @pytest.mark.parametrize("name, ranks, args, resets", [
-    ("one-death", 4, ["--kill", "2@1.2"], 1),
     ("local-steps, two at once", 4, ["--local-steps", "4", "--kill", "1@1.6", "--kill", "3@1.6"], None),
     ("two-in-turn", 4, ["--kill", "1@1.1", "--kill", "1@2.6"], 2),  # the second: the newcomer that replaced 1
 ])
@@ -68,22 +67,24 @@ def test_the_world_grows_back_after_the_roots_death_through_horovod(tmp_path):
     report("np=4 grows back after rank 0's death (hvd)", result, killed)
 
 
-def test_a_newcomer_that_dies_before_it_joined(tmp_path):
-    """The first newcomer calls a collective before ``run``: refused, with what to do instead; the uncaught
-    error ends it before it joined. The survivors see it gone, warn, go on at 3 ranks and start another at
-    the next commit, which joins: bitwise the reference whose rank comes back one commit later."""
+def test_after_one_death_a_newcomer_that_dies_before_it_joined_is_replaced(tmp_path):
+    """Rank 2 dies. The first newcomer calls a collective before ``run``: refused, with what to do instead;
+    the uncaught error ends it before it joined. The survivors see it gone, warn, go on at 3 ranks and start
+    another at the next commit, which joins: bitwise the reference whose rank comes back one commit after
+    the first one following the death."""
     proc = run_job(tmp_path, 4, "--newcomer-fails-once", "--rejoin", "later", "--kill", "2@1.1", env=REPLACE)
     output = proc.stdout + proc.stderr
     assert (tmp_path / "result.json").exists(), f"no result (exit {proc.returncode}):\n{output[-4000:]}"
     result = json.loads((tmp_path / "result.json").read_text())
     check_grown(result, 4, 1, 1)
+    assert sorted(result["survivors"]) == [0, 1, 2, 3] and result["survivors"][3] == 2 and result["newcomers"] == 1
     refused = [line for line in output.splitlines() if line.startswith("adasum.runtime.errors.AdasumNotJoinedError")]
     assert len(refused) == 1 and "the broadcast's tensors: this process was started in place of a rank that " \
         "died and has not joined the job yet" in refused[0] and "is_newcomer()" in refused[0], output[-4000:]
     warned = [line for line in output.splitlines() if "growing back from 3 to 4 ranks failed" in line]
     assert len(warned) == 1 and "before it joined" in warned[0] and "trying again" in warned[0], output[-4000:]
-    report("np=4 a newcomer dies before it joined", result, [float(p.read_text()) for p in
-                                                            tmp_path.glob("result.json.killed.*")])
+    report("np=4 one death, a newcomer dies before it joined", result,
+           [float(p.read_text()) for p in tmp_path.glob("result.json.killed.*")])
 
 
 def test_a_spawn_without_a_free_slot_leaves_the_smaller_world(tmp_path):
