@@ -73,7 +73,9 @@ def run_job(args, metrics: Path, log: Path, kill: bool, replace: bool = False) -
                ADASUM_ELASTIC_REPLACE="1" if replace else "0")
     cmd = [str(MPIEXEC), "--oversubscribe", "--with-ft", "ulfm", "-n", str(args.ranks), sys.executable,
            str(ROOT / "examples" / "train.py"), "--elastic", "--no-progress", "--epochs", str(args.epochs),
-           "--checkpoint-every", str(args.commit_every), "--metrics-json", str(metrics), *args.train_args]
+           "--checkpoint-every", str(args.commit_every), "--metrics-json", str(metrics),
+           # the dataset rank 0 wrote, which a process started in place of a dead one reads rather than makes
+           "--data-cache", str(metrics.parent / "mnist1d.npz"), *args.train_args]
     killed_at = None
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)

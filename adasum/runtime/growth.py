@@ -116,8 +116,8 @@ def _spawn(old: MPI.Intracomm, missing: int, deadline: float, timeout: float):
 
 
 def _bounded(fn, deadline: float, name: str):
-    """``fn()`` in a thread of its own: (its value, None), (None, its MPI error's text) or (None,
-    ``"timeout"``) where it had not returned by ``deadline`` (``time.monotonic()``; the thread is left)."""
+    """``fn()`` in a thread of its own: (its value, None), (None, its error's text) or (None, ``"timeout"``)
+    where it had not returned by ``deadline`` (``time.monotonic()``; the thread is left behind)."""
     box: dict = {}
 
     def target() -> None:
@@ -125,6 +125,8 @@ def _bounded(fn, deadline: float, name: str):
             box["value"] = fn()
         except MPI.Exception as exc:
             box["error"] = exc.Get_error_string()
+        except BaseException as exc:  # noqa: BLE001 - told to every survivor, as any other reason
+            box["error"] = f"{type(exc).__name__}: {exc}"
 
     thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
