@@ -54,7 +54,10 @@ def test_no_failure_with_local_steps_is_bitwise_the_plain_run(tmp_path):
     assert result["plain_equal"] is True
 
 
-# The five target scenarios, each at 4 and at 5 ranks: ``--kill R@E.B[:where]`` (tests/elastic/worker.py).
+# The five target scenarios, at 4 ranks (a fold after the death) and those whose recovery meets the most
+# of the tree at 5 too (a power of two after it): ``--kill R@E.B[:where]`` (tests/elastic/worker.py). The
+# other three ran at 5 as well until growing back (tests/elastic/test_grow.py, at 4) took their time in the
+# elastic stage's budget.
 SCENARIOS = {
     "between-commits": ["--kill", "2@1.2"],
     "rank-0": ["--kill", "0@2.1"],
@@ -62,10 +65,11 @@ SCENARIOS = {
     "two-in-turn": ["--kill", "1@1.1", "--kill", "3@2.6"],  # the second after the first reset
     "local-steps": ["--local-steps", "4", "--kill", "2@1.6"],  # inside a window of 4 local steps
 }
+AT_FIVE = ("inside-combine", "local-steps")
 
 
-@pytest.mark.parametrize("ranks", [4, 5])
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("scenario, ranks", [(s, 4) for s in SCENARIOS] + [(s, 5) for s in AT_FIVE],
+                         ids=[f"{s}-4" for s in SCENARIOS] + [f"{s}-5" for s in AT_FIVE])
 def test_survivors_finish(tmp_path, scenario, ranks):
     args = SCENARIOS[scenario]
     dead = {int(a.split("@")[0]) for a in args if "@" in a}
