@@ -10,6 +10,7 @@
  *                                  (_kernels_small.c)
  *   sum_rows16                     the rounded float32 sum of 16-bit rows, for 16-bit sums (_kernels_loops.c)
  *   layout, address, key, use_isa  small helpers of the Python side (here)
+ *   finite                         whether every element of tensors in memory is finite: one read (here)
  *
  * Any operand may be one buffer that the spans index or a list of buffers, one per span: the caller's own
  * tensors, read and written where they lie instead of being packed into one buffer first. layout() tells
@@ -86,6 +87,85 @@ k_address(PyObject *self, PyObject *obj)
     PyObject *result = PyLong_FromVoidPtr(view.buf);
     PyBuffer_Release(&view);
     return result;
+}
+
+/*
+ * finite(addresses, counts, width): whether every element of the buffers at `addresses` (counts[i] elements
+ * of `width` bytes each: 8 float64, 4 float32, 2 float16 or bfloat16 as `mask` says) is finite. Reads only:
+ * an element is not finite when its exponent bits are all ones. The loops are branch-free within a block, so
+ * the compiler vectorises them; a block that found one stops the pass.
+ */
+#define FINITE_BLOCK 4096
+#define FINITE_LOOP(T, p, n, mask)                                                                             \
+    for (Py_ssize_t s = 0; s < (n); s += FINITE_BLOCK) {                                                       \
+        Py_ssize_t e = s + FINITE_BLOCK < (n) ? s + FINITE_BLOCK : (n);                                        \
+        T bad = 0;                                                                                             \
+        for (Py_ssize_t j = s; j < e; j++)                                                                     \
+            bad |= (T)(((p)[j] & (mask)) == (mask));                                                           \
+        if (bad)                                                                                               \
+            return 0;                                                                                          \
+    }
+
+static int
+all_finite_at(const void *buf, Py_ssize_t n, int width, uint64_t mask)
+{
+    if (width == 8) {
+        const uint64_t *p = buf;
+        FINITE_LOOP(uint64_t, p, n, mask)
+    } else if (width == 4) {
+        const uint32_t *p = buf;
+        uint32_t m = (uint32_t)mask;
+        FINITE_LOOP(uint32_t, p, n, m)
+    } else {
+        const uint16_t *p = buf;
+        uint16_t m = (uint16_t)mask;
+        FINITE_LOOP(uint16_t, p, n, m)
+    }
+    return 1;
+}
+
+static PyObject *
+k_finite(PyObject *self, PyObject *args)
+{
+    PyObject *oaddr, *ocount;
+    int width;
+    unsigned long long mask;
+    if (!PyArg_ParseTuple(args, "OOiK:finite", &oaddr, &ocount, &width, &mask))
+        return NULL;
+    if (width != 2 && width != 4 && width != 8)
+        return PyErr_Format(PyExc_ValueError, "finite: width must be 2, 4 or 8 bytes, got %d", width);
+    PyObject *addrs = PySequence_Fast(oaddr, "finite needs a sequence of addresses");
+    if (!addrs)
+        return NULL;
+    PyObject *counts = PySequence_Fast(ocount, "finite needs a sequence of counts");
+    if (!counts) {
+        Py_DECREF(addrs);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(addrs);
+    int ok = 1;
+    if (PySequence_Fast_GET_SIZE(counts) != n) {
+        PyErr_SetString(PyExc_ValueError, "finite: as many counts as addresses");
+        ok = -1;
+    }
+    for (Py_ssize_t i = 0; ok == 1 && i < n; i++) {
+        void *at = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(addrs, i));
+        Py_ssize_t count = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(counts, i));
+        if (PyErr_Occurred()) {
+            ok = -1;
+            break;
+        }
+        if (count > 0) {
+            Py_BEGIN_ALLOW_THREADS
+            ok = all_finite_at(at, count, width, mask);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    Py_DECREF(addrs);
+    Py_DECREF(counts);
+    if (ok < 0)
+        return NULL;
+    return PyBool_FromLong(ok);
 }
 
 /* key(items): tuple((type(t), t.shape, t.dtype, getattr(t, "device", None)) for t in items). */
@@ -189,6 +269,9 @@ static PyMethodDef methods[] = {
      "rounded once into out (the rule of adasum/rule/sum16.py, bit for bit on every value but NaN)."},
     {"copy", k_copy, METH_VARARGS,
      "copy(dst, src, spans): dst[s:e] = src[s:e] for each span; operands as for dots."},
+    {"finite", k_finite, METH_VARARGS,
+     "finite(addresses, counts, width, mask): whether no element of the buffers at addresses (counts[i] "
+     "elements of width bytes) has all the exponent bits of mask set (NaN or Inf). Reads only."},
     {"address", k_address, METH_O, "address(obj): the address of the first element of obj's buffer."},
     {"use_isa", k_use_isa, METH_O,
      "use_isa(cap) -> the instruction set now used: the widest the CPU has, capped at cap ('auto', 'avx2' "

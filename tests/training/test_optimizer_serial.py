@@ -184,6 +184,40 @@ def test_skip_nonfinite_off_lets_nan_through():
     assert opt.skipped_updates == 0 and torch.isnan(model.weight).any()
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled-check", "torch-check"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_nonfinite_element_anywhere_skips_the_update(monkeypatch, dtype, bad, compiled):
+    """The skip finds one NaN or Inf wherever it lies: the last element of the last gradient, one of a
+    transposed (non-contiguous) gradient, in each dtype; the largest finite value and the smallest subnormal
+    are finite. ``compiled``: host tensors read by the compiled kernels, or by torch's fused check."""
+    import adasum.torch.window.tensors as tensors
+
+    if not compiled:
+        monkeypatch.setattr(tensors, "_COMPILED", None)
+    elif tensors._COMPILED is None:
+        pytest.skip("the compiled kernels were not built")
+    a = torch.nn.Parameter(torch.zeros(300, 7, dtype=dtype))
+    b = torch.nn.Parameter(torch.zeros(5000, dtype=dtype))
+    inner = torch.optim.SGD([a, b], lr=1.0)
+    opt = DistributedOptimizer(inner, op="mean", comm=MPI.COMM_SELF)
+    info = torch.finfo(dtype)
+    for where in ("last", "transposed", None):
+        a.grad = torch.ones(7, 300, dtype=dtype).t()  # not contiguous
+        b.grad = torch.ones(5000, dtype=dtype)
+        b.grad[0], b.grad[1] = info.max, info.smallest_normal / 4
+        if where == "last":
+            b.grad[-1] = bad
+        elif where == "transposed":
+            a.grad[299, 6] = bad
+        before = [a.detach().clone(), b.detach().clone()]
+        opt.step()
+        assert opt.step_was_skipped == (where is not None), where
+        changed = not (torch.equal(a, before[0]) and torch.equal(b, before[1]))
+        assert changed == (where is None), where
+    assert opt.skipped_updates == 2
+
+
 def test_any_object_with_param_groups_and_step():
     """Not a torch.optim.Optimizer: no state_dict hooks, no zero_grad of its own."""
     p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))

@@ -245,10 +245,10 @@ class GradientReduce:
     def local(self, bucket: Bucket, side: bool, everything: bool = False) -> None:
         """Average the bucket's gradients (and unscale them)."""
         bucket.side = side
-        with torch.no_grad():
-            if not bucket.averaged:
+        if not bucket.averaged and bucket.count * bucket.scale != 1.0:
+            with torch.no_grad():
                 average_(grads_of(bucket.params), bucket.count, bucket.scale)
-            bucket.averaged = True
+        bucket.averaged = True
 
     def combine(self, bucket: Bucket, comm: MPI.Intracomm, companion=None) -> None:
         """Reduce the averaged gradients over ``comm`` in one call. A parameter without a gradient takes part
@@ -256,23 +256,33 @@ class GradientReduce:
         optimizer skips it on every rank alike). One extra layer carries which ranks had gradients.
         ``companion``: the window's agreement, carried by the call's (:meth:`carries_companion`)."""
         params = bucket.params
-        with torch.no_grad():
-            if not params or comm.Get_size() == 1:
-                return
-            ref = params[0]
+        if not params or comm.Get_size() == 1:
+            return
+        if self.wire.dtype is None:  # the library's call writes the gradients' memory: nothing autograd sees
+            self._combine(bucket, comm, companion)
+        else:
+            with torch.no_grad():
+                self._combine(bucket, comm, companion)
+
+    def _combine(self, bucket: Bucket, comm: MPI.Intracomm, companion) -> None:
+        params = bucket.params
+        ref = params[0]
+        tensors, missing = [], []
+        for i, p in enumerate(params):
+            if p.grad is None:
+                missing.append(i)
+                tensors.append(torch.zeros_like(p, memory_format=torch.contiguous_format))
+            else:
+                tensors.append(p.grad)
+        if missing:
             have = torch.tensor([p.grad is not None for p in params], dtype=ref.dtype, device=ref.device)
-            tensors, missing = [], []
-            for i, p in enumerate(params):
-                if p.grad is None:
-                    missing.append(i)
-                    tensors.append(torch.zeros_like(p, memory_format=torch.contiguous_format))
-                else:
-                    tensors.append(p.grad)
-            bucket.amax = self.wire.sum_(tensors + [have], comm, self.op == "mean",
-                                         bucket.names() if self.wire.dtype else None, companion=companion)
-            if missing:
-                somewhere = (have > 0).tolist()
-                bucket.result = [(params[i], tensors[i]) for i in missing if somewhere[i]]
+        else:
+            have = torch.ones(len(params), dtype=ref.dtype, device=ref.device)
+        bucket.amax = self.wire.sum_(tensors + [have], comm, self.op == "mean",
+                                     bucket.names() if self.wire.dtype else None, companion=companion)
+        if missing:
+            somewhere = (have > 0).tolist()
+            bucket.result = [(params[i], tensors[i]) for i in missing if somewhere[i]]
 
     def carries_companion(self, bucket: Bucket, comm: MPI.Intracomm) -> bool:
         """Whether :meth:`combine` of ``bucket`` starts with one agreement that can carry the window's."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels.native import compiled as _COMPILED  # None where the kernels were not built
 from ..internals import (foreach_add_, foreach_copy_, foreach_div_, foreach_sub_, non_finite_check_and_unscale_,
                          sparse_values)
 
@@ -28,15 +29,27 @@ def average_(grads: list[torch.Tensor], count: int, scale: float) -> None:
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element of ``tensors`` (dense, or sparse COO: their values) is finite: torch's fused
-    check of GradScaler, one pass and one host synchronisation per device. It multiplies by 1.0 on the way,
-    which changes no value."""
+    """Whether every element of ``tensors`` (dense, or sparse COO: their values) is finite. Contiguous
+    host tensors of a floating dtype are read once by the compiled kernels (their exponent bits), where
+    those were built; the others go through torch's fused check of GradScaler, one pass and one host
+    synchronisation per device, which multiplies by 1.0 on the way (changing no value)."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
+    host: dict[torch.dtype, tuple[list[int], list[int]]] = {}
     for t in tensors:
         if t.is_sparse:  # a sparse gradient (nn.Embedding(sparse=True)): its stored values
             t = sparse_values(t)
-        if t.numel():
+        n = t.numel()
+        if not n:
+            continue
+        if _COMPILED is not None and t.dtype in _EXPONENT and t.device.type == "cpu" and t.is_contiguous():
+            where = host.setdefault(t.dtype, ([], []))
+            where[0].append(t.data_ptr())
+            where[1].append(n)
+        else:
             by_device.setdefault(t.device, []).append(t)
+    for dtype, (addresses, counts) in host.items():
+        if not _COMPILED.finite(addresses, counts, *_EXPONENT[dtype]):
+            return False
     for device, ts in by_device.items():
         # Made per call: the communication thread checks its buckets meanwhile.
         found, one = torch.zeros(1, device=device), torch.ones(1, device=device)
@@ -44,6 +57,11 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
         if found.item():
             return False
     return True
+
+
+# Per floating dtype: its width in bytes and its exponent bits (all set: NaN or Inf).
+_EXPONENT = {torch.float32: (4, 0x7F800000), torch.float64: (8, 0x7FF0000000000000),
+             torch.float16: (2, 0x7C00), torch.bfloat16: (2, 0x7F80)}
 
 
 def mark_nonfinite(tensors: list[torch.Tensor]) -> None:
