@@ -49,7 +49,8 @@ _TRUE = ("1", "true", "yes", "on")
 # Variables that tell whether (and how) the process was launched as part of a larger job.
 _LAUNCH_PREFIXES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_",
                     "MASTER_ADDR", "MASTER_PORT", "SLURM_", "PMI_", "PMIX_", "OMPI_", "MPI_LOCALNRANKS",
-                    "HYDRA_", "MPIR_", "PALS_", "PBS_", "LSB_", "JSM_", "OMPI_COMM_WORLD_", "MV2_", "HOROVOD_")
+                    "HYDRA_", "MPIR_", "PALS_", "PBS_", "LSB_", "JSM_", "OMPI_COMM_WORLD_", "MV2_", "HOROVOD_",
+                    "ADASUM_ELASTIC_NEWCOMER")  # the mark of a process spawned to replace a dead rank
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
+from ..settings import launch_environment
+
 __all__ = ["ENV", "is_newcomer", "parent", "first_world", "pending", "joined", "arm", "disarm", "leave",
            "announce"]
 
@@ -47,7 +49,7 @@ class _Newcomer:
         self.timer: threading.Timer | None = None
         self.seconds = 0.0
         self.sent: list = []  # the announcement's buffer, once sent
-        value = os.environ.get(ENV)
+        value = launch_environment().get(ENV)
         if not value or not MPI.Is_initialized():
             return
         try:
