@@ -161,3 +161,56 @@ def test_one_hook_rule_holds_without_the_handle(pg, comm):
     for step in range(3):
         one_step(model, opt, step, comm.Get_rank())
     assert_identical_across_ranks(comm, full(model))  # without the hook the replicas would drift apart
+
+
+def _train_wire(form: str, op: str, compression, rank: int, steps: int = 3) -> list[np.ndarray]:
+    mesh = make_mesh((2, 2))
+    model = shard(fresh(), mesh["shard"])
+    inner = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    if form == "hook":
+        hooks = adasum_replicas(model, mesh, op=op, compression=compression)
+        opt = inner
+    else:
+        hooks, opt = None, ReplicaDeltas(inner, model, mesh, op=op, compression=compression)
+    for step in range(steps):
+        one_step(model, opt, step, rank)
+    out = full(model)
+    if hooks is not None:
+        hooks.close()
+    return out
+
+
+@pytest.mark.parametrize("form, op, compression", [("hook", "adasum", "fp16"), ("hook", "mean", "bf16"),
+                                                   ("deltas", "adasum", "bf16"), ("deltas", "mean", "fp16")])
+def test_sixteen_bit_wire_between_replicas(pg, comm, form, op, compression):
+    """compression= on both FSDP2 forms (each op and each 16-bit format once): the replicas end bitwise
+    alike, within 16-bit rounding of the float32 wire's model, and not equal to it (the shards did travel in
+    16 bits; fp16's per-layer scales are agreed over both groups, so every piece of a layer takes the
+    same)."""
+    rank = comm.Get_rank()
+    exact = _train_wire(form, op, None, rank)
+    sixteen = _train_wire(form, op, compression, rank)
+    assert_identical_across_ranks(comm, sixteen)
+    tol = {"bf16": 2e-2, "fp16": 2e-3}[compression]
+    for a, b in zip(sixteen, exact):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * float(np.abs(b).max()))
+    assert any(not np.array_equal(a, b) for a, b in zip(sixteen, exact))
+
+
+@pytest.mark.parametrize("form", ["hook", "deltas"])
+def test_wire_setting_checked_on_every_rank(pg, comm, form):
+    """An unknown compression on one rank, or another compression than rank 0's, raises on every rank,
+    naming the rank."""
+    mesh = make_mesh((2, 2))
+    model = shard(fresh(), mesh["shard"])
+    rank = comm.Get_rank()
+
+    def make(compression):
+        if form == "hook":
+            return adasum_replicas(model, mesh, compression=compression)
+        return ReplicaDeltas(torch.optim.SGD(model.parameters(), lr=LR), model, mesh, compression=compression)
+
+    with pytest.raises(ValueError, match=r"rank 2: .*compression must be None, 'fp16' or 'bf16', got 'int8'"):
+        make("int8" if rank == 2 else None)
+    with pytest.raises(ValueError, match=r"rank 1: compression='bf16', rank 0 has compression=None"):
+        make("bf16" if rank == 1 else None)

@@ -27,7 +27,8 @@ class ReplicaDeltas:
     Optimizer state (momentum, Adam's moments) stays with each replica, as with
     :class:`~adasum.torch.DistributedOptimizer`. ``op="mean"`` averages the deltas (model averaging).
     ``local_steps=H``: H optimizer steps between combines, the deltas taken since the window's start (local
-    SGD); :meth:`flush` combines a window left open.
+    SGD); :meth:`flush` combines a window left open. ``compression="bf16"`` or ``"fp16"``: the deltas travel
+    between the replicas as 16-bit floats (``DistributedOptimizer``'s wire).
 
     The rules of :class:`~adasum.torch.DistributedOptimizer` hold here too:
 
@@ -47,9 +48,10 @@ class ReplicaDeltas:
     and no :func:`adasum_replicas` hook (it would combine the gradients first)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, mesh, *, op: str | Op = "adasum",
-                 local_steps: int = 1):
+                 local_steps: int = 1, compression: str | None = None):
         self.comm = world()  # the world the mesh spans (MPI's, or the survivors' after an elastic shrink)
-        modules, plan, self.tree = setup(model, mesh, op, form="ReplicaDeltas", local_steps=local_steps)
+        modules, plan, self.tree = setup(model, mesh, op, form="ReplicaDeltas", local_steps=local_steps,
+                                         compression=compression)
         self.local_steps, self._steps, self._start, self._nonfinite = local_steps, 0, None, False
         self._checked = False  # whether the replicas were found to start alike (at the first step)
         self.params = [p for m in modules for _, p in _managed(m)]

@@ -87,9 +87,12 @@ class _Hook:
         self.tree.reduce_(output, sizes)
 
 
-def adasum_replicas(model: torch.nn.Module, mesh, *, op: str | Op = "adasum") -> ReplicaHooks:
+def adasum_replicas(model: torch.nn.Module, mesh, *, op: str | Op = "adasum",
+                    compression: str | None = None) -> ReplicaHooks:
     """Make the reduction across replicas of ``model`` (sharded with ``fully_shard(..., mesh=mesh["shard"])``,
-    every FSDP module of it) Adasum per parameter (or ``op="sum"``/``"mean"``), over MPI.
+    every FSDP module of it) Adasum per parameter (or ``op="sum"``/``"mean"``), over MPI. ``compression``:
+    the shards travel as ``"bf16"`` or ``"fp16"`` (scaled per layer, as ``DistributedOptimizer``'s wire),
+    halving the bytes between replicas; None (default) sends them as they are.
 
     Collective over MPI's world: every rank calls it with the same mesh and an identically sharded model,
     after ``adasum.torch.init_process_group()``. ``mesh``: a 2-D ``DeviceMesh`` with dimension names
@@ -101,10 +104,11 @@ def adasum_replicas(model: torch.nn.Module, mesh, *, op: str | Op = "adasum") ->
     Raises:
         ValueError: on every rank, where the mesh is not 2-D or lacks those names, where the model was
             sharded on another mesh than ``mesh["shard"]`` (on the 2-D mesh itself: native HSDP, the
-            message shows the one-line change), or where the ranks differ in the mesh or in the
-            parameters (names, shapes, dtypes, placements), naming the rank and the difference.
+            message shows the one-line change), where ``compression`` is not one of those, or where the
+            ranks differ in the mesh, the op, the compression or the parameters (names, shapes, dtypes,
+            placements), naming the rank and the difference.
     """
-    modules, plan, tree = setup(model, mesh, op, form="adasum_replicas")
+    modules, plan, tree = setup(model, mesh, op, form="adasum_replicas", compression=compression)
     for module, (name, params) in zip(modules, plan):
         sizes = tuple(p[4] for p in params)
         module.set_all_reduce_hook(_Hook(tree, name, sizes, [p for _, p in _managed(module)]))

@@ -11,6 +11,7 @@ from ...call.allreduce import Op
 from ...runtime import exchange
 from ...runtime.faults import world
 from ..internals import fsdp_group
+from ..window.compress import Wire
 from .tree import ReplicaTree
 
 __all__ = ["installed", "replica_comms", "setup"]
@@ -38,9 +39,11 @@ def _free(*comms) -> None:
             c.Free()
 
 
-def setup(model: torch.nn.Module, mesh, op, form: str, local_steps: int = 1) -> tuple[list, list, ReplicaTree]:
+def setup(model: torch.nn.Module, mesh, op, form: str, local_steps: int = 1,
+          compression=None) -> tuple[list, list, ReplicaTree]:
     """Check the mesh and the model on every rank, compare the ranks, split the communicators. ``form``:
-    ``"adasum_replicas"`` (the hook) or ``"ReplicaDeltas"``. Collective over the current world
+    ``"adasum_replicas"`` (the hook) or ``"ReplicaDeltas"``; ``compression``: the wire (None, ``"fp16"``,
+    ``"bf16"``). Collective over the current world
     (:func:`adasum.runtime.faults.world`: ``MPI.COMM_WORLD``, or the survivors' world after an elastic
     shrink)."""
     comm = world()
@@ -54,19 +57,23 @@ def setup(model: torch.nn.Module, mesh, op, form: str, local_steps: int = 1) -> 
         if type(local_steps) is not int or local_steps < 1:
             raise ValueError(f"rank {comm.Get_rank()}: {form}: local_steps must be a positive int, got "
                              f"{local_steps!r}")
+        try:
+            wire = Wire(compression)
+        except ValueError as exc:
+            raise ValueError(f"rank {comm.Get_rank()}: {form}: {exc}") from None
         layout = _check_mesh(mesh)
         modules, plan = _plan(model, mesh["shard"])
         _check_modules(modules, plan, form)
     except ValueError as exc:
         problem = str(exc)
     exchange.raise_everywhere(comm, problem, ValueError, f"{form}: checking the model")
-    mine = (layout, [(name, [p[:4] for p in params]) for name, params in plan], op, local_steps)
+    mine = (layout, [(name, [p[:4] for p in params]) for name, params in plan], op, local_steps, wire.name)
     seen = exchange.allgather(comm, mine, f"{form}: comparing the ranks")
     exchange.raise_everywhere(comm, _compare(seen, comm.Get_rank()), ValueError,
                               f"{form}: comparing the ranks")
     rows = layout[1]
     g, i = next((g, row.index(comm.Get_rank())) for g, row in enumerate(rows) if comm.Get_rank() in row)
-    return modules, plan, ReplicaTree(*replica_comms(comm, rows, g, i), op)
+    return modules, plan, ReplicaTree(*replica_comms(comm, rows, g, i), op, wire)
 
 
 def _check_modules(modules: list, plan: list, form: str) -> None:
@@ -195,11 +202,13 @@ def _shard_elements(p, name: str) -> int:
 
 
 def _compare(seen: list, rank: int) -> str | None:
-    """This rank's difference from rank 0 in the mesh, the modules, the parameters or the op (None if
-    none)."""
-    (layout0, plan0, op0, steps0), (layout, plan, op, steps) = seen[0], seen[rank]
+    """This rank's difference from rank 0 in the mesh, the modules, the parameters, the op or the wire
+    (None if none)."""
+    (layout0, plan0, op0, steps0, wire0), (layout, plan, op, steps, wire) = seen[0], seen[rank]
     if op != op0:
         return f"rank {rank}: op {op!r}, rank 0 has {op0!r}"
+    if wire != wire0:
+        return f"rank {rank}: compression={wire!r}, rank 0 has compression={wire0!r}"
     if steps != steps0:
         return f"rank {rank}: local_steps={steps}, rank 0 has local_steps={steps0}"
     if layout != layout0:

@@ -20,6 +20,7 @@ import torch
 from mpi4py import MPI
 
 from ...call.allreduce import adasum_allreduce_inplace, allreduce_sharded_inplace
+from ..window.compress import Wire
 
 __all__ = ["ReplicaTree"]
 
@@ -29,12 +30,14 @@ class ReplicaTree:
 
     ``replicate``: this rank and the ranks that hold the same shard in the other replicas, in replica order;
     ``shard``: the ranks of this rank's replica, in shard order. ``op``: ``"adasum"``, ``"sum"`` or
-    ``"mean"``. Collective over the ranks of both communicators."""
+    ``"mean"``. ``wire``: how the shards travel (``compression``: their own dtype, or 16-bit floats, as
+    :class:`~adasum.torch.DistributedOptimizer`'s). Collective over the ranks of both communicators."""
 
-    __slots__ = ("replicate", "shard", "op")
+    __slots__ = ("replicate", "shard", "op", "wire")
 
-    def __init__(self, replicate: MPI.Intracomm, shard: MPI.Intracomm, op: str):
+    def __init__(self, replicate: MPI.Intracomm, shard: MPI.Intracomm, op: str, wire: Wire | None = None):
         self.replicate, self.shard, self.op = replicate, shard, op
+        self.wire = wire or Wire(None)
 
     def reduce_(self, flat: torch.Tensor, sizes: tuple[int, ...]) -> None:
         """Reduce ``flat`` (1-D, contiguous; its consecutive pieces of ``sizes`` elements are the layers' shards)
@@ -42,7 +45,12 @@ class ReplicaTree:
         if self.replicate.Get_size() == 1:
             return
         host = flat if flat.device.type == "cpu" else flat.detach().cpu()
-        if self.op in ("sum", "mean"):
+        if self.wire.dtype is not None:  # each layer's shard cast to the wire's dtype (and scaled) and back
+            if self.op in ("sum", "mean"):
+                self.wire.sum_(list(host.split(sizes)), self.replicate, self.op == "mean")
+            else:
+                self.wire.adasum_(list(host.split(sizes)), self.replicate, shard=self.shard)
+        elif self.op in ("sum", "mean"):
             adasum_allreduce_inplace(host, op=self.op, comm=self.replicate)
         else:
             allreduce_sharded_inplace(list(host.split(sizes)), self.replicate, self.shard)

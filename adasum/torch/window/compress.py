@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ...call.allreduce import adasum_allreduce_inplace, allreduce_inplace_with
+from ...call.allreduce import adasum_allreduce_inplace, allreduce_inplace_with, allreduce_sharded_inplace
 from ...runtime.agreement import Companion
 from ...runtime import exchange
 from ..internals import foreach_norm
@@ -42,10 +42,13 @@ WIRE_DTYPES = {None: None, "none": None, "fp16": torch.float16, "float16": torch
 
 
 def _reduce(tensors: list, op: str, comm: MPI.Intracomm, companion: Companion | None,
-            hierarchical: bool = False) -> None:
+            hierarchical: bool = False, shard: MPI.Intracomm | None = None) -> None:
     """``op`` of ``tensors`` over ``comm``, in place, the companion (never with ``hierarchical``) on its
-    agreement."""
-    if companion is None:
+    agreement; ``shard`` (Adasum only): the tensors are pieces of layers whose other pieces the ranks of
+    ``shard`` hold (:func:`~adasum.call.allreduce.allreduce_sharded_inplace`)."""
+    if shard is not None and op == "adasum":
+        allreduce_sharded_inplace(tensors, comm, shard)
+    elif companion is None:
         adasum_allreduce_inplace(tensors, op=op, comm=comm, hierarchical=hierarchical)
     else:
         allreduce_inplace_with(tensors, op, comm, companion)
@@ -74,15 +77,17 @@ class Wire:
         self._kept = Kept()  # the 16-bit buffer: one reduction at a time runs on a wire
 
     def adasum_(self, tensors: list[torch.Tensor], comm: MPI.Intracomm, hierarchical: bool = False,
-                names: list[str] | None = None, companion: Companion | None = None):
+                names: list[str] | None = None, companion: Companion | None = None,
+                shard: MPI.Intracomm | None = None):
         """Adasum of ``tensors`` (one layer each, named by ``names`` in what is logged) over ``comm``, in
         place. ``companion`` (where :attr:`carries_companion`, not hierarchical) rides on the reduction's
-        agreement."""
+        agreement. ``shard``: each tensor is one piece of a layer whose other pieces the ranks of ``shard``
+        hold (the replicas of a sharded model); the fp16 scales are then agreed over both groups."""
         if self.dtype is None:
-            _reduce(tensors, "adasum", comm, companion, hierarchical)
+            _reduce(tensors, "adasum", comm, companion, hierarchical, shard)
             return None
-        scales, amax = self._scales(tensors, comm, names)
-        self._reduce16(tensors, scales, "adasum", comm, hierarchical, companion)
+        scales, amax = self._scales(tensors, comm, names, shard)
+        self._reduce16(tensors, scales, "adasum", comm, hierarchical, companion, shard)
         return amax
 
     @property
@@ -104,7 +109,8 @@ class Wire:
         return amax
 
     def _reduce16(self, tensors: list[torch.Tensor], scales: list[float], op: str, comm: MPI.Intracomm,
-                  hierarchical: bool = False, companion: Companion | None = None) -> None:
+                  hierarchical: bool = False, companion: Companion | None = None,
+                  shard: MPI.Intracomm | None = None) -> None:
         """``op`` of ``tensors`` over ``comm``, in place, travelling as the wire's dtype: each tensor times its
         scale is cast into its view of one kept 16-bit buffer (one pass), the library reduces that buffer (the
         views as layers for Adasum), and each view divided by its scale goes back into its tensor's own dtype
@@ -114,7 +120,7 @@ class Wire:
         views = _views(flat, tensors)
         _pack(tensors, views, scales)
         if op == "adasum":
-            _reduce(views, op, comm, companion, hierarchical)
+            _reduce(views, op, comm, companion, hierarchical, shard)
         else:  # a sum is element-wise: the buffer goes whole
             _reduce([flat], op, comm, companion)
         _unpack(views, tensors, scales)
@@ -130,13 +136,16 @@ class Wire:
                            f"values are not finite although every rank's largest magnitude was {a:.3g}; "
                            "the update is skipped (use compression='bf16' or None)")
 
-    def _scales(self, tensors: list[torch.Tensor], comm: MPI.Intracomm,
-                names: list[str] | None) -> tuple[list[float], list[float]]:
-        """Per tensor, the power of two it travels multiplied by, and its largest magnitude over all ranks."""
+    def _scales(self, tensors: list[torch.Tensor], comm: MPI.Intracomm, names: list[str] | None,
+                shard: MPI.Intracomm | None = None) -> tuple[list[float], list[float]]:
+        """Per tensor, the power of two it travels multiplied by, and its largest magnitude over all ranks
+        (of ``comm``, and of ``shard`` where the tensors are pieces of layers cut across it)."""
         if self.dtype is not torch.float16:
             return [1.0] * len(tensors), None
         local = _largest_magnitudes(tensors)
         amax = exchange.max_of(comm, local, what="the fp16 wire's scales")
+        if shard is not None and shard.Get_size() > 1:
+            amax = exchange.max_of(shard, amax, what="the fp16 wire's scales")
         target = _FP16_MAX / (2 ** math.ceil(math.log2(2 * comm.Get_size())))
         scales = []
         for i, a in enumerate(amax):
