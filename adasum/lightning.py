@@ -51,6 +51,7 @@ from .torch.options import Options
 from .call.allreduce import adasum_allreduce
 from .runtime.context import check_comm
 from .torch import DistributedOptimizer, broadcast_parameters
+from .torch.elastic import inside_run
 
 __all__ = ["AdasumStrategy", "MPIEnvironment"]
 
@@ -144,6 +145,14 @@ class AdasumStrategy(ParallelStrategy):
     # --- model and optimizers -------------------------------------------------------------------------------
 
     def setup(self, trainer) -> None:
+        if inside_run():
+            raise RuntimeError(
+                f"rank {self.comm.Get_rank()}: AdasumStrategy: Lightning's Trainer inside "
+                "adasum.torch.elastic.run (or hvd.elastic.run) is not supported: after a rank's death the "
+                "Trainer's loop, its optimizers and its progress would stay on the old world, and calling "
+                "fit() again starts training over. For elastic training write the loop yourself inside "
+                "elastic.run, with DistributedOptimizer or ElasticDDP; under Lightning a rank's death ends "
+                "the job as it does without elastic training (docs/training.md)")
         self.model_to_device()
         super().setup(trainer)
         broadcast_parameters(self.lightning_module, root=0, comm=self.comm)

@@ -60,7 +60,8 @@ class _CommState:
     """A hook state's lane (:class:`~adasum.runtime.lane.Lane`: a duplicate of ``comm`` and the thread that
     reduces the buckets), ended with the state (or by :meth:`close`). Pickles (and copies) without it,
     making no collective call (as torch's hook states drop their process group): a state unpickled or
-    copied reduces over the library's duplicate of its process's ``MPI.COMM_WORLD``, looked up at the first
+    copied reduces over the library's duplicate of the current world (``MPI.COMM_WORLD``, or the survivors'
+    communicator after an elastic shrink: :func:`adasum.runtime.faults.world`), looked up at the first
     reduction, which every rank makes in its first hook call (the library makes that duplicate, where it
     does not exist yet, collectively and watched by the stall inspector)."""
 
@@ -90,6 +91,13 @@ class _CommState:
         waited for every bucket then); a state that is collected ends the same way without waiting for a
         collective."""
         self._lane.close()
+
+    def abandon(self, why: str = "the hook state was abandoned") -> None:
+        """End without a collective (the world changed under it: its communicator may be revoked, and the
+        other ranks may never enter a collective there): the communication thread and the communicator are
+        dropped, the hook raises afterwards saying ``why``. Local; :class:`adasum.torch.elastic.ElasticDDP`
+        calls it before it makes a new state on the new world."""
+        self._lane.drop(why)
 
     def _submit(self, buffer: torch.Tensor, work) -> torch.futures.Future[torch.Tensor]:
         """``work()`` reduces a bucket: run it on the lane and return a future of ``buffer`` that it completes
@@ -241,11 +249,18 @@ class DeltaState(_CommState):
         self._index: dict[int, int] = {}
         self._in_hook = False
         handle = optimizer.register_step_pre_hook(_StepGuard(weakref.ref(self)))
-        weakref.finalize(self, handle.remove)  # the optimizer steps freely again once the state is gone
+        # the optimizer steps freely again once the state is gone (or abandoned)
+        self._unguard = weakref.finalize(self, handle.remove)
 
     step_was_skipped = property(lambda self: self.closing.step_was_skipped)
     skipped_updates = property(lambda self: self.closing.skipped)
     updates = property(lambda self: self.closing.combines, doc="Updates made so far (skipped ones included).")
+
+    def abandon(self, why: str = "the hook state was abandoned") -> None:
+        """As :meth:`AdasumState.abandon`; the optimizer is released too (another ``DeltaState`` may take it,
+        and its own ``step()`` no longer raises)."""
+        super().abandon(why)
+        self._unguard()
 
     def __getstate__(self):
         raise TypeError("a DeltaState holds its optimizer; build it again in the new process")

@@ -102,6 +102,7 @@ def test_what_run_makes_of_each_error():
     from adasum.runtime.errors import AdasumStallError
     from adasum.runtime.faults import WorldChanged
     from adasum.torch.elastic import _cause
+    import torch.distributed as dist
 
     assert _cause(WorldChanged("rank 1 died")) == "death"
     if hasattr(MPI, "ERR_PROC_FAILED") and MPI.ERR_PROC_FAILED not in (MPI.ERR_OTHER, MPI.ERR_UNKNOWN):
@@ -115,6 +116,10 @@ def test_what_run_makes_of_each_error():
     assert _cause(AdasumStallError("rank 2 has not entered call #5", silent=[2])) == "maybe"
     assert _cause(_chained(RuntimeError("the step failed"), MPI.Exception(MPI.ERR_OTHER))) == "maybe"
     assert _cause(_chained(RuntimeError("the step failed"), WorldChanged("rank 1 died"))) == "death"
+    # a torch process group's errors: gloo knows nothing of deaths, so the shrink finds out
+    assert _cause(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:538] Connection closed by peer "
+                               "[127.0.0.1]:41515")) == "maybe"
+    assert _cause(dist.DistStoreError("wait timeout after 30000ms")) == "maybe"
     assert _cause(ValueError("a bug")) == "raised"
     assert _cause(KeyboardInterrupt()) == "raised"
     assert _cause(SystemExit(3)) == "raised"

@@ -477,3 +477,22 @@ def test_clipping_in_the_hook_with_16_mixed_and_a_scaler(comm):
     assert finite and all(0 < n < 100 for n in finite), module.norms
     assert_identical_across_ranks(comm, list(module.net.parameters()))
     assert all(torch.isfinite(p).all() for p in module.net.parameters())
+
+
+@pytest.mark.mpi(min_size=2)
+@ONE_SIZE
+def test_fit_inside_elastic_run_is_refused(comm):
+    """Lightning does not go on after a rank's death (its loop, optimizers and progress stay on the old
+    world): ``fit()`` inside ``adasum.torch.elastic.run`` raises on every rank, before any training."""
+    from adasum.torch import elastic
+
+    @elastic.run
+    def train(state):
+        fit(comm, epochs=1)
+
+    with pytest.raises(RuntimeError, match=r"rank \d: AdasumStrategy: Lightning's Trainer inside "
+                                           r"adasum.torch.elastic.run \(or hvd.elastic.run\) is not supported"):
+        train(elastic.State())
+    assert not elastic.inside_run()
+    module, _ = fit(comm, epochs=1)  # outside run, as before
+    assert_identical_across_ranks(comm, list(module.net.parameters()))

@@ -45,6 +45,14 @@ others), or with ``run(on_error="leave")`` only that rank (Horovod's behaviour);
 (``stall_timeout``) kills the ranks nobody heard from on the waiting ranks' hosts, who then go on as after a
 death; any other MPI error goes through the shrink, which finds out whether a rank died.
 
+A ``DistributedDataParallel`` model with adasum's communication hooks follows the world as the optimizer
+does: wrap it in :class:`ElasticDDP` and give that to the state as its model; at every reset the
+default ``torch.distributed`` process group is started again on the new world and the DDP model and its
+hook state are made again (:mod:`.process_group`, :mod:`.ddp_model`). A failure destroys this process's
+``torch.distributed`` groups at once, so that no survivor waits for it in a gloo collective; a group of
+your own is started again with :func:`restart_process_group` in a reset callback. A sharded model (FSDP2,
+HSDP) does not go on: every survivor raises :class:`ShardsLost` once the world shrank (:mod:`.sharded`).
+
 The commit is taken at a combined point: :meth:`State.commit` calls the optimizer's ``flush()`` first
 (collective), so the copy holds no open window. Without ULFM, ``run`` says so once and a failure ends the
 job as it would without it.
@@ -55,12 +63,17 @@ from __future__ import annotations
 from ...runtime.membership import WorldChanged, world
 from ...runtime.newcomer import is_newcomer
 from .causes import TELL_PATIENCE, AnotherRankRaised, HostsUpdatedInterrupt, NotJoinedError, _cause
-from .loop import _told, run, tell_once
+from .ddp_model import ElasticDDP
+from .loop import _told, inside_run, run, tell_once
+from .process_group import restart_process_group
 from .sampler import ElasticSampler
+from .sharded import ShardsLost
 from .snapshot import State
 
-__all__ = ["State", "run", "ElasticSampler", "WorldChanged", "AnotherRankRaised", "HostsUpdatedInterrupt",
-           "NotJoinedError", "is_newcomer", "world", "tell_once", "TELL_PATIENCE"]
+__all__ = ["State", "run", "ElasticSampler", "ElasticDDP", "restart_process_group", "WorldChanged",
+           "AnotherRankRaised", "HostsUpdatedInterrupt", "ShardsLost", "NotJoinedError", "is_newcomer", "world",
+           "tell_once", "inside_run", "TELL_PATIENCE"]
 
-for _public in (State, run, ElasticSampler, AnotherRankRaised, HostsUpdatedInterrupt, tell_once):
+for _public in (State, run, ElasticSampler, ElasticDDP, restart_process_group, AnotherRankRaised,
+                HostsUpdatedInterrupt, ShardsLost, tell_once, inside_run):
     _public.__module__ = __name__  # their public home (tracebacks and the docs name it)

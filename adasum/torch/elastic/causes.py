@@ -13,10 +13,12 @@ import threading
 import time
 import traceback
 
+import torch.distributed as dist
 from mpi4py import MPI
 
 from ...runtime.errors import AdasumCollectiveError, AdasumNotJoinedError, AdasumStallError
 from ...runtime.membership import WorldChanged, kill_silent, revoke_all, world
+from .process_group import drop_process_groups
 
 __all__ = ["AnotherRankRaised", "HostsUpdatedInterrupt", "NotJoinedError", "TELL_PATIENCE"]
 
@@ -76,10 +78,19 @@ def _cause(exc: BaseException) -> str:
             return "death"
         if "MPI_ERR" in text or isinstance(exc, AdasumCollectiveError) and not isinstance(exc, WorldChanged):
             maybe = True
+        if _torch_distributed_error(exc, text):  # gloo's connection to a rank that died or left a collective
+            maybe = True
         if isinstance(exc, WorldChanged):
             death = True
         exc = exc.__cause__ or exc.__context__
     return "death" if death else "maybe" if maybe else "raised"
+
+
+def _torch_distributed_error(exc: BaseException, text: str) -> bool:
+    """Whether ``exc`` is an error of a ``torch.distributed`` process group (its store, its connections, a
+    collective of gloo or NCCL): a rank may have died (a process group knows nothing of deaths)."""
+    kinds = tuple(k for k in (getattr(dist, "DistError", None),) if k is not None)
+    return isinstance(exc, kinds) or "gloo" in text.lower() or "Connection closed by peer" in text
 
 
 def _failure_classes() -> set[int]:
@@ -114,6 +125,7 @@ class _Fault:
         elif cause == "maybe" and self.maybe is None:
             self.maybe = exc
         revoke_all()
+        drop_process_groups()  # a rank waiting for this one in a gloo collective leaves it too
 
     def arm(self) -> None:
         """A rank that raised: say so at once (the traceback comes when the exception leaves ``run``), and

@@ -13,12 +13,14 @@ from ...runtime import exchange, newcomer
 from ...runtime.membership import note_whereabouts, shrink, ulfm_problem, world
 from .causes import AnotherRankRaised, HostsUpdatedInterrupt, _cause, _Fault, _leave_now, _summary
 from .grow import check_settings, join, regrow
+from .sharded import shards_lost
 from .snapshot import State
 
-__all__ = ["run", "tell_once"]
+__all__ = ["run", "tell_once", "inside_run"]
 
 _log = logging.getLogger("adasum")
 _told: list[bool] = [False]
+_inside: list[int] = [0]  # calls of training functions decorated by run in progress in this process
 _ON_ERROR = ("end", "leave")
 
 
@@ -32,6 +34,11 @@ def tell_once() -> str | None:
     return problem
 
 
+def inside_run() -> bool:
+    """Whether a training function decorated by :func:`run` is running in this process."""
+    return _inside[0] > 0
+
+
 def _recover(state: State, fault: _Fault) -> BaseException | None:
     """Collective over the ranks still alive, each having met the fault: shrink the world, hear from every
     rank whether its training function raised, and either end the job (the exception to raise on this
@@ -39,6 +46,10 @@ def _recover(state: State, fault: _Fault) -> BaseException | None:
     before = world().Get_size()
     shrink()
     shrank = world().Get_size() < fault.size  # over every attempt of this recovery
+    lost = shards_lost(state.model, fault.size) if shrank else None
+    if lost is not None:  # every survivor alike: a sharded model does not go on
+        fault.disarm()
+        return lost
     certain = fault.own is not None
     guess = fault.maybe is not None and not shrank  # an MPI error that no death explains
     mine = _summary(fault.own if certain else fault.maybe) if certain or guess else None
@@ -133,6 +144,7 @@ def run(func: Callable[..., Any] | None = None, *, on_error: str = "end") -> Cal
         problem = tell_once()
         attempt = _Attempt(state, problem)
         state._in_run = True
+        _inside[0] += 1
         try:
             while True:
                 try:
@@ -153,6 +165,7 @@ def run(func: Callable[..., Any] | None = None, *, on_error: str = "end") -> Cal
                 raise ending
         finally:
             state._in_run = False
+            _inside[0] -= 1
 
     return wrapper
 

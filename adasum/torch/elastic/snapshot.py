@@ -13,6 +13,7 @@ from ...runtime.membership import shrink, ulfm_problem, world
 from ...settings import current
 from ..state.broadcast import broadcast_optimizer_state, broadcast_parameters, to_cpu
 from .causes import HostsUpdatedInterrupt
+from .sharded import sharded_modules
 
 __all__ = ["State"]
 
@@ -148,7 +149,18 @@ class State:
         :class:`~adasum.torch.DistributedOptimizer` the whole
         :meth:`~adasum.torch.DistributedOptimizer.state_dict` (its counters too): a rank that died inside a
         commit may have let some survivors finish it and not others, and rank 0's commit is then
-        everyone's; a newcomer receives it all here."""
+        everyone's; a newcomer receives it all here. Of a sharded model (FSDP2, HSDP) the attributes and
+        counters only: each rank holds its own shards."""
+        if not sharded_modules(self.model):  # a sharded model's ranks each hold their own shards
+            self._sync_model_and_optimizer()
+        values, counters = exchange.bcast(world(), (self._values(), self._library()), root=0,
+                                          what="the elastic state's attributes")
+        self._load_values(values)
+        for name, value in counters.items():
+            setattr(self, name, value)
+        self._save()
+
+    def _sync_model_and_optimizer(self) -> None:
         if self.model is not None:
             broadcast_parameters(self.model.state_dict(), root=0, comm=world())
         if self.optimizer is not None and callable(getattr(self.optimizer, "rejoin", None)):
@@ -159,21 +171,18 @@ class State:
                 self.optimizer.load_state_dict(state)
         elif self.optimizer is not None:
             broadcast_optimizer_state(self.optimizer, root=0, comm=world())
-        values, counters = exchange.bcast(world(), (self._values(), self._library()), root=0,
-                                          what="the elastic state's attributes")
-        self._load_values(values)
-        for name, value in counters.items():
-            setattr(self, name, value)
-        self._save()
 
     def _library(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _COUNTERS}
 
     def rejoin(self) -> None:
-        """Rebuild what holds the old world on the current one: the optimizer (its ``rejoin()``)."""
-        rejoin = getattr(self.optimizer, "rejoin", None)
-        if rejoin is not None:
-            rejoin(world())
+        """Rebuild what holds the old world on the current one: the optimizer, then the model, each that has
+        a ``rejoin()`` (a :class:`~adasum.torch.DistributedOptimizer`, an
+        :class:`~adasum.torch.elastic.ElasticDDP`)."""
+        for part in (self.optimizer, self.model):
+            rejoin = getattr(part, "rejoin", None)
+            if callable(rejoin):
+                rejoin(world())
 
     def reset(self, detected: float) -> None:
         """After a failure seen at ``detected`` (``time.monotonic()``): shrink the world, rebuild, roll back
@@ -188,10 +197,20 @@ class State:
         self.failed_grows = 0  # a new loss: growing back is tried afresh
         self.rejoin()
         self.restore()
+        self._drop_gradients()
         self.on_reset()
         _log.warning("adasum: rank %d: a rank died; the world shrank from %d to %d ranks and went back to the "
                      "last commit (reset %d, %.2f s)", world().Get_rank(), before, world().Get_size(),
                      self.resets, time.monotonic() - detected)
+
+    def _drop_gradients(self) -> None:
+        """The gradients of the work since the commit are gone with it (a backward the failure cut short
+        leaves some): every gradient of the model's and the optimizer's parameters set to None, so that the
+        next backward starts afresh even where the loop zeroes them only after its step."""
+        params = list(self.model.parameters()) if callable(getattr(self.model, "parameters", None)) else []
+        groups = getattr(self.optimizer, "param_groups", None) or []
+        for p in params + [p for g in groups for p in g["params"]]:
+            p.grad = None
 
     def _grown(self, before: int, started: float, newcomer: bool) -> None:
         """Once the world grew from ``before`` ranks (this rank a survivor, or a newcomer that joined):
