@@ -1,20 +1,26 @@
-"""DDP with adasum's communication hooks in elastic training, launched by tests/elastic/test_paths.py under
-Open MPI with ULFM::
+"""Every training path in elastic training, launched by tests/elastic/test_paths.py under Open MPI with ULFM::
 
-    mpiexec --with-ft ulfm -n 4 python tests/elastic/ddp_worker.py --kill 0@5 --kill 2@3 --out result.json
+    mpiexec --with-ft ulfm -n 4 python tests/elastic/paths_worker.py --kill 3@3 --kill 1@5 --kill 0@3 --out r.json
 
-Two phases in one job, each an ``adasum.torch.elastic.run`` over an :class:`~adasum.torch.elastic.ElasticDDP`
-model: first the gradient hook (``AdasumState``, ``adasum_hook``, SGD with momentum stepping on the reduced
-gradients) at the launch size, then the delta hook (``DeltaState``, ``adasum_delta_hook``: the optimizer
-steps inside backward) on the survivors of the first. ``--kill R@S`` (one per phase, in order): the rank of
-``MPI.COMM_WORLD`` ``R`` SIGKILLs itself at step ``S`` of that phase, after its forward, while the others
-are inside backward's reduction (the hook's lane, over MPI).
+Three phases in one job (the elastic stage's time), each an ``adasum.torch.elastic.run``, and one death in
+each. ``--kill R@S`` (one per phase, in order): the rank of ``MPI.COMM_WORLD`` ``R`` SIGKILLs itself at
+step ``S`` of that phase, after its forward, while the others are inside backward.
 
-Before the elastic phases every rank trains both phases' references with nobody dying: torch.distributed
-groups (``new_group``) and MPI communicators (``Split``) of each phase's ranks, the dead rank leaving at the
-commit its death rolls back to, the others going on with rank 0's model and optimizer state (what
-``State.sync()`` gives), a new DDP model and hook state. Each elastic phase must end bitwise where its
-reference ends. Rank 0 of the final world writes ``--out``.
+1. HSDP on a 2×2 mesh (FSDP2 over the shard dimension, ``adasum_replicas``) at the launch size: elastic
+   training does not go on with a sharded model, and every survivor must raise ``ShardsLost`` from ``run``
+   within seconds; the survivors then start the process group again on their world and go on.
+2. DDP with the gradient hook (``AdasumState``, ``adasum_hook``, SGD with momentum stepping on the reduced
+   gradients) in an :class:`~adasum.torch.elastic.ElasticDDP` model on those survivors.
+3. DDP with the delta hook (``DeltaState``, ``adasum_delta_hook``: the optimizer steps inside backward) on
+   the survivors of 2.
+
+Before the DDP phases every rank trains both phases' references with nobody dying: torch.distributed groups
+(``new_group``) and MPI communicators (``Split``) of each phase's ranks, the dead rank leaving at the commit
+its death rolls back to, the others going on with rank 0's model and optimizer state (what ``State.sync()``
+gives), a new DDP model and hook state. Each DDP phase must end bitwise where its reference ends. Rank 0 of
+the final world writes ``--out``: what each survivor of phase 1 raised and when, and each DDP phase's
+outcome. The processes' exit after three deaths waits for ``MPI_Finalize`` at most 2 s (Open MPI's
+finalize fence may not end after several deaths; what that patience is for, tests/elastic/test_no_hang.py).
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ import adasum
 import adasum.torch as at
 from adasum.runtime import exchange
 from adasum.torch import elastic
+from adasum.runtime import membership
 from adasum.torch.ddp import AdasumState, DeltaState, adasum_delta_hook, adasum_hook
+from adasum.torch.fsdp import adasum_replicas
 
 STEPS, COMMIT_EVERY, DIM = 8, 2, 16
 FORMS = ("grad", "delta")
@@ -74,8 +82,8 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def one_step(model, opt, form: str, step: int, dies: bool) -> None:
-    x, y = data(ME, step)
+def one_step(model, opt, form: str, step: int, dies: bool, batch=None) -> None:
+    x, y = data(ME, step) if batch is None else batch
     loss = torch.nn.functional.mse_loss(model(x), y)
     if dies:
         time.sleep(0.5)  # the others are inside backward's reduction by now
@@ -103,8 +111,8 @@ def sync(net, opt, comm) -> None:
 
 class Reference:
     """One phase trained with nobody dying: over the ranks ``members`` (of MPI.COMM_WORLD, in order), the
-    rank ``gone`` leaving before step ``leave`` (the commit its death rolls back to). Collective over
-    MPI.COMM_WORLD and torch's default group (every process takes part in making the groups)."""
+    rank ``gone`` leaving before step ``leave`` (the commit its death rolls back to). Collective over the
+    current world and torch's default group (every process takes part in making the groups)."""
 
     def __init__(self, form: str, members: list[int], gone: int, leave: int):
         self.form, self.members, self.gone, self.leave = form, members, gone, leave
@@ -118,7 +126,7 @@ class Reference:
             self.model.__dict__.pop("logger", None)
             self.model.__dict__.pop("reducer", None)
         group = dist.new_group(members)  # every process of the default group takes part
-        comm = MPI.COMM_WORLD.Split(0 if ME in members else MPI.UNDEFINED, members.index(ME) if ME in members else 0)
+        comm = elastic.world().Split(0 if ME in members else MPI.UNDEFINED, members.index(ME) if ME in members else 0)
         self.comm = None if comm == MPI.COMM_NULL else comm
         self.model = self.state = None
         if self.comm is None:
@@ -142,6 +150,47 @@ class Reference:
             return None
         self.state.close()
         return params_bytes(self.net)
+
+
+class Sharded(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def hsdp_phase(die_at: int | None) -> dict:
+    """Phase 1 (the module docstring): what ``run`` raised on this rank, and when."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = Sharded()
+    fully_shard(model.a, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    adasum_replicas(model, mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    state = elastic.State(model, opt, step=0)
+
+    @elastic.run
+    def train(state):
+        while state.step < STEPS:
+            g = torch.Generator().manual_seed(1000 * state.step + ME)
+            x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+            one_step(model, opt, "grad", state.step, state.step == die_at, batch=(x, y))
+            state.step += 1
+            if state.step % COMMIT_EVERY == 0:
+                state.commit()
+
+    try:
+        train(state)
+    except elastic.ShardsLost as exc:
+        return {"rank": ME, "raised": type(exc).__name__, "message": str(exc), "at": time.time(),
+                "size": elastic.world().Get_size()}
+    return {"rank": ME, "raised": None, "size": elastic.world().Get_size()}
 
 
 def train_elastic(form: str, die_at: int | None) -> tuple[elastic.State, elastic.ElasticDDP]:
@@ -169,14 +218,19 @@ def main() -> None:
     args = p.parse_args()
     OUT[0] = args.out
     adasum.configure(stall_timeout=60.0)
+    membership.FINALIZE_PATIENCE = 2.0  # the module docstring
     at.init_process_group("gloo", timeout=TIMEOUT)
-    members, references = list(range(MPI.COMM_WORLD.Get_size())), []
-    for form, (gone, step) in zip(FORMS, kills(args)):
+    (hsdp_gone, hsdp_step), *ddp_kills = kills(args)
+    mine = hsdp_phase(hsdp_step if ME == hsdp_gone else None)
+    sharded = exchange.allgather(elastic.world(), mine)  # the survivors' world
+    elastic.restart_process_group(timeout=TIMEOUT)  # the survivors' own (run destroyed the old one)
+    members, references = [r for r in range(MPI.COMM_WORLD.Get_size()) if r != hsdp_gone], []
+    for form, (gone, step) in zip(FORMS, ddp_kills):
         ref = Reference(form, members, gone, step - step % COMMIT_EVERY)
         references.append((ref.train(), ref.losses))
         members = [r for r in members if r != gone]
     phases = []
-    for (form, (gone, step)), (ref, ref_losses) in zip(zip(FORMS, kills(args)), references):
+    for (form, (gone, step)), (ref, ref_losses) in zip(zip(FORMS, ddp_kills), references):
         state, model = train_elastic(form, step if ME == gone else None)
         params = params_bytes(model.module)
         mine = {"rank": ME, "resets": state.resets, "params": params, "losses": state.losses,
@@ -186,14 +240,14 @@ def main() -> None:
         phases.append(exchange.allgather(elastic.world(), mine))
         model.close()
     if elastic.world().Get_rank() == 0:
-        write(args.out, phases)
+        write(args.out, sharded, phases)
 
 
-def write(out: str, phases: list) -> None:
-    result = []
+def write(out: str, sharded: list, phases: list) -> None:
+    result = {"hsdp": sharded, "ddp": []}
     for everyone in phases:
         first = everyone[0]
-        result.append({"size": first["size"], "torch_size": first["torch_size"],
+        result["ddp"].append({"size": first["size"], "torch_size": first["torch_size"],
                        "survivors": [m["rank"] for m in everyone], "resets": [m["resets"] for m in everyone],
                        "equal": all(m["params"] == first["params"] for m in everyone),
                        "reference_equal": [m["reference_equal"] for m in everyone],
