@@ -252,6 +252,8 @@ def main() -> int:
     ap.add_argument("--fast", action="store_true",
                     help="the serial tests, the smoke tests (-m smoke: one of each training path) at 2 ranks "
                          "and the core allreduce at 3, nothing else (a few minutes)")
+    ap.add_argument("--reports", default=None, metavar="DIR",
+                    help="keep each run's junit reports (one per rank: every test's seconds) in DIR/<run>/")
     ap.add_argument("--hostfile-runs", default=None,
                     help="emulated-node runs of the hierarchical tests: 'all', 'none' or names from "
                          f"{', '.join(name for name, _, _ in HOSTFILE_RUNS)} (comma-separated; default all)")
@@ -267,6 +269,10 @@ def main() -> int:
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONHASHSEED", "0")
+    # The test processes share compiled bytecode (__pycache__, ignored by git): each of the hundred or so
+    # processes of a full run would otherwise compile the library and rewrite the test modules' asserts
+    # again (1-2 s CPU each), where PYTHONDONTWRITEBYTECODE is set (as in some containers).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     env.setdefault("ADASUM_TEST_ABORT_ON_FAILURE", "1")  # tests/conftest.py: a failure ends its MPI job
     py = str(VENV_BIN / "python")
     totals = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
@@ -352,6 +358,11 @@ def main() -> int:
         else:
             how = "ok" if ok else f"exit {rc}"
         kept = ""
+        if args.reports and reports:
+            keep = Path(args.reports) / "".join(c if c.isalnum() or c in "=.-" else "_" for c in name)
+            keep.mkdir(parents=True, exist_ok=True)
+            for report in reports:
+                shutil.copy2(report, keep / report.name)
         if not ok:
             failures.append(name)
             if not failed:

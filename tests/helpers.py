@@ -5,10 +5,15 @@ torch tests use is in tests/torch_helpers.py."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +22,8 @@ from mpi4py import MPI
 import adasum
 
 from cupy_standin import cupy_or_standin
+
+ROOT = Path(__file__).resolve().parent.parent
 
 cupy = cupy_or_standin()
 CUPY_IS_REAL = not getattr(cupy, "__adasum_standin__", False)
@@ -159,3 +166,22 @@ def expected_nodes() -> list[list[int]] | None:
     text = os.environ.get("ADASUM_TEST_NODES", "").strip()
     return [[int(r) for r in node.split(",")] for node in text.split(";")] if text else None
 
+
+
+@functools.cache
+def run_recipe(script: str) -> subprocess.CompletedProcess:
+    """``mpiexec -n 2 python -m mpi4py examples/SCRIPT`` as a user runs it, from a scratch directory (what the
+    frameworks write, lightning_logs/ and hf-out/, stays out of the checkout): the launcher next to this
+    interpreter (.venv/bin/mpiexec), else the one on PATH. Run once per test process: the recipes' tests
+    (tests/integrations/test_recipes.py) and the docs' accuracies (tests/docs/test_readme.py) check the
+    same run, which trains for some seconds."""
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    assert mpiexec, "no mpiexec next to the interpreter or on PATH"
+    env = dict(os.environ, OMP_NUM_THREADS="1", MPIEXEC_TIMEOUT="540",
+               PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    scratch = tempfile.mkdtemp(prefix="adasum-recipe-")
+    try:
+        return subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", str(ROOT / "examples" / script)],
+                              cwd=scratch, env=env, capture_output=True, text=True, timeout=570)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

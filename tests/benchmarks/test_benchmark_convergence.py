@@ -154,6 +154,7 @@ def test_serial_study_chooses_a_base_rate_and_writes_everything(tmp_path):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.world_size(3, 4)  # configurations dealt to one group and a rank left over, and to two groups at once
 def test_groups_of_ranks_train_every_configuration(mpi_tmp_path):
     comm = MPI.COMM_WORLD
     out = str(mpi_tmp_path / "conv")
@@ -178,6 +179,7 @@ def test_groups_of_ranks_train_every_configuration(mpi_tmp_path):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.world_size(2)  # its runs are at world size 2 whatever the job's size
 def test_gradient_adasum_with_plain_sgd_is_delta_adasum(mpi_tmp_path):
     """The DDP gradient hook's schedule against DistributedOptimizer's: with SGD without momentum the
     delta is -lr·gradient, and Adasum(c·a, c·b) = c·Adasum(a, b), so the runs agree."""

@@ -17,6 +17,7 @@ _spec.loader.exec_module(bench)
 pytestmark = pytest.mark.mpi(min_size=1)
 
 
+@pytest.mark.world_size(1, 2)  # one process, and the counts of a call between ranks (the same at any size)
 def test_rows_show_collectives_copies_and_python_calls(comm, capsys):
     rows = bench.main(["--sizes", "16KiB,1MiB", "--repeats", "3", "--warmup", "1", "--kinds", "numpy,torch"])
     assert {(r["kind"], r["bytes"], r["op"]) for r in rows} == {
@@ -46,6 +47,7 @@ def test_rows_show_collectives_copies_and_python_calls(comm, capsys):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.world_size(2)
 def test_the_direct_threshold_can_be_set(comm):
     """--plain-direct-bytes: with a threshold above every layer, a 1 MiB sum is one packed message (the
     compiled small plain call, where it runs), and the setting is the library's again afterwards."""

@@ -24,6 +24,7 @@ def _device():
     return module
 
 
+@pytest.mark.world_size(1, 2)  # the harness; the staged call's results at every size: tests/core/test_gpu.py
 def test_round_trip_is_timed_beside_host_and_staged_for_every_op(comm, capsys):
     device = _device()
     old = adasum.configure()

@@ -27,6 +27,7 @@ TOY = ["--task", "mnist1d", "--set", "num_samples=200", "--set", "channels=4", "
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.world_size(2, 3)  # micro-batches that the ranks divide evenly and ones they do not
 @pytest.mark.timeout(120)
 def test_toy_run_records_every_contender_and_reports(comm, capsys):
     size, rank = comm.Get_size(), comm.Get_rank()

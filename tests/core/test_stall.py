@@ -1,4 +1,7 @@
-"""A rank that never arrives is named: the stall inspector's warning and timeout, at any world size."""
+"""A rank that never arrives is named: the stall inspector's warning and timeout. At 2 ranks (one rank named),
+3 (ranks named as a list) and 4 (a message left on a freed communicator needs a
+rank the next one lacks): each test waits out a timeout or a late rank, and at 5 or 8 ranks the inspector
+would only name more of them through the same code."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import pytest
 import adasum
 from adasum.rule.reference import reference_allreduce
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.world_size(2, 3, 4)]
 
 
 @pytest.fixture
@@ -189,6 +192,7 @@ def test_the_compiled_and_the_python_agreement_wait_alike(comm, op):
     _check_world_still_works(comm)
 
 
+@pytest.mark.world_size(2)  # no communication
 def test_stall_settings_are_validated_and_read_from_the_environment():
     with pytest.raises(ValueError, match="stall_timeout must be a positive number of seconds"):
         adasum.configure(stall_timeout=0)

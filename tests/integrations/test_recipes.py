@@ -8,16 +8,11 @@ blocks are excerpts of these scripts."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from helpers import run_recipe
 
 # Each case trains under mpiexec -n 2 for some seconds (scripts/run_tests.py --fast leaves slow tests out;
 # its smoke tests at 2 ranks run the Accelerate recipe of tests/integrations/test_hf.py)
@@ -43,25 +38,14 @@ RECIPES = [
 _LINE = re.compile(r"rank (\d+): final test accuracy ([0-9]\.[0-9]{4}), parameter checksum (-?[0-9]+\.[0-9]+(?:e[-+][0-9]+)?)")
 
 
-def _mpiexec() -> str:
-    """The launcher next to this interpreter (.venv/bin/mpiexec), else the one on PATH."""
-    found = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    assert found, "no mpiexec next to the interpreter or on PATH"
-    return found
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("script, needs", [
     pytest.param(script, needs, id=script, marks=[pytest.mark.frameworks] if needs else [])
     for script, needs in RECIPES])
-def test_recipe_script_trains_under_mpiexec(script, needs, tmp_path):
+def test_recipe_script_trains_under_mpiexec(script, needs):
     if needs is not None and importlib.util.find_spec(needs) is None:
         pytest.skip(f"{script} needs {needs} (the frameworks extra)")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MPIEXEC_TIMEOUT="540",
-               PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    # From a scratch directory: what the frameworks write (lightning_logs/, hf-out/) stays out of the checkout.
-    run = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(ROOT / "examples" / script)],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=570)
+    run = run_recipe(script)  # from a scratch directory; the docs' accuracy test checks the same run
     out = f"{run.stdout}\n{run.stderr}"
     assert run.returncode == 0, f"examples/{script} failed (exit {run.returncode}):\n{out[-6000:]}"
     lines = {int(m[1]): (float(m[2]), m[3]) for m in _LINE.finditer(run.stdout)}
