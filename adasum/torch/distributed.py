@@ -19,7 +19,8 @@ __all__ = ["init_process_group"]
 
 
 def init_process_group(backend: str | None = None, *, comm: MPI.Intracomm | None = None, timeout=None) -> None:
-    """Initialise ``torch.distributed`` on the ranks of ``comm`` (default ``MPI.COMM_WORLD``); collective.
+    """Initialise ``torch.distributed`` on the ranks of ``comm`` (default: the current world,
+    ``MPI.COMM_WORLD`` or the survivors' communicator after an elastic shrink); collective.
 
     Rank and world size come from ``comm``; rank 0 picks its host's address and a free port and broadcasts
     them over MPI (a ``MASTER_ADDR`` set on rank 0 is kept). ``backend`` defaults to ``"nccl"`` where CUDA is available, else ``"gloo"``. The

@@ -94,9 +94,9 @@ def one_step(model, opt, form: str, step: int, dies: bool, batch=None) -> None:
     opt.zero_grad()  # after the step: a reset must drop what a backward cut short left
 
 
-def kills(args) -> list[tuple[int, int]]:
+def kills(specs: list[str]) -> list[tuple[int, int]]:
     """(rank, step) of each phase's death."""
-    return [tuple(int(x) for x in spec.split("@")) for spec in args.kill]
+    return [tuple(int(x) for x in spec.split("@")) for spec in specs]
 
 
 def params_bytes(net) -> bytes:
@@ -216,11 +216,17 @@ def main() -> None:
     p.add_argument("--kill", action="append", default=[])
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    OUT[0] = args.out
     adasum.configure(stall_timeout=60.0)
+    run_paths(args.kill, args.out)
+
+
+def run_paths(kill: list[str], out: str) -> None:
+    """The three phases (the module docstring), ``kill`` the ``--kill`` of each, the result in ``out``;
+    collective over MPI.COMM_WORLD, nobody dead yet (tests/elastic/worker.py calls it after its own run)."""
+    OUT[0] = out
     membership.FINALIZE_PATIENCE = 2.0  # the module docstring
     at.init_process_group("gloo", timeout=TIMEOUT)
-    (hsdp_gone, hsdp_step), *ddp_kills = kills(args)
+    (hsdp_gone, hsdp_step), *ddp_kills = kills(kill)
     mine = hsdp_phase(hsdp_step if ME == hsdp_gone else None)
     sharded = exchange.allgather(elastic.world(), mine)  # the survivors' world
     elastic.restart_process_group(timeout=TIMEOUT)  # the survivors' own (run destroyed the old one)
@@ -240,7 +246,7 @@ def main() -> None:
         phases.append(exchange.allgather(elastic.world(), mine))
         model.close()
     if elastic.world().Get_rank() == 0:
-        write(args.out, sharded, phases)
+        write(out, sharded, phases)
 
 
 def write(out: str, sharded: list, phases: list) -> None:

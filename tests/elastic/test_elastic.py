@@ -42,8 +42,8 @@ def report(name: str, result: dict, killed: list[float]) -> None:
               f"last death, job {result['seconds']:.1f} s")
 
 
-def test_no_failure_is_bitwise_the_plain_run(tmp_path):
-    result, _ = launch(tmp_path, 4, "--plain")
+def test_no_failure_is_bitwise_the_plain_run(plain_then_paths):
+    result, _, _ = plain_then_paths  # the job goes on with test_paths.py's phases (tests/elastic/conftest.py)
     check_survived(result, 4, 0)
     assert result["plain_equal"] is True
 

@@ -1,17 +1,16 @@
 """Every training path in elastic training under Open MPI with ULFM, a rank SIGKILLed from outside the
-library in each of three phases of one job (tests/elastic/paths_worker.py; one job for the elastic
-stage's time): a sharded model (HSDP 2×2, ``adasum_replicas``) ends on every survivor with ``ShardsLost``
-within seconds; DDP with adasum's communication hooks (:class:`adasum.torch.elastic.ElasticDDP`, the
-gradient and then the delta form) goes on, bitwise on a reference run in which the dead rank left at the
-last commit. Without Open MPI (the main suite's MPICH) they are skipped."""
+library in each of three phases (tests/elastic/paths_worker.py, run at the end of the job whose run with
+nobody dying test_elastic.py checks: tests/elastic/conftest.py): a sharded model (HSDP 2×2,
+``adasum_replicas``) ends on every survivor with ``ShardsLost`` within seconds; DDP with adasum's
+communication hooks (:class:`adasum.torch.elastic.ElasticDDP`, the gradient and then the delta form) goes
+on, bitwise on a reference run in which the dead rank left at the last commit. Without Open MPI (the main
+suite's MPICH) they are skipped."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from jobs import LAUNCH_TIMEOUT, MPIEXEC, OPEN_MPI, run_job
+from jobs import LAUNCH_TIMEOUT, MPIEXEC, OPEN_MPI
 
 pytestmark = [
     pytest.mark.skipif(not OPEN_MPI or not MPIEXEC.exists(),
@@ -19,28 +18,13 @@ pytestmark = [
     pytest.mark.timeout(LAUNCH_TIMEOUT + 30),
 ]
 RAISES_WITHIN = 20.0  # seconds from the death to the error on every survivor
-# HSDP: rank 3 (its replica partner is rank 2); the gradient hook: rank 1 (a middle rank of 0, 1, 2); the
-# delta hook: rank 0 (the rendezvous host of the process group started again on the survivors).
-KILLS = ("3@3", "1@5", "0@3")
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    """The job's result and the times the killed ranks died (one job for both tests)."""
-    tmp = tmp_path_factory.mktemp("paths")
-    out = tmp / "result.json"
-    args = [a for k in KILLS for a in ("--kill", k)]
-    proc = run_job(tmp, 4, *args, "--out", str(out), script="paths_worker.py")
-    assert out.exists(), f"no result (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    killed = {int(p.name.rsplit(".", 1)[1]): float(p.read_text()) for p in tmp.glob("result.json.killed.*")}
-    return json.loads(out.read_text()), killed
-
-
-def test_hsdp_ends_on_every_survivor(job):
+def test_hsdp_ends_on_every_survivor(plain_then_paths):
     """HSDP 2×2 with adasum_replicas: rank 3 killed inside backward; each of the three survivors (its
     replica partner among them) raises ShardsLost from elastic.run, naming the death and the sharded
     modules, within seconds (then they start a process group of their own and go on to the DDP phases)."""
-    result, killed = job
+    _, result, killed = plain_then_paths
     outcomes = result["hsdp"]
     assert sorted(o["rank"] for o in outcomes) == [0, 1, 2]
     for o in outcomes:
@@ -52,12 +36,12 @@ def test_hsdp_ends_on_every_survivor(job):
           "the death")
 
 
-def test_ddp_hooks_survive_deaths(job):
+def test_ddp_hooks_survive_deaths(plain_then_paths):
     """The gradient hook on the 3 survivors of the HSDP phase, rank 1 killed inside backward's reduction;
     then the delta hook on the 2 survivors of that, rank 0 (the process group's rendezvous host) killed the
     same way. After each death the survivors' process group is started again on their world and the DDP
     model made again (ElasticDDP); each phase ends bitwise on its reference, with its losses, falling."""
-    result, _ = job
+    _, result, _ = plain_then_paths
     grad, delta = result["ddp"]
     for phase, size, survivors in ((grad, 2, [0, 2]), (delta, 1, [2])):
         assert phase["size"] == size and phase["torch_size"] == size, phase

@@ -21,7 +21,8 @@ later still, ``--rejoin never``: not at all); ``--newcomer-fails-once`` has the 
 collective before ``elastic.run`` (refused: it raises, and that newcomer ends before it joined). ``--api hvd``
 trains through ``adasum.horovod``; ``--local-steps 4`` with ``DistributedOptimizer(local_steps=4)`` (and ``--delay 1``),
 ``--overlap`` with ``overlap=True``; ``--plain`` also trains the same model without elastic first and
-records whether both end bitwise alike.
+records whether both end bitwise alike. ``--paths R@S`` (three times): then, in the same job,
+tests/elastic/paths_worker.py's phases (HSDP and DDP with those deaths), its result in ``--out``.paths.
 
 Every job first trains a reference without elastic and without a failure (:func:`train_reference`): the
 world changes where the elastic run's resets say it does, at the commit each death rolls back to, the ranks
@@ -72,6 +73,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--rejoin", choices=["at", "later", "never"], default="at",
                    help="with ADASUM_ELASTIC_REPLACE=1: when the reference has a dead rank come back")
     p.add_argument("--newcomer-fails-once", action="store_true")
+    p.add_argument("--paths", action="append", default=[],
+                   help="then tests/elastic/paths_worker.py's phases with these kills (R@S, one per phase)")
     p.add_argument("--out", required=True)
     return p.parse_args()
 
@@ -320,6 +323,10 @@ def main() -> None:
     everyone = exchange.allgather(world(), mine)
     if world().Get_rank() == 0:
         write_result(args, everyone, plain, start)
+    if args.paths:  # the same job goes on (one job for two tests: the elastic stage's time)
+        import paths_worker
+
+        paths_worker.run_paths(args.paths, f"{args.out}.paths")
 
 
 def write_result(args, everyone: list[dict], plain: bytes | None, start: float) -> None:

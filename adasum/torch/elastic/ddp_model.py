@@ -43,6 +43,9 @@ class ElasticDDP:
     def __init__(self, module: torch.nn.Module, comm_hook: Callable[[], tuple[Any, Callable]], *,
                  backend: str | None = None, timeout: timedelta | None = None, **ddp_kwargs: Any):
         _check_comm_hook(comm_hook)
+        if "process_group" in ddp_kwargs:
+            raise TypeError("ElasticDDP makes DDP on the default process group, which it starts again on every new "
+                            "world; a process_group of your own would hold the old one: leave it out")
         self.module, self._comm_hook, self._kwargs = module, comm_hook, ddp_kwargs
         self._backend, self._timeout = backend, timeout
         self.ddp: torch.nn.parallel.DistributedDataParallel | None = None
