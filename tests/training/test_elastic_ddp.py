@@ -63,3 +63,23 @@ def test_comm_hook_must_be_a_function(pg, comm):
     with pytest.raises(TypeError, match=r"comm_hook must be a function of no arguments .* adasum_hook takes "
                                         r"state, bucket"):
         ElasticDDP(net, adasum_hook)
+
+
+def test_restart_process_group_follows_the_world(pg, comm):
+    """A default group of another size than the current world (as after the world grew back) is destroyed
+    and started again on the world; one that matches is kept."""
+    import torch.distributed as dist
+
+    import adasum.torch as at
+    from adasum.torch.elastic import restart_process_group
+
+    kept = dist.group.WORLD
+    restart_process_group()
+    assert dist.group.WORLD is kept
+    dist.destroy_process_group()
+    alone = comm.Split(comm.Get_rank(), 0)
+    at.init_process_group("gloo", comm=alone)  # each rank a group of its own
+    assert dist.get_world_size() == 1
+    restart_process_group("gloo")  # a backend given, as ElasticDDP gives its own
+    assert (dist.get_rank(), dist.get_world_size()) == (comm.Get_rank(), comm.Get_size())
+    alone.Free()

@@ -53,6 +53,7 @@ def restart_process_group(backend: str | None = None, *, timeout: timedelta | No
     if dist.is_available() and dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) == (comm.Get_rank(), comm.Get_size()):
             return  # a failure drops the groups (run does): one of the world's size is the world's
-        backend = backend or drop_process_groups()
+        dropped = drop_process_groups()
+        backend = backend or dropped
     init_process_group(backend, comm=comm, timeout=timeout)
 
