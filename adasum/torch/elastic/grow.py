@@ -40,8 +40,8 @@ def regrow(state: State) -> bool:
                          "; no more attempts until another rank dies (elastic_replace_attempts)")
         return False
     adopt(merged, _STALE)
-    state.failed_grows = 0
     state.grows += 1
+    state.grown_at = state.commits  # its attempts start afresh once a commit passed (State.commit)
     state._grown(before, started, newcomer=False)
     return True
 

@@ -19,7 +19,7 @@ __all__ = ["State"]
 
 _log = logging.getLogger("adasum")
 # The library's own counters, kept and synced with the attributes (State._library).
-_COUNTERS = ("commits", "resets", "grows", "launch_size", "failed_grows")
+_COUNTERS = ("commits", "resets", "grows", "launch_size", "failed_grows", "grown_at")
 
 
 class State:
@@ -34,7 +34,9 @@ class State:
         resets: failures survived so far.
         grows: times the world grew back to its launch size (``elastic_replace``).
         launch_size: the world's size when training began (set by :func:`run`).
-        failed_grows: attempts at growing back that failed since the last death or the last growth.
+        failed_grows: attempts at growing back that failed since the last death or the last growth that
+            lasted to a commit (a death before the first commit after a growth counts as one).
+        grown_at: :attr:`commits` when the world last grew back (-1: never).
         last_recovery_seconds: of the last failure, the seconds from its detection on this rank to the
             training function being called again (shrink, rebuild, restore, callbacks and sync).
         last_failure_seen_at, last_resumed_at: of the last failure, when (``time.time()``) this rank saw
@@ -50,6 +52,7 @@ class State:
             setattr(self, name, value)
         self._callbacks: list[Callable[[], None]] = []
         self.commits = self.resets = self.grows = self.failed_grows = 0
+        self.grown_at = -1
         self.launch_size: int | None = None
         self.last_recovery_seconds: float | None = None
         self.last_failure_seen_at: float | None = None
@@ -81,6 +84,8 @@ class State:
         if flush is not None:
             flush()
         self.commits += 1
+        if self.commits == self.grown_at + 1:
+            self.failed_grows = 0  # the world that grew back lasted to a commit
         self._save()
         self._check(flushed=True)
 
@@ -194,7 +199,18 @@ class State:
     def _roll_back(self, before: int, detected: float) -> None:
         """Once the world shrank from ``before`` ranks: rebuild, roll back, run the reset callbacks, log."""
         self.resets += 1  # counted once the world shrank: a death during the rest is a reset of its own
-        self.failed_grows = 0  # a new loss: growing back is tried afresh
+        if self.commits == self.grown_at:
+            # No commit since the world grew back: the growth did not last (a replacement that dies every
+            # time it joins), so it counts against elastic_replace_attempts instead of starting afresh.
+            self.failed_grows += 1
+            self.grown_at = -1  # the next commit is not one of a grown world
+            if world().Get_rank() == 0:
+                attempts = current().elastic_replace_attempts
+                _log.warning("adasum: a rank died before the first commit after the world grew back: growing "
+                             "back counts as failed (attempt %d of %d%s)", self.failed_grows, attempts,
+                             "; no more attempts until another rank dies" if self.failed_grows >= attempts else "")
+        else:
+            self.failed_grows = 0  # a new loss: growing back is tried afresh
         self.rejoin()
         self.restore()
         self._drop_gradients()
