@@ -1,9 +1,9 @@
 """Growing back under Open MPI with ULFM (``ADASUM_ELASTIC_REPLACE=1``): ranks SIGKILLed, the survivors
 start as many processes as died at the next commit, and the job ends at its launch size.
 
-Four jobs (the elastic stage's time is short): one death whose first newcomer dies before it joined; two
+Five jobs (the elastic stage's time is short): one death whose first newcomer dies before it joined; two
 deaths at once with local steps; rank 0's death and then its replacement's, through ``hvd.elastic``; a
-spawn without a free slot. Each test launches tests/elastic/worker.py (tests/elastic/jobs.py) and checks
+spawn without a free slot; a replacement that dies before the commit after the growth (a failed attempt). Each test launches tests/elastic/worker.py (tests/elastic/jobs.py) and checks
 what rank 0 of the final world wrote: the world back at its launch size with the newcomers in it, every rank bitwise equal, and
 equal to the reference run in which the dead ranks left at the commit their death rolled back to and came
 back at the next one with rank 0's state; where growing back fails, the smaller world's end, equal to the
@@ -104,3 +104,20 @@ def test_a_spawn_without_a_free_slot_leaves_the_smaller_world(tmp_path):
     assert len(warned) == 2, output[-4000:]
     assert "attempt 1 of 2" in warned[0] and "no free slot" in warned[0] and "trying again" in warned[0]
     assert "no more attempts" in warned[1]
+
+
+def test_a_replacement_that_dies_before_the_next_commit_counts_as_a_failed_attempt(tmp_path):
+    """Rank 2 dies; the world grows back at the next commit; its replacement dies too, before the commit
+    after that. With one attempt allowed that counts as the failed one: rank 0 says so, no process is
+    started again, and the job ends at 3 ranks, bitwise the reference in which rank 2 never came back (the
+    replacement's work was rolled back with its death)."""
+    proc = run_job(tmp_path, 4, "--rejoin", "never", "--kill", "2@1.1", "--kill", "2@1.5",
+                   env=dict(REPLACE, ADASUM_ELASTIC_REPLACE_ATTEMPTS="1"))
+    output = proc.stdout + proc.stderr
+    assert (tmp_path / "result.json").exists(), f"no result (exit {proc.returncode}):\n{output[-4000:]}"
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["size"] == 3 and result["grows"] == [1] * 3, result
+    assert result["equal"] and all(result["reference_equal"]), result
+    counted = [line for line in output.splitlines() if "before the first commit after the world grew back" in line]
+    assert len(counted) == 1 and "attempt 1 of 1; no more attempts" in counted[0], output[-4000:]
+    assert output.count("the world grew back from 3 to 4 ranks") == 1, output[-4000:]
