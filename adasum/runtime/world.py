@@ -11,6 +11,7 @@ from __future__ import annotations
 from mpi4py import MPI
 
 from .context import check_comm, context_for
+from .errors import NOT_JOINED, AdasumNotJoinedError
 from .topology import node_layout
 
 __all__ = ["rank", "size", "local_rank", "local_size", "node_rank", "node_count"]
@@ -30,8 +31,15 @@ def _layout(comm: MPI.Intracomm | None):
     ctx = context_for(comm)
     if ctx.nodes is not None:
         return ctx.nodes
-    with ctx.call("finding the node layout") as call:  # collective: a numbered call, stall-watched
-        return node_layout(call)
+    try:
+        with ctx.call("finding the node layout") as call:  # collective: a numbered call, stall-watched
+            return node_layout(call)
+    except AdasumNotJoinedError:
+        raise AdasumNotJoinedError(
+            f"local_rank()/local_size() (hvd.local_rank(), the node's ranks, found together): {NOT_JOINED}. "
+            "To pick this process's GPU, set it in a reset callback (state.register_reset_callbacks), which "
+            "every rank runs once the world grew back, the newcomers too, or at the top of the training "
+            "function") from None
 
 
 def local_rank(comm: MPI.Intracomm | None = None) -> int:
