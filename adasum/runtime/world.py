@@ -37,9 +37,9 @@ def _layout(comm: MPI.Intracomm | None):
     except AdasumNotJoinedError:
         raise AdasumNotJoinedError(
             f"local_rank()/local_size() (hvd.local_rank(), the node's ranks, found together): {NOT_JOINED}. "
-            "To pick this process's GPU, set it in a reset callback (state.register_reset_callbacks), which "
-            "every rank runs once the world grew back, the newcomers too, or at the top of the training "
-            "function") from None
+            "Every rank can call it once this process joined, in a reset callback "
+            "(state.register_reset_callbacks); it then numbers the new world's ranks on the node, not the "
+            "GPUs they hold: give a newcomer the device the dead rank freed") from None
 
 
 def local_rank(comm: MPI.Intracomm | None = None) -> int:

@@ -127,7 +127,7 @@ def test_a_newcomers_collectives_before_it_joined_are_refused(monkeypatch):
             adasum.adasum_allreduce(np.ones(3), comm=own)
         # The GPU pick at the top of a script names the call, and where to make it instead.
         with pytest.raises(errors.AdasumNotJoinedError, match=r"local_rank\(\)/local_size\(\) \(hvd.local_rank"
-                           r"\(\).*has not joined the job yet.*set it in a reset callback"):
+                           r"\(\).*has not joined the job yet.*in a reset callback.*the device the dead rank freed"):
             adasum.local_rank(own)
     finally:
         own.Free()
