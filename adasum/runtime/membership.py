@@ -29,8 +29,8 @@ from .context import live_contexts
 from .faults import (WorldChanged, is_failure, is_revoked, replace_world, revoke_all, ulfm_problem,
                      world)
 
-__all__ = ["WorldChanged", "world", "replace_world", "ulfm_problem", "is_failure", "is_revoked", "revoke_all",
-           "shrink", "adopt", "when_world_changes", "when_shrunk", "note_whereabouts", "kill_silent"]
+__all__ = ["WorldChanged", "lost_ranks", "world", "replace_world", "ulfm_problem", "is_failure", "is_revoked",
+           "revoke_all", "shrink", "adopt", "when_world_changes", "when_shrunk", "note_whereabouts", "kill_silent"]
 
 # Seconds MPI_Finalize may take at exit once ranks died before this process ends without it.
 FINALIZE_PATIENCE = 10.0
@@ -82,6 +82,19 @@ def shrink() -> MPI.Intracomm:
     for fn in _listeners:
         fn()
     return new
+
+
+def lost_ranks(old_group: MPI.Group, new: MPI.Intracomm) -> list[int]:
+    """The ranks of the world whose group is ``old_group`` that the world ``new`` lacks (after a shrink:
+    the dead), in that old world's numbering; local."""
+    try:
+        gone = MPI.Group.Difference(old_group, new.Get_group())
+        try:
+            return [int(r) for r in MPI.Group.Translate_ranks(gone, list(range(gone.Get_size())), old_group)]
+        finally:
+            gone.Free()
+    except MPI.Exception:
+        return []
 
 
 def adopt(new: MPI.Intracomm, why: str) -> None:

@@ -121,3 +121,6 @@ def test_a_replacement_that_dies_before_the_next_commit_counts_as_a_failed_attem
     counted = [line for line in output.splitlines() if "before the first commit after the world grew back" in line]
     assert len(counted) == 1 and "attempt 1 of 1; no more attempts" in counted[0], output[-4000:]
     assert output.count("the world grew back from 3 to 4 ranks") == 1, output[-4000:]
+    # Each shrink names the dead: rank 2 of the launch, then the newcomer (rank 3 of the grown world).
+    assert "a rank died (rank 2 of the 4); the world shrank from 4 to 3" in output, output[-4000:]
+    assert "a rank died (rank 3 of the 4); the world shrank from 4 to 3" in output, output[-4000:]

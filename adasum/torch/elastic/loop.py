@@ -10,7 +10,7 @@ from typing import Any, Callable
 from mpi4py import MPI
 
 from ...runtime import exchange, newcomer
-from ...runtime.membership import note_whereabouts, shrink, ulfm_problem, world
+from ...runtime.membership import lost_ranks, note_whereabouts, shrink, ulfm_problem, world
 from .causes import AnotherRankRaised, HostsUpdatedInterrupt, _cause, _Fault, _leave_now, _summary
 from .grow import check_settings, join, regrow
 from .sharded import shards_lost
@@ -43,8 +43,10 @@ def _recover(state: State, fault: _Fault) -> BaseException | None:
     """Collective over the ranks still alive, each having met the fault: shrink the world, hear from every
     rank whether its training function raised, and either end the job (the exception to raise on this
     rank) or roll back and go on (None)."""
-    before = world().Get_size()
+    before, group = world().Get_size(), world().Get_group()
     shrink()
+    gone = lost_ranks(group, world())
+    group.Free()
     shrank = world().Get_size() < fault.size  # over every attempt of this recovery
     lost = shards_lost(state.model, fault.size) if shrank else None
     if lost is not None:  # every survivor alike: a sharded model does not go on
@@ -66,7 +68,7 @@ def _recover(state: State, fault: _Fault) -> BaseException | None:
             f"rank {MPI.COMM_WORLD.Get_rank()}: the elastic training function raised on rank"
             f"{'s' * (len(ranks) != 1)} {', '.join(map(str, ranks))} (of MPI.COMM_WORLD): "
             + "; ".join(errors) + "; the job ends (that rank's output has the traceback)", ranks, errors)
-    state._roll_back(before, fault.detected)
+    state._roll_back(before, fault.detected, gone)
     return None
 
 

@@ -9,7 +9,7 @@ import time
 from typing import Any, Callable
 
 from ...runtime import exchange
-from ...runtime.membership import shrink, ulfm_problem, world
+from ...runtime.membership import lost_ranks, shrink, ulfm_problem, world
 from ...settings import current
 from ..state.broadcast import broadcast_optimizer_state, broadcast_parameters, to_cpu
 from .causes import HostsUpdatedInterrupt
@@ -192,12 +192,15 @@ class State:
     def reset(self, detected: float) -> None:
         """After a failure seen at ``detected`` (``time.monotonic()``): shrink the world, rebuild, roll back
         to the last commit and run the reset callbacks. Collective over the survivors."""
-        before = world().Get_size()
+        before, group = world().Get_size(), world().Get_group()
         shrink()
-        self._roll_back(before, detected)
+        gone = lost_ranks(group, world())
+        group.Free()
+        self._roll_back(before, detected, gone)
 
-    def _roll_back(self, before: int, detected: float) -> None:
-        """Once the world shrank from ``before`` ranks: rebuild, roll back, run the reset callbacks, log."""
+    def _roll_back(self, before: int, detected: float, gone: list[int] | None = None) -> None:
+        """Once the world shrank from ``before`` ranks (``gone``: which, in that world's numbering): rebuild,
+        roll back, run the reset callbacks, log."""
         self.resets += 1  # counted once the world shrank: a death during the rest is a reset of its own
         if self.commits == self.grown_at:
             # No commit since the world grew back: the growth did not last (a replacement that dies every
@@ -215,8 +218,9 @@ class State:
         self.restore()
         self._drop_gradients()
         self.on_reset()
-        _log.warning("adasum: rank %d: a rank died; the world shrank from %d to %d ranks and went back to the "
-                     "last commit (reset %d, %.2f s)", world().Get_rank(), before, world().Get_size(),
+        which = f" (rank{'s' * (len(gone) != 1)} {', '.join(map(str, gone))} of the {before})" if gone else ""
+        _log.warning("adasum: rank %d: a rank died%s; the world shrank from %d to %d ranks and went back to the "
+                     "last commit (reset %d, %.2f s)", world().Get_rank(), which, before, world().Get_size(),
                      self.resets, time.monotonic() - detected)
 
     def _drop_gradients(self) -> None:
