@@ -36,10 +36,20 @@ def fresh() -> Net:
     return Net()
 
 
+_MESHES: dict = {}
+
+
 def make_mesh(shape):
+    """The mesh of ``shape``, made once while the process group lives (every ``init_device_mesh`` makes new
+    process groups, which live as long as the world's: a module's tests would make dozens)."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    world = dist.group.WORLD
+    made = _MESHES.get(shape)
+    if made is None or made[0] is not world:
+        made = _MESHES[shape] = (world, init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")))
+    return made[1]
 
 
 def shard(model: Net, mesh, **kw) -> Net:
