@@ -5,10 +5,12 @@ hierarchical-mode tests on emulated nodes (--hostfile-runs), the convergence stu
 check of its outputs, the elastic tests (ranks SIGKILLed under Open MPI with ULFM, in their own
 environment .venv-ompi: scripts/run-elastic-tests.sh), and last the documentation build (mkdocs --strict).
 
-Which tests run at which size: the core's (tests/core, tests/rule) at every size, the training layer's
-where their ``world_size`` marks say (tests/helpers.py: argument checks, refusals, API errors and
-lifecycles at one size, training runs that are bitwise the plain or hand-written one at 2 and 3, those
-against a serial reference of the tree at 1, 2, 3 and 5).
+Which tests run at which size: the core's (tests/core, tests/rule) at every size but the stall
+inspector's (2, 3 and 4), the training layer's where their ``world_size`` marks say (tests/helpers.py:
+argument checks, refusals, API errors and lifecycles at one size, training runs that are bitwise the plain
+or hand-written one at 2 and 3, those against a serial reference of the tree at 1, 2, 3 and 5), the
+benchmarks' harness tests where their subject differs. The test processes write and share compiled
+bytecode (``PYTHONDONTWRITEBYTECODE`` is dropped); ``--reports DIR`` keeps each run's junit reports.
 
 ``--fast``: the serial run without the tests marked ``slow`` (the recipes trained under mpiexec, the wheel
 built and installed, the docs' accuracies), the tests marked ``smoke`` (one of each training path:
