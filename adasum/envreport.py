@@ -18,6 +18,8 @@ import os
 import platform
 import sys
 
+from .settings import environment_variables
+
 __all__ = ["report", "main"]
 
 # (import name, what the line is called); the version comes from the distribution that provides the module.
@@ -192,7 +194,7 @@ def _job_lines() -> list[str]:
     problem = launch_problem(env, size, "-m adasum")
     if problem is not None:
         lines.append(f"  launch           {problem}")
-    settings = {k: v for k, v in os.environ.items() if k.startswith("ADASUM_")}
+    settings = environment_variables("ADASUM_")
     lines.append("  settings         " + (", ".join(f"{k}={v}" for k, v in sorted(settings.items()))
                                       if settings else "no ADASUM_* variables set"))
     return lines
@@ -250,7 +252,7 @@ def _thread_lines() -> list[str]:
         usable = None
     cpus = f"{os.cpu_count()}" + (f", {usable} usable by this process" if usable is not None else "")
     lines = ["threads", f"  CPUs             {cpus}",
-             f"  OMP_NUM_THREADS  {os.environ.get('OMP_NUM_THREADS', 'unset')}"]
+             f"  OMP_NUM_THREADS  {environment_variables('OMP_NUM_THREADS').get('OMP_NUM_THREADS', 'unset')}"]
     return lines + _torch_lines()
 
 

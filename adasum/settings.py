@@ -282,6 +282,12 @@ def launch_environment() -> dict[str, str]:
     return dict(_holder.launch)
 
 
+def environment_variables(*names: str) -> dict[str, str]:
+    """The process environment's variables whose names start with one of ``names``, read now (for the
+    environment report: the settings themselves are read once, at import)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(names)}
+
+
 def start_directory() -> str | None:
     """The working directory at import (None where it could not be read)."""
     return _holder.directory
