@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import operator
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -35,8 +36,7 @@ from ..kernels.native import handle
 from . import stall
 from .errors import NOT_JOINED, AdasumCollectiveError, AdasumNotJoinedError, AdasumStallError
 from .faults import is_revoked, pending, revoke_also, world
-from ..settings import Settings, current
-from .waiting import crowded
+from ..settings import Settings, current, launch_environment
 
 __all__ = ["Call", "Context", "Traffic", "check_comm", "check_root", "context_for", "count_traffic", "library_comm",
            "live_contexts", "release_buffers"]
@@ -100,6 +100,25 @@ class Call(NamedTuple):
 _new_call = tuple.__new__  # Call(...) without its Python-level __new__: a call's start is on the fast path
 
 
+_CROWDED: list[bool] = []
+
+
+def crowded() -> bool:
+    """Whether this node runs more ranks of the job than this process may use cores: the launcher's count
+    of the node's ranks (``OMPI_COMM_WORLD_LOCAL_SIZE``, ``MPI_LOCALNRANKS``) against the CPUs this process
+    may run on. A rank whose waits poll there takes the core of a rank it waits for, so under
+    ``waiting="auto"`` its waits nap (:mod:`adasum.runtime.waiting`). Found once per process."""
+    if not _CROWDED:
+        env = launch_environment()
+        ranks = next((env[k] for k in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS") if k in env), "")
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+        _CROWDED.append(ranks.strip().isdigit() and int(ranks) > cores)
+    return _CROWDED[0]
+
+
 class Context:
     """The library's state on one user communicator (see the module docstring)."""
 
@@ -125,11 +144,13 @@ class Context:
         self.calls = 0  # calls started on this communicator, this rank
         self.extras = None  # (settings, what the ranks agree on besides the tensors), made from those settings
         self.nodes = None  # the node layout (adasum.runtime.topology), made on first use
-        self.across_hosts = False  # the ranks sit on more than one host (found with the duplicate)
+        # whether the ranks sit on more than one host (shared-memory domain), found with the duplicate
+        self.across_hosts = False
         self._busy = threading.Lock()
         self._current: tuple | None = None  # (call number, what) of the call in flight
         self._freed = False
-        # Under waiting="auto" its waits nap: beside the compute (the overlap thread's), or on a crowded node.
+        # Waited on by a thread beside the compute (the overlap thread), or on a node with more ranks than
+        # cores (crowded()): under waiting="auto" its waits nap.
         self.beside_compute = crowded()
         # Its owner may give it up while a thread waits there (the overlap engine's; see adasum.runtime.stall).
         self.may_give_up = False

@@ -19,40 +19,19 @@ Only an install without them waits through mpi4py, by :func:`_wait_python`, the 
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
 from mpi4py import MPI
 
 from ..kernels.native import compiled, mpi_bound
-from ..settings import launch_environment
 from .faults import failed, is_failure
 
-__all__ = ["NAP_FIRST", "NAP_MAX", "SPIN", "crowded", "policy", "wait_all"]
+__all__ = ["NAP_FIRST", "NAP_MAX", "SPIN", "policy", "wait_all"]
 
 SPIN = 50e-6
 NAP_FIRST = 20e-6
 NAP_MAX = 100e-6
-
-
-_CROWDED: list[bool] = []
-
-
-def crowded() -> bool:
-    """Whether this node runs more ranks of the job than this process may use cores: the launcher's count
-    of the node's ranks (``OMPI_COMM_WORLD_LOCAL_SIZE``, ``MPI_LOCALNRANKS``) against the CPUs this process
-    may run on. A rank whose waits poll there takes the core of a rank it waits for, so under
-    ``waiting="auto"`` its waits nap (this module). Found once per process."""
-    if not _CROWDED:
-        env = launch_environment()
-        ranks = next((env[k] for k in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS") if k in env), "")
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 1
-        _CROWDED.append(ranks.strip().isdigit() and int(ranks) > cores)
-    return _CROWDED[0]
 
 
 def policy(waiting: str) -> tuple[float, float, float]:

@@ -159,15 +159,15 @@ def test_auto_naps_where_the_node_has_more_ranks_than_cores(monkeypatch):
 
     from mpi4py import MPI
 
-    from adasum.runtime import context, waiting
+    from adasum.runtime import context
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cases = [({"MPI_LOCALNRANKS": str(cores + 1)}, True), ({"OMPI_COMM_WORLD_LOCAL_SIZE": str(cores + 2)}, True),
              ({"MPI_LOCALNRANKS": str(cores)}, False), ({}, False)]
     for env, want in cases:
-        monkeypatch.setattr(waiting, "_CROWDED", [])
-        monkeypatch.setattr(waiting, "launch_environment", lambda env=env: dict(env))
-        assert waiting.crowded() is want, env
+        monkeypatch.setattr(context, "_CROWDED", [])
+        monkeypatch.setattr(context, "launch_environment", lambda env=env: dict(env))
+        assert context.crowded() is want, env
         ctx = context.Context(MPI.COMM_SELF)
         assert ctx._waiting(adasum.settings.Settings(waiting="auto")) == ("nap" if want else "spin"), env
         assert ctx._waiting(adasum.settings.Settings(waiting="spin")) == "spin"
