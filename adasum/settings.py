@@ -98,9 +98,7 @@ class Settings:
             few microseconds, then between short sleeps, so that a rank's compute keeps its core;
             ``"spin"`` polls without pause, as MPI's blocking calls do (the fastest where nothing else needs
             the core: shared-memory transfers of megabytes took 1.6× as long napping); ``"auto"``: nap on
-            the communicators of the overlap thread, which waits while backward runs, and on every
-            communicator where the node holds more of the job's ranks than the process has cores
-            (:func:`adasum.runtime.context.crowded`), spin elsewhere.
+            the communicators of the overlap thread, which waits while backward runs, spin elsewhere.
         elastic_replace: elastic training under ULFM starts as many processes as died, at the first commit
             after a shrink, so that the world grows back to its launch size (:mod:`adasum.torch.elastic`).
         elastic_replace_attempts: failed attempts at growing back (one per commit) after which the survivors

@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import operator
-import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from ..kernels.native import handle
 from . import stall
 from .errors import NOT_JOINED, AdasumCollectiveError, AdasumNotJoinedError, AdasumStallError
 from .faults import is_revoked, pending, revoke_also, world
-from ..settings import Settings, current, launch_environment
+from ..settings import Settings, current
 
 __all__ = ["Call", "Context", "Traffic", "check_comm", "check_root", "context_for", "count_traffic", "library_comm",
            "live_contexts", "release_buffers"]
@@ -100,25 +99,6 @@ class Call(NamedTuple):
 _new_call = tuple.__new__  # Call(...) without its Python-level __new__: a call's start is on the fast path
 
 
-_CROWDED: list[bool] = []
-
-
-def crowded() -> bool:
-    """Whether this node runs more ranks of the job than this process may use cores: the launcher's count
-    of the node's ranks (``OMPI_COMM_WORLD_LOCAL_SIZE``, ``MPI_LOCALNRANKS``) against the CPUs this process
-    may run on. A rank whose waits poll there takes the core of a rank it waits for, so under
-    ``waiting="auto"`` its waits nap (:mod:`adasum.runtime.waiting`). Found once per process."""
-    if not _CROWDED:
-        env = launch_environment()
-        ranks = next((env[k] for k in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS") if k in env), "")
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 1
-        _CROWDED.append(ranks.strip().isdigit() and int(ranks) > cores)
-    return _CROWDED[0]
-
-
 class Context:
     """The library's state on one user communicator (see the module docstring)."""
 
@@ -149,9 +129,8 @@ class Context:
         self._busy = threading.Lock()
         self._current: tuple | None = None  # (call number, what) of the call in flight
         self._freed = False
-        # Waited on by a thread beside the compute (the overlap thread), or on a node with more ranks than
-        # cores (crowded()): under waiting="auto" its waits nap.
-        self.beside_compute = crowded()
+        # Waited on by a thread beside the compute (the overlap thread): under waiting="auto" its waits nap.
+        self.beside_compute = False
         # Its owner may give it up while a thread waits there (the overlap engine's; see adasum.runtime.stall).
         self.may_give_up = False
 

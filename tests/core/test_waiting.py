@@ -149,25 +149,3 @@ def test_the_compiled_rule_waits_for_mpi4py_requests(comm, how):
         lcomm.Barrier()
     finally:
         lcomm.Free()
-
-
-def test_auto_naps_where_the_node_has_more_ranks_than_cores(monkeypatch):
-    """Under ``"auto"`` a communicator's waits nap where the launcher put more of the job's ranks on this
-    node than this process has cores (a polling wait would take the core of the rank it waits for), and
-    poll otherwise; the launcher's count is read once per process."""
-    import os
-
-    from mpi4py import MPI
-
-    from adasum.runtime import context
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cases = [({"MPI_LOCALNRANKS": str(cores + 1)}, True), ({"OMPI_COMM_WORLD_LOCAL_SIZE": str(cores + 2)}, True),
-             ({"MPI_LOCALNRANKS": str(cores)}, False), ({}, False)]
-    for env, want in cases:
-        monkeypatch.setattr(context, "_CROWDED", [])
-        monkeypatch.setattr(context, "launch_environment", lambda env=env: dict(env))
-        assert context.crowded() is want, env
-        ctx = context.Context(MPI.COMM_SELF)
-        assert ctx._waiting(adasum.settings.Settings(waiting="auto")) == ("nap" if want else "spin"), env
-        assert ctx._waiting(adasum.settings.Settings(waiting="spin")) == "spin"
